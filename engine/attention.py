@@ -1,0 +1,97 @@
+"""The attention-backend interface and the per-step metadata every backend reads.
+
+A backend owns two things for one layer: writing this step's keys and values into the paged KV
+cache (by `slot_mapping`) and attending each query token to its sequence's cached context (by
+`block_tables`). The model never touches pages itself, so a Triton backend plugs in here
+without the model changing.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class AttentionMetadata:
+    """How this step's flattened tokens map onto sequences and cache slots.
+
+    Tokens of all scheduled sequences are laid end to end. Sequence i owns query tokens
+    `cu_seqlens_q[i]:cu_seqlens_q[i+1]`; after this step its context holds `seq_lens[i]` tokens,
+    the last `query_lens[i]` of which are the queries (so chunked prefill, prefix hits and decode
+    are one case). Its pages are `block_tables[i, :ceil(seq_lens[i] / block_size)]`.
+    """
+
+    slot_mapping: torch.Tensor  # [num_tokens] int64: flat cache slot for each new token
+    cu_seqlens_q: torch.Tensor  # [num_seqs + 1] int32
+    seq_lens: torch.Tensor  # [num_seqs] int32: context length after this step
+    block_tables: torch.Tensor  # [num_seqs, max_blocks] int32, padded with 0
+    query_lens_cpu: tuple[int, ...]
+    seq_lens_cpu: tuple[int, ...]
+    block_size: int
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.seq_lens_cpu)
+
+    @property
+    def max_query_len(self) -> int:
+        return max(self.query_lens_cpu, default=0)
+
+    @property
+    def max_seq_len(self) -> int:
+        return max(self.seq_lens_cpu, default=0)
+
+
+class AttentionBackend(ABC):
+    """Paged attention for one layer. Subclasses register themselves in `BACKENDS` by name."""
+
+    def __init__(
+        self,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        scale: float,
+        sliding_window: int | None = None,
+    ) -> None:
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.scale = scale
+        self.sliding_window = sliding_window
+
+    @abstractmethod
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        """Write k, v into `kv_cache` and return attention output.
+
+        q: [num_tokens, num_heads, head_dim]; k, v: [num_tokens, num_kv_heads, head_dim];
+        kv_cache: [2, num_blocks, block_size, num_kv_heads, head_dim]. Returns
+        [num_tokens, num_heads, head_dim].
+        """
+
+
+def _torch_backend() -> type[AttentionBackend]:
+    from engine.torch_attention import TorchPagedAttention
+
+    return TorchPagedAttention
+
+
+# name -> loader; imports stay lazy so a backend's dependencies load only when it is chosen.
+BACKENDS: dict[str, Callable[[], type[AttentionBackend]]] = {"torch": _torch_backend}
+
+
+def get_attention_backend(name: str) -> type[AttentionBackend]:
+    """The backend class registered under `name`."""
+    if name not in BACKENDS:
+        raise ValueError(f"unknown attention backend {name!r}; available: {sorted(BACKENDS)}")
+    return BACKENDS[name]()

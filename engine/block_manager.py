@@ -1,0 +1,228 @@
+"""Per-sequence block tables over the block pool: allocation on demand, prefix hits, fork and
+copy-on-write.
+
+A sequence's table covers exactly the tokens it has slots for, so at most its last block is
+partly filled:
+
+    block table   [ b7 ][ b2 ][ b9 ]
+    tokens        |0..15|16..31|32..37 ......|   <- 10 unused slots, all in the last block
+
+Full blocks are hashed (chained over the parent hash) once computed and stay in the pool's
+prefix cache after release. A forked child shares every block of its parent; whichever of them
+next writes into a shared, partly filled last block first copies it (copy-on-write).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass
+
+from engine.block_pool import BlockIntegrityError, BlockPool, chain_hash
+
+SeqId = Hashable
+
+
+@dataclass(frozen=True)
+class PrefixHit:
+    """Cached blocks that already hold a prompt's leading tokens."""
+
+    block_ids: tuple[int, ...]
+    block_hashes: tuple[bytes, ...]
+
+    def num_tokens(self, block_size: int) -> int:
+        return len(self.block_ids) * block_size
+
+
+@dataclass(frozen=True)
+class Allocation:
+    """What the runner must do before this step's forward: copy `src` block into `dst`."""
+
+    copies: tuple[tuple[int, int], ...] = ()
+
+
+@dataclass(frozen=True)
+class KVUsage:
+    """A snapshot of the KV pool, in blocks and token slots."""
+
+    num_total_blocks: int
+    num_used_blocks: int
+    num_cached_blocks: int
+    num_free_blocks: int
+    # Slots allocated to sequences that hold no token yet: the waste paging keeps to at most one
+    # partly filled block per sequence.
+    num_unused_slots: int
+    num_sequences: int
+
+    @property
+    def usage_perc(self) -> float:
+        return self.num_used_blocks / self.num_total_blocks
+
+
+class BlockManager:
+    """Maps each sequence to its blocks; the scheduler asks it whether work fits."""
+
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+        self.block_size = block_size
+        self.pool = BlockPool(num_blocks, enable_prefix_caching)
+        self._tables: dict[SeqId, list[int]] = {}
+        self._num_tokens: dict[SeqId, int] = {}
+        self._hashes: dict[SeqId, list[bytes]] = {}
+        self.prefix_cache_queries = 0  # tokens looked up
+        self.prefix_cache_hits = 0  # tokens found
+
+    def block_table(self, seq_id: SeqId) -> list[int]:
+        return self._tables[seq_id]
+
+    def has_seq(self, seq_id: SeqId) -> bool:
+        return seq_id in self._tables
+
+    def find_prefix_hit(self, token_ids: Sequence[int]) -> PrefixHit | None:
+        """The longest run of cached full blocks at the start of `token_ids`.
+
+        NOTE: the last token is never served from cache: its logits are needed, so at most
+        (len - 1) // block_size blocks can hit.
+        """
+        if not self.pool.enable_caching:
+            return None
+        bs = self.block_size
+        self.prefix_cache_queries += len(token_ids)
+        ids: list[int] = []
+        hashes: list[bytes] = []
+        parent: bytes | None = None
+        for i in range((len(token_ids) - 1) // bs):
+            chunk = token_ids[i * bs : (i + 1) * bs]
+            parent = chain_hash(parent, chunk)
+            block_id = self.pool.lookup(parent, chunk)
+            if block_id is None:
+                break
+            ids.append(block_id)
+            hashes.append(parent)
+        if not ids:
+            return None
+        self.prefix_cache_hits += len(ids) * bs
+        return PrefixHit(tuple(ids), tuple(hashes))
+
+    def can_allocate(
+        self, seq_id: SeqId, num_total_tokens: int, prefix_hit: PrefixHit | None = None
+    ) -> bool:
+        return self._blocks_needed(seq_id, num_total_tokens, prefix_hit) <= self._available(
+            prefix_hit
+        )
+
+    def allocate(
+        self, seq_id: SeqId, num_total_tokens: int, prefix_hit: PrefixHit | None = None
+    ) -> Allocation | None:
+        """Give `seq_id` slots for its first `num_total_tokens` tokens, or None if they don't fit.
+
+        A new sequence may start from `prefix_hit`. Nothing changes when None is returned.
+        """
+        if not self.can_allocate(seq_id, num_total_tokens, prefix_hit):
+            return None
+        table = self._tables.get(seq_id)
+        if table is None:
+            table = self._tables[seq_id] = []
+            self._hashes[seq_id] = []
+            self._num_tokens[seq_id] = 0
+            if prefix_hit is not None:
+                for block_id in prefix_hit.block_ids:
+                    self.pool.touch(block_id)
+                table.extend(prefix_hit.block_ids)
+                self._hashes[seq_id].extend(prefix_hit.block_hashes)
+                self._num_tokens[seq_id] = prefix_hit.num_tokens(self.block_size)
+        copies = []
+        if self._needs_copy(seq_id, num_total_tokens):
+            shared = table[-1]
+            table[-1] = self.pool.allocate()
+            self.pool.release(shared)
+            copies.append((shared, table[-1]))
+        while len(table) * self.block_size < num_total_tokens:
+            table.append(self.pool.allocate())
+        self._num_tokens[seq_id] = max(self._num_tokens[seq_id], num_total_tokens)
+        return Allocation(tuple(copies))
+
+    def fork(self, parent_id: SeqId, child_id: SeqId) -> None:
+        """Give `child_id` the parent's blocks, shared (reference counts go up)."""
+        if child_id in self._tables:
+            raise BlockIntegrityError(f"sequence {child_id!r} already has blocks")
+        table = list(self._tables[parent_id])
+        for block_id in table:
+            self.pool.touch(block_id)
+        self._tables[child_id] = table
+        self._num_tokens[child_id] = self._num_tokens[parent_id]
+        self._hashes[child_id] = list(self._hashes[parent_id])
+
+    def free(self, seq_id: SeqId) -> None:
+        """Release a sequence's blocks. Tail first, so the LRU evicts a prompt's end before its
+        shared beginning."""
+        table = self._tables.pop(seq_id, None)
+        if table is None:
+            return
+        for block_id in reversed(table):
+            self.pool.release(block_id)
+        del self._num_tokens[seq_id]
+        del self._hashes[seq_id]
+
+    def cache_blocks(self, seq_id: SeqId, token_ids: Sequence[int], num_computed: int) -> None:
+        """Hash and register every block of `seq_id` that is full and computed."""
+        if not self.pool.enable_caching:
+            return
+        bs = self.block_size
+        hashes, table = self._hashes[seq_id], self._tables[seq_id]
+        for i in range(len(hashes), num_computed // bs):
+            chunk = token_ids[i * bs : (i + 1) * bs]
+            hashes.append(chain_hash(hashes[-1] if hashes else None, chunk))
+            self.pool.cache(table[i], hashes[-1], chunk)
+
+    def usage(self) -> KVUsage:
+        pool = self.pool
+        unused = sum(
+            len(table) * self.block_size - self._num_tokens[seq_id]
+            for seq_id, table in self._tables.items()
+        )
+        return KVUsage(
+            num_total_blocks=pool.num_blocks,
+            num_used_blocks=pool.num_blocks - pool.num_free - pool.num_cached,
+            num_cached_blocks=pool.num_cached,
+            num_free_blocks=pool.num_free,
+            num_unused_slots=unused,
+            num_sequences=len(self._tables),
+        )
+
+    def check_integrity(self) -> None:
+        """Raise BlockIntegrityError unless free + cached + in use == total and every reference
+        count equals the number of block tables holding that block."""
+        refs: dict[int, int] = {}
+        for seq_id, table in self._tables.items():
+            if len(table) != -(-self._num_tokens[seq_id] // self.block_size):
+                raise BlockIntegrityError(f"sequence {seq_id!r} holds more blocks than tokens need")
+            for block_id in table:
+                refs[block_id] = refs.get(block_id, 0) + 1
+        self.pool.check_integrity(refs)
+
+    def _needs_copy(self, seq_id: SeqId, num_total_tokens: int) -> bool:
+        # The next token lands in the last block if it is partly filled; if that block is
+        # shared with a forked sibling, writing in place would corrupt the sibling's KV.
+        table = self._tables.get(seq_id)
+        num_tokens = self._num_tokens.get(seq_id, 0)
+        return (
+            bool(table)
+            and num_total_tokens > num_tokens
+            and num_tokens % self.block_size != 0
+            and self.pool.blocks[table[-1]].ref_count > 1
+        )
+
+    def _blocks_needed(
+        self, seq_id: SeqId, num_total_tokens: int, prefix_hit: PrefixHit | None
+    ) -> int:
+        held = len(self._tables.get(seq_id, ()))
+        if seq_id not in self._tables and prefix_hit is not None:
+            held = len(prefix_hit.block_ids)
+        needed = max(0, -(-num_total_tokens // self.block_size) - held)
+        return needed + int(self._needs_copy(seq_id, num_total_tokens))
+
+    def _available(self, prefix_hit: PrefixHit | None) -> int:
+        # Hit blocks that sit in the LRU will be taken by the hit, so they can't also be evicted.
+        taken = 0
+        if prefix_hit is not None:
+            taken = sum(self.pool.is_evictable(b) for b in prefix_hit.block_ids)
+        return self.pool.num_available - taken

@@ -1,0 +1,86 @@
+"""The offline API: `LLM(model=DIR).generate(prompts, sampling_params)`."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence as SequenceABC
+from pathlib import Path
+from typing import Any
+
+from tqdm import tqdm
+
+from engine.config import EngineConfig, parse_dtype
+from engine.llm_engine import LLMEngine, Prompt
+from engine.outputs import RequestOutput
+from engine.sampling_params import SamplingParams
+
+_ENGINE_OPTIONS = {f.name for f in dataclasses.fields(EngineConfig)}
+
+
+class LLM:
+    """Generate completions for a batch of prompts with continuous batching.
+
+    `options` are `EngineConfig` fields (block_size, max_num_batched_tokens, num_kv_blocks,
+    enable_prefix_caching, device, …); an unknown option is an error, not ignored.
+    """
+
+    def __init__(self, model: str | Path, dtype: str = "float32", **options: Any) -> None:
+        unknown = sorted(set(options) - _ENGINE_OPTIONS)
+        if unknown:
+            raise ValueError(f"unknown LLM option(s) {unknown}; valid: {sorted(_ENGINE_OPTIONS)}")
+        config = EngineConfig(dtype=parse_dtype(dtype), **options)
+        self.engine = LLMEngine(model, config)
+
+    def generate(
+        self,
+        prompts: Prompt | SequenceABC[Prompt],
+        sampling_params: SamplingParams | SequenceABC[SamplingParams] | None = None,
+        *,
+        use_tqdm: bool = True,
+        priority: SequenceABC[int] | None = None,
+    ) -> list[RequestOutput]:
+        """One output per prompt, in prompt order. A prompt is a string or a list of token ids.
+
+        Every prompt is validated before any is queued, so a bad one raises ValueError and
+        nothing runs.
+        """
+        batch = _as_batch(prompts)
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            params_list = [sampling_params or SamplingParams()] * len(batch)
+        else:
+            params_list = list(sampling_params)
+        if len(params_list) != len(batch):
+            raise ValueError(f"{len(batch)} prompts but {len(params_list)} sampling params")
+        priorities = list(priority) if priority is not None else [0] * len(batch)
+        engine = self.engine
+        ids = []
+        try:
+            for prompt, params, prio in zip(batch, params_list, priorities, strict=True):
+                ids.append(engine.add_request(prompt, params, priority=prio))
+        except ValueError:
+            for request_id in ids:
+                engine.abort_request(request_id)
+            raise
+        return self._run(ids, use_tqdm)
+
+    def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        finished: dict[str, RequestOutput] = {}
+        bar = tqdm(total=len(ids), desc="Generating", unit="req", disable=not use_tqdm)
+        try:
+            while self.engine.has_unfinished_requests():
+                for output in self.engine.step():
+                    if output.finished:
+                        finished[output.request_id] = output
+                        bar.update(1)
+        finally:
+            bar.close()
+        return [finished[request_id] for request_id in ids]
+
+
+def _as_batch(prompts: Prompt | SequenceABC[Prompt]) -> list[Prompt]:
+    if isinstance(prompts, str):
+        return [prompts]
+    items = list(prompts)
+    if items and all(isinstance(t, int) for t in items):
+        return [items]  # a single token-id prompt
+    return items

@@ -1,0 +1,177 @@
+"""The engine loop: requests in, one scheduled step at a time, outputs out.
+
+    add_request ──▶ Scheduler.schedule ──▶ ModelRunner.execute (model + sampler)
+                ──▶ Scheduler.update (tokens, forks, token stops)
+                ──▶ OutputProcessor (text, stop strings) ──▶ RequestOutput
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import time
+from collections.abc import Sequence as SequenceABC
+from pathlib import Path
+
+import torch
+
+from engine.block_manager import BlockManager, KVUsage
+from engine.config import EngineConfig, ModelConfig
+from engine.kv_cache import allocate_kv_cache, size_kv_pool
+from engine.model import CausalLM
+from engine.model_runner import ModelRunner
+from engine.output_processor import OutputProcessor, RequestState
+from engine.outputs import RequestOutput
+from engine.sampling_params import SamplingParams
+from engine.scheduler import Scheduler
+from engine.sequence import FinishReason, Sequence, make_generator
+from engine.tokenizer import load_tokenizer
+from engine.weights import load_weights
+
+Prompt = str | SequenceABC[int]
+
+
+def load_model(model_dir: str | Path, model_cfg: ModelConfig, config: EngineConfig) -> CausalLM:
+    """Build the transformer for `model_cfg` and fill it from the checkpoint's safetensors."""
+    # NOTE: built on the meta device and materialised once in the target dtype, so a large
+    # model never holds a float32 copy or random initial weights.
+    with torch.device("meta"):
+        model = CausalLM(model_cfg, config.max_model_len or model_cfg.max_model_len)
+    model = model.to(dtype=config.dtype).to_empty(device=config.device)
+    model.tie_weights()
+    model.model.rotary.reset(config.device)
+    load_weights(model, model_dir, tied_lm_head=model_cfg.tie_word_embeddings)
+    return model.eval()
+
+
+class LLMEngine:
+    """Owns the model, the KV pool, the scheduler and the request states of one worker."""
+
+    def __init__(self, model_dir: str | Path, config: EngineConfig | None = None) -> None:
+        config = config or EngineConfig()
+        self.model_config = ModelConfig.from_pretrained(model_dir)
+        max_len = config.max_model_len or self.model_config.max_model_len
+        if max_len > self.model_config.max_model_len:
+            raise ValueError(
+                f"max_model_len {max_len} exceeds the model's {self.model_config.max_model_len}"
+            )
+        config = dataclasses.replace(config, max_model_len=max_len)
+        self.tokenizer = load_tokenizer(model_dir)
+        self.model = load_model(model_dir, self.model_config, config)
+        self.config = size_kv_pool(self.model_config, config)
+        assert self.config.num_kv_blocks is not None
+        self.block_manager = BlockManager(
+            self.config.num_kv_blocks, self.config.block_size, self.config.enable_prefix_caching
+        )
+        self.scheduler = Scheduler(
+            self.config, self.block_manager, max_len, self.model_config.eos_token_ids
+        )
+        kv_caches = allocate_kv_cache(self.model_config, self.config)
+        self.runner = ModelRunner(self.model, kv_caches, self.config)
+        self.outputs = OutputProcessor(self.tokenizer)
+        self._ids = itertools.count()
+
+    @property
+    def max_model_len(self) -> int:
+        assert self.config.max_model_len is not None
+        return self.config.max_model_len
+
+    def add_request(
+        self,
+        prompt: Prompt,
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+        priority: int = 0,
+    ) -> str:
+        """Validate and queue a request; raise ValueError on bad input before any work is done."""
+        params = params or SamplingParams()
+        request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
+        if request_id in self.outputs.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        text, token_ids = self._tokenize(prompt)
+        self._validate(token_ids, params)
+        root = Sequence(
+            seq_id=f"{request_id}#0",
+            request_id=request_id,
+            prompt_token_ids=token_ids,
+            params=params,
+            arrival=time.monotonic(),
+            priority=priority,
+            generator=make_generator(params, 0),
+        )
+        root.pending_children = [root.make_child(i) for i in range(1, params.n)]
+        self.outputs.add(RequestState(request_id, text, token_ids, [root, *root.pending_children]))
+        self.scheduler.add(root)
+        return request_id
+
+    def _tokenize(self, prompt: Prompt) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt is empty")
+            return prompt, list(self.tokenizer.encode(prompt, add_special_tokens=False))
+        token_ids = list(prompt)
+        if any(isinstance(t, bool) or not isinstance(t, int) for t in token_ids):
+            raise ValueError("a token-id prompt must be a list of ints")
+        return None, token_ids
+
+    def _validate(self, token_ids: list[int], params: SamplingParams) -> None:
+        if not token_ids:
+            raise ValueError("prompt is empty (no tokens)")
+        vocab = self.model_config.vocab_size
+        bad = [t for t in token_ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt has token ids outside the vocabulary [0, {vocab}): {bad[:5]}")
+        params.check_token_ids(vocab)
+        if len(token_ids) >= self.max_model_len:
+            raise ValueError(
+                f"prompt has {len(token_ids)} tokens but the model's context is "
+                f"{self.max_model_len}, which leaves no room to generate"
+            )
+        # NOTE: a lone sequence must always fit in the pool, or preemption could loop forever.
+        need = -(-min(len(token_ids) + params.max_tokens, self.max_model_len) // self.config.block_size)
+        assert self.config.num_kv_blocks is not None
+        if need > self.config.num_kv_blocks:
+            raise ValueError(
+                f"request needs {need} KV blocks but the pool holds {self.config.num_kv_blocks}"
+            )
+
+    def abort_request(self, request_id: str) -> None:
+        """Stop a request wherever it is and free its blocks; unknown ids are ignored."""
+        state = self.outputs.requests.get(request_id)
+        if state is None:
+            return
+        for seq in state.sequences:
+            if not seq.is_finished:
+                self.scheduler.finish(seq, FinishReason.ABORT)
+        self.outputs.pop(request_id)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def step(self) -> list[RequestOutput]:
+        """Run one iteration; return outputs of requests that progressed (finished ones last seen)."""
+        out = self.scheduler.schedule()
+        if out.is_empty:
+            return []
+        tables = {s.seq.seq_id: self.block_manager.block_table(s.seq.seq_id) for s in out.scheduled}
+        sampled = self.runner.execute(out, tables)
+        touched = self.scheduler.update(out, sampled)
+        for hit in self.outputs.detokenize(touched):
+            if hit.seq.is_finished:
+                hit.seq.finish_reason = FinishReason.STOP
+                hit.seq.stop_reason = hit.stop
+            else:
+                self.scheduler.finish(hit.seq, FinishReason.STOP, hit.stop)
+        results = []
+        for request_id in dict.fromkeys(seq.request_id for seq in touched):
+            output = self.outputs.output(request_id)
+            results.append(output)
+            if output.finished:
+                self.outputs.pop(request_id)
+        return results
+
+    def kv_usage(self) -> KVUsage:
+        return self.block_manager.usage()
+
+    def check_integrity(self) -> None:
+        self.block_manager.check_integrity()

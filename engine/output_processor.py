@@ -1,0 +1,96 @@
+"""Detokenizes new tokens, applies stop strings, and builds `RequestOutput`s."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from transformers import PreTrainedTokenizerBase
+
+from engine.outputs import CompletionOutput, RequestOutput
+from engine.sequence import Sequence
+from engine.tokenizer import IncrementalDetokenizer
+
+
+@dataclass
+class RequestState:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    sequences: list[Sequence]  # index i holds sample i
+    detokenizers: dict[str, IncrementalDetokenizer] = field(default_factory=dict)
+    texts: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def finished(self) -> bool:
+        return all(seq.is_finished for seq in self.sequences)
+
+
+@dataclass(frozen=True)
+class StopStringHit:
+    seq: Sequence
+    stop: str
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer: PreTrainedTokenizerBase | None) -> None:
+        self.tokenizer = tokenizer
+        self.requests: dict[str, RequestState] = {}
+
+    def add(self, state: RequestState) -> None:
+        self.requests[state.request_id] = state
+
+    def detokenize(self, seqs: list[Sequence]) -> list[StopStringHit]:
+        """Extend each sequence's text by its newest token; report stop strings found.
+
+        The text of a sequence that hit a stop string is cut before the stop string.
+        """
+        hits: list[StopStringHit] = []
+        for seq in seqs:
+            state = self.requests.get(seq.request_id)
+            if state is None or self.tokenizer is None:
+                continue
+            detok = state.detokenizers.get(seq.seq_id)
+            if detok is None:
+                detok = IncrementalDetokenizer(self.tokenizer, seq.prompt_token_ids)
+                detok.add(seq.output_token_ids[:-1])
+                state.detokenizers[seq.seq_id] = detok
+            delta = detok.add(seq.output_token_ids[-1:])
+            text = detok.text
+            stops = seq.params.stop
+            if delta and stops and len(seq.output_token_ids) > seq.params.min_tokens:
+                # Only the new text and a stop's length before it can contain a new match.
+                window_start = max(0, len(text) - len(delta) - max(map(len, stops)) + 1)
+                found = [(text.find(s, window_start), s) for s in stops]
+                found = [(pos, s) for pos, s in found if pos >= 0]
+                if found:
+                    pos, stop = min(found)
+                    text = text[:pos]
+                    hits.append(StopStringHit(seq, stop))
+            state.texts[seq.seq_id] = text
+        return hits
+
+    def output(self, request_id: str) -> RequestOutput:
+        state = self.requests[request_id]
+        outputs = []
+        for seq in state.sequences:
+            outputs.append(
+                CompletionOutput(
+                    index=seq.index,
+                    text=state.texts.get(seq.seq_id, ""),
+                    token_ids=list(seq.output_token_ids),
+                    finish_reason=seq.finish_reason.value if seq.finish_reason else None,
+                    stop_reason=seq.stop_reason,
+                    logprobs=list(seq.output_logprobs) if seq.params.logprobs is not None else None,
+                )
+            )
+        return RequestOutput(
+            request_id=request_id,
+            prompt=state.prompt,
+            prompt_token_ids=state.prompt_token_ids,
+            outputs=outputs,
+            finished=state.finished,
+            num_cached_tokens=state.sequences[0].num_cached_prompt_tokens,
+        )
+
+    def pop(self, request_id: str) -> None:
+        self.requests.pop(request_id, None)

@@ -1,0 +1,36 @@
+"""What the engine hands back for each request."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class CompletionOutput:
+    """One of a request's `n` samples."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None = None  # "stop", "length" or "abort"; None while running
+    # The stop token id or stop string that ended it (None for EOS or length).
+    stop_reason: int | str | None = None
+    # Per generated token: token id -> logprob (the sampled token plus the top-n), if asked.
+    logprobs: list[dict[int, float]] | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestOutput:
+    """A request's state after a step: cumulative text and tokens of each sample."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    # Prompt tokens whose KV came from the prefix cache instead of being computed.
+    num_cached_tokens: int = 0

@@ -1,0 +1,199 @@
+"""Iteration-level scheduling: which sequences run this step, and how many tokens each.
+
+Policy only; no tensors. Each step spends a token budget: running sequences first (a decode
+costs one token, an unfinished prefill takes the next chunk that fits), then waiting ones in
+policy order (FCFS, or priority then arrival). When the KV pool can't hold a running
+sequence's next tokens, the lowest-ranked running sequence is preempted: its blocks are freed
+and it recomputes later from its tokens, so its output does not change.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from engine.block_manager import BlockManager
+from engine.config import EngineConfig
+from engine.sequence import FinishReason, Sequence, SequenceStatus
+
+
+@dataclass(frozen=True)
+class ScheduledSequence:
+    seq: Sequence
+    num_new_tokens: int
+    # True when this step computes the sequence's last known token, so its logits are sampled.
+    samples: bool
+
+
+@dataclass(frozen=True)
+class SchedulerOutput:
+    scheduled: list[ScheduledSequence]
+    block_copies: tuple[tuple[int, int], ...] = ()
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+@dataclass(frozen=True)
+class SampledToken:
+    token_id: int
+    logprobs: dict[int, float] | None = None
+
+
+class Scheduler:
+    def __init__(
+        self,
+        config: EngineConfig,
+        block_manager: BlockManager,
+        max_model_len: int,
+        eos_token_ids: Iterable[int] = (),
+    ) -> None:
+        self.config = config
+        self.block_manager = block_manager
+        self.max_model_len = max_model_len
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.waiting: list[Sequence] = []
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    def _rank(self, seq: Sequence) -> tuple[int, int]:
+        if self.config.scheduling_policy == "priority":
+            return (seq.priority, seq.order)
+        return (0, seq.order)
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+        self.waiting.sort(key=self._rank)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> SchedulerOutput:
+        bm = self.block_manager
+        budget = self.config.max_num_batched_tokens
+        scheduled: list[ScheduledSequence] = []
+        copies: list[tuple[int, int]] = []
+        preempted: list[Sequence] = []
+        self.running.sort(key=self._rank)
+
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            num_new = min(seq.num_uncomputed_tokens, budget)
+            alloc = bm.allocate(seq.seq_id, seq.num_computed_tokens + num_new)
+            while alloc is None:
+                victim = self.running.pop()
+                self._preempt(victim)
+                preempted.append(victim)
+                if victim is seq:
+                    break
+                alloc = bm.allocate(seq.seq_id, seq.num_computed_tokens + num_new)
+            if alloc is None:
+                break
+            copies.extend(alloc.copies)
+            scheduled.append(self._scheduled(seq, num_new))
+            budget -= num_new
+            i += 1
+
+        # NOTE: nothing new is admitted in a step that had to preempt: the pool is full.
+        while self.waiting and budget > 0 and not preempted:
+            seq = self.waiting[0]
+            if len(self.running) + 1 + len(seq.pending_children) > self.config.max_num_seqs:
+                break
+            hit = bm.find_prefix_hit(seq.token_ids) if not bm.has_seq(seq.seq_id) else None
+            num_computed = hit.num_tokens(bm.block_size) if hit else 0
+            num_new = min(seq.num_tokens - num_computed, budget)
+            alloc = bm.allocate(seq.seq_id, num_computed + num_new, hit)
+            if alloc is None:
+                break
+            self.waiting.pop(0)
+            if seq.status is SequenceStatus.WAITING:
+                seq.num_cached_prompt_tokens = num_computed
+            seq.num_computed_tokens = num_computed
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            copies.extend(alloc.copies)
+            scheduled.append(self._scheduled(seq, num_new))
+            budget -= num_new
+        return SchedulerOutput(scheduled, tuple(copies), preempted)
+
+    def _scheduled(self, seq: Sequence, num_new: int) -> ScheduledSequence:
+        samples = seq.num_computed_tokens + num_new == seq.num_tokens
+        return ScheduledSequence(seq, num_new, samples)
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.block_manager.free(seq.seq_id)
+        seq.num_computed_tokens = 0
+        seq.status = SequenceStatus.PREEMPTED
+        self.num_preemptions += 1
+        self.waiting.insert(0, seq)
+        self.waiting.sort(key=self._rank)
+
+    def update(
+        self, out: SchedulerOutput, sampled: dict[str, list[SampledToken]]
+    ) -> list[Sequence]:
+        """Apply a step's results: progress, new tokens, forks, token-level stops.
+
+        `sampled[seq_id]` holds one token for the sequence and one for each pending child.
+        Returns the sequences that gained a token (finished ones included).
+        """
+        touched: list[Sequence] = []
+        for item in out.scheduled:
+            seq = item.seq
+            if seq.status is not SequenceStatus.RUNNING:
+                continue
+            seq.num_computed_tokens += item.num_new_tokens
+            self.block_manager.cache_blocks(seq.seq_id, seq.token_ids, seq.num_computed_tokens)
+            if not item.samples:
+                continue
+            family = [seq, *seq.pending_children]
+            seq.pending_children = []
+            for child in family[1:]:
+                child.adopt_progress(seq)
+                self.block_manager.fork(seq.seq_id, child.seq_id)
+                self.running.append(child)
+            for member, token in zip(family, sampled[seq.seq_id], strict=True):
+                member.output_token_ids.append(token.token_id)
+                if token.logprobs is not None:
+                    member.output_logprobs.append(token.logprobs)
+                reason = self._stop_reason(member, token.token_id)
+                if reason is not None:
+                    self.finish(member, *reason)
+                touched.append(member)
+        return touched
+
+    def _stop_reason(
+        self, seq: Sequence, token_id: int
+    ) -> tuple[FinishReason, int | None] | None:
+        params = seq.params
+        if len(seq.output_token_ids) > params.min_tokens:
+            if token_id in params.stop_token_ids:
+                return FinishReason.STOP, token_id
+            if not params.ignore_eos and token_id in self.eos_token_ids:
+                return FinishReason.STOP, None
+        if len(seq.output_token_ids) >= params.max_tokens or seq.num_tokens >= self.max_model_len:
+            return FinishReason.LENGTH, None
+        return None
+
+    def finish(
+        self, seq: Sequence, reason: FinishReason, stop_reason: int | str | None = None
+    ) -> None:
+        """Retire a sequence (and its unforked children): free its blocks, drop it from queues."""
+        for member in [seq, *seq.pending_children]:
+            if member.is_finished:
+                continue
+            member.status = SequenceStatus.FINISHED
+            member.finish_reason = reason
+            member.stop_reason = stop_reason
+            self.block_manager.free(member.seq_id)
+            if member in self.running:
+                self.running.remove(member)
+            if member in self.waiting:
+                self.waiting.remove(member)
+        seq.pending_children = []

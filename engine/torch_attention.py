@@ -1,0 +1,80 @@
+"""Plain-torch paged attention: the reference backend, on CPU and GPU alike.
+
+It gathers each sequence's pages into a contiguous K/V and runs SDPA with a causal (and, for
+Mistral-style models, sliding-window) mask whose diagonal is shifted by the cached prefix:
+
+    context:  [ cached prefix ........ | this step's queries ]
+    query j sits at position seq_len - query_len + j and sees keys 0..that position.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from engine.attention import AttentionBackend, AttentionMetadata
+
+
+def write_kv_cache(
+    k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    """Store each token's key and value at its flat slot (block * block_size + offset)."""
+    num_kv_heads, head_dim = k.shape[1], k.shape[2]
+    kv_cache[0].view(-1, num_kv_heads, head_dim)[slot_mapping] = k
+    kv_cache[1].view(-1, num_kv_heads, head_dim)[slot_mapping] = v
+
+
+def gather_context(
+    kv_cache: torch.Tensor, block_table: torch.Tensor, seq_len: int, block_size: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys and values of one sequence's first `seq_len` tokens: [seq_len, kv_heads, head_dim]."""
+    num_blocks = -(-seq_len // block_size)
+    blocks = block_table[:num_blocks].long()
+    shape = (-1, kv_cache.shape[-2], kv_cache.shape[-1])
+    keys = kv_cache[0][blocks].reshape(shape)[:seq_len]
+    values = kv_cache[1][blocks].reshape(shape)[:seq_len]
+    return keys, values
+
+
+class TorchPagedAttention(AttentionBackend):
+    """Reference paged attention: one SDPA call per sequence."""
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        write_kv_cache(k, v, kv_cache, meta.slot_mapping)
+        out = torch.empty_like(q)
+        group = self.num_heads // self.num_kv_heads
+        start = 0
+        for i, (query_len, seq_len) in enumerate(
+            zip(meta.query_lens_cpu, meta.seq_lens_cpu, strict=True)
+        ):
+            end = start + query_len
+            keys, values = gather_context(kv_cache, meta.block_tables[i], seq_len, meta.block_size)
+            if group > 1:
+                keys = keys.repeat_interleave(group, dim=1)
+                values = values.repeat_interleave(group, dim=1)
+            mask = self._mask(query_len, seq_len, q.device)
+            attn = F.scaled_dot_product_attention(
+                q[start:end].transpose(0, 1),
+                keys.transpose(0, 1),
+                values.transpose(0, 1),
+                attn_mask=mask,
+                scale=self.scale,
+            )
+            out[start:end] = attn.transpose(0, 1)
+            start = end
+        return out
+
+    def _mask(self, query_len: int, seq_len: int, device: torch.device) -> torch.Tensor:
+        q_pos = torch.arange(seq_len - query_len, seq_len, device=device).unsqueeze(1)
+        k_pos = torch.arange(seq_len, device=device).unsqueeze(0)
+        mask = k_pos <= q_pos
+        if self.sliding_window is not None:
+            mask &= q_pos - k_pos < self.sliding_window
+        return mask

@@ -1,0 +1,80 @@
+"""Loading weights from safetensors checkpoints (one file, or shards listed in an index)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
+
+
+def checkpoint_files(model_dir: str | Path) -> list[Path]:
+    """The safetensors files that make up the checkpoint, checked to exist."""
+    root = Path(model_dir)
+    index = root / INDEX_FILE
+    if index.is_file():
+        weight_map = json.loads(index.read_text()).get("weight_map")
+        if not weight_map:
+            raise ValueError(f"{index}: no weight_map")
+        files = [root / name for name in sorted(set(weight_map.values()))]
+    elif (root / SINGLE_FILE).is_file():
+        files = [root / SINGLE_FILE]
+    else:
+        files = sorted(root.glob("*.safetensors"))
+        if not files:
+            raise ValueError(
+                f"{str(root)!r} has no weights: expected {SINGLE_FILE} or {INDEX_FILE} "
+                "(pickled .bin checkpoints are not loaded)"
+            )
+    absent = [f.name for f in files if not f.is_file()]
+    if absent:
+        raise ValueError(f"{str(root)!r}: shard(s) listed in {INDEX_FILE} are missing: {absent}")
+    return files
+
+
+def iter_tensors(model_dir: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (name, tensor) for every tensor in the checkpoint, one shard at a time."""
+    for file in checkpoint_files(model_dir):
+        with safe_open(str(file), framework="pt") as f:
+            for name in f.keys():  # noqa: SIM118 - safe_open has no __iter__
+                yield name, f.get_tensor(name)
+
+
+def load_weights(model: torch.nn.Module, model_dir: str | Path, *, tied_lm_head: bool) -> None:
+    """Copy checkpoint tensors into `model`'s parameters; raise ValueError on any mismatch.
+
+    Every parameter must be filled exactly once (except a tied `lm_head`, which shares the
+    embedding), and every checkpoint tensor must land somewhere, so a wrong architecture or a
+    truncated checkpoint fails here with the names that are wrong.
+    """
+    params = dict(model.named_parameters(remove_duplicate=False))
+    loaded: set[str] = set()
+    unexpected: list[str] = []
+    for name, tensor in iter_tensors(model_dir):
+        # Tied checkpoints sometimes still store a copy of the embedding as lm_head.
+        if name.endswith("rotary_emb.inv_freq") or (tied_lm_head and name == "lm_head.weight"):
+            continue
+        param = params.get(name)
+        if param is None:
+            unexpected.append(name)
+            continue
+        if tuple(param.shape) != tuple(tensor.shape):
+            raise ValueError(
+                f"weight {name!r} has shape {tuple(tensor.shape)} in the checkpoint but the "
+                f"config implies {tuple(param.shape)}"
+            )
+        with torch.no_grad():
+            param.copy_(tensor.to(param.dtype))
+        loaded.add(name)
+    missing = sorted(set(params) - loaded - ({"lm_head.weight"} if tied_lm_head else set()))
+    if missing or unexpected:
+        raise ValueError(
+            f"checkpoint in {str(model_dir)!r} does not match the config: "
+            f"missing {missing[:8]}{'…' if len(missing) > 8 else ''}, "
+            f"unexpected {unexpected[:8]}{'…' if len(unexpected) > 8 else ''}"
+        )
