@@ -100,5 +100,5 @@ def make_generator(params: SamplingParams, index: int) -> torch.Generator | None
     if params.seed is None:
         return None
     gen = torch.Generator()
-    gen.manual_seed(params.seed * 1_000_003 + index)
+    gen.manual_seed((params.seed * 1_000_003 + index) % 2**64)
     return gen

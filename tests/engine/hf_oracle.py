@@ -1,0 +1,47 @@
+"""HF transformers on the same weights: the oracle the engine's outputs are compared with."""
+
+from __future__ import annotations
+
+from functools import lru_cache
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM
+
+
+@lru_cache(maxsize=8)
+def hf_model(model_dir: Path) -> torch.nn.Module:
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+
+
+@torch.inference_mode()
+def hf_greedy(model_dir: Path, prompt: tuple[int, ...], max_new_tokens: int) -> list[int]:
+    """Greedy tokens from HF `generate`, one prompt at a time (no padding), EOS ignored."""
+    return list(_hf_greedy_cached(model_dir, prompt, max_new_tokens))
+
+
+@lru_cache(maxsize=512)
+def _hf_greedy_cached(model_dir: Path, prompt: tuple[int, ...], max_new: int) -> tuple[int, ...]:
+    out = hf_model(model_dir).generate(
+        torch.tensor([prompt]),
+        max_new_tokens=max_new,
+        min_new_tokens=max_new,
+        do_sample=False,
+        eos_token_id=None,
+        pad_token_id=0,
+    )
+    return tuple(out[0, len(prompt) :].tolist())
+
+
+@torch.inference_mode()
+def hf_logprobs(model_dir: Path, prompt: list[int], continuation: list[int]) -> torch.Tensor:
+    """log_softmax of HF's logits at each position that predicts a continuation token:
+    [len(continuation), vocab]."""
+    ids = torch.tensor([prompt + continuation])
+    logits = hf_model(model_dir)(ids).logits[0, len(prompt) - 1 : -1]
+    return torch.log_softmax(logits.float(), dim=-1)
+
+
+def random_prompts(lengths: list[int], vocab_size: int, seed: int = 1) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, vocab_size, (n,), generator=gen).tolist() for n in lengths]
