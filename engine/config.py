@@ -129,7 +129,9 @@ class ModelConfig:
             raise ValueError(f"model directory {str(path)!r} does not exist")
         cfg_file = path / "config.json"
         if not cfg_file.is_file():
-            raise ValueError(f"{str(path)!r} has no config.json; is it an HF-format model directory?")
+            raise ValueError(
+                f"{str(path)!r} has no config.json; is it an HF-format model directory?"
+            )
         raw = json.loads(cfg_file.read_text())
         return cls.from_hf_dict(raw, source=str(cfg_file))
 

@@ -80,7 +80,7 @@ class LLM:
 def _as_batch(prompts: Prompt | SequenceABC[Prompt]) -> list[Prompt]:
     if isinstance(prompts, str):
         return [prompts]
-    items = list(prompts)
+    items: list[Any] = list(prompts)
     if items and all(isinstance(t, int) for t in items):
         return [items]  # a single token-id prompt
     return items

@@ -1,8 +1,8 @@
 """The engine loop: requests in, one scheduled step at a time, outputs out.
 
-    add_request ──▶ Scheduler.schedule ──▶ ModelRunner.execute (model + sampler)
-                ──▶ Scheduler.update (tokens, forks, token stops)
-                ──▶ OutputProcessor (text, stop strings) ──▶ RequestOutput
+add_request ──▶ Scheduler.schedule ──▶ ModelRunner.execute (model + sampler)
+            ──▶ Scheduler.update (tokens, forks, token stops)
+            ──▶ OutputProcessor (text, stop strings) ──▶ RequestOutput
 """
 
 from __future__ import annotations
@@ -128,7 +128,9 @@ class LLMEngine:
                 f"{self.max_model_len}, which leaves no room to generate"
             )
         # NOTE: a lone sequence must always fit in the pool, or preemption could loop forever.
-        need = -(-min(len(token_ids) + params.max_tokens, self.max_model_len) // self.config.block_size)
+        need = -(
+            -min(len(token_ids) + params.max_tokens, self.max_model_len) // self.config.block_size
+        )
         assert self.config.num_kv_blocks is not None
         if need > self.config.num_kv_blocks:
             raise ValueError(
@@ -149,7 +151,7 @@ class LLMEngine:
         return self.scheduler.has_unfinished()
 
     def step(self) -> list[RequestOutput]:
-        """Run one iteration; return outputs of requests that progressed (finished ones last seen)."""
+        """Run one iteration; return the outputs of the requests that gained tokens."""
         out = self.scheduler.schedule()
         if out.is_empty:
             return []

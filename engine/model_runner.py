@@ -1,7 +1,7 @@
 """Turns a scheduled batch into tensors, runs the model, and samples.
 
-    SchedulerOutput ──▶ input_ids / positions / slot_mapping / block_tables ──▶ CausalLM
-                    ──▶ logits of the sequences that finished their known tokens ──▶ Sampler
+SchedulerOutput ──▶ input_ids / positions / slot_mapping / block_tables ──▶ CausalLM
+                ──▶ logits of the sequences that finished their known tokens ──▶ Sampler
 """
 
 from __future__ import annotations

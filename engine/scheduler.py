@@ -168,9 +168,7 @@ class Scheduler:
                 touched.append(member)
         return touched
 
-    def _stop_reason(
-        self, seq: Sequence, token_id: int
-    ) -> tuple[FinishReason, int | None] | None:
+    def _stop_reason(self, seq: Sequence, token_id: int) -> tuple[FinishReason, int | None] | None:
         params = seq.params
         if len(seq.output_token_ids) > params.min_tokens:
             if token_id in params.stop_token_ids:

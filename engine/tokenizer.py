@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 
@@ -48,6 +49,6 @@ class IncrementalDetokenizer:
         return delta
 
     def _decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(
-            ids, skip_special_tokens=True, clean_up_tokenization_spaces=False
+        return str(
+            self.tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
         )

@@ -80,8 +80,9 @@ def test_parallel_greedy_samples_all_equal_hf(tiny_models):
 
 def test_stop_token_ids_and_max_tokens_end_generation(llm):
     prompt = random_prompts([20], _vocab(llm), seed=9)[0]
-    base = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True),
-                        use_tqdm=False)[0].outputs[0]
+    base = llm.generate(
+        [prompt], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True), use_tqdm=False
+    )[0].outputs[0]
     assert len(base.token_ids) == 20 and base.finish_reason == "length"
     stop_at = base.token_ids[5]
     first = base.token_ids.index(stop_at)
@@ -93,8 +94,9 @@ def test_stop_token_ids_and_max_tokens_end_generation(llm):
 
 def test_min_tokens_suppresses_stop_tokens(llm):
     prompt = random_prompts([20], _vocab(llm), seed=9)[0]
-    base = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=10, ignore_eos=True),
-                        use_tqdm=False)[0].outputs[0]
+    base = llm.generate(
+        [prompt], SamplingParams(temperature=0, max_tokens=10, ignore_eos=True), use_tqdm=False
+    )[0].outputs[0]
     params = SamplingParams(
         temperature=0, max_tokens=10, min_tokens=10, stop_token_ids=[base.token_ids[0]]
     )
@@ -104,8 +106,9 @@ def test_min_tokens_suppresses_stop_tokens(llm):
 
 def test_stop_string_cuts_text_and_finishes(llm):
     prompt = "The quick brown fox"
-    base = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True),
-                        use_tqdm=False)[0].outputs[0]
+    base = llm.generate(
+        prompt, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True), use_tqdm=False
+    )[0].outputs[0]
     middle = [i for i in range(len(base.text) // 2, len(base.text)) if not base.text[i].isspace()]
     assert middle, f"greedy text {base.text!r} has no usable stop string"
     stop = base.text[middle[0] : middle[0] + 2]
@@ -118,9 +121,11 @@ def test_stop_string_cuts_text_and_finishes(llm):
 
 def test_text_prompts_and_detokenized_text_match_tokens(llm):
     tok = llm.engine.tokenizer
-    outs = llm.generate(["héllo wörld", "日本語のテキスト", "x"],
-                        SamplingParams(temperature=0, max_tokens=16, ignore_eos=True),
-                        use_tqdm=False)
+    outs = llm.generate(
+        ["héllo wörld", "日本語のテキスト", "x"],
+        SamplingParams(temperature=0, max_tokens=16, ignore_eos=True),
+        use_tqdm=False,
+    )
     for out in outs:
         assert out.prompt_token_ids == tok.encode(out.prompt, add_special_tokens=False)
         assert out.outputs[0].text == tok.decode(out.outputs[0].token_ids, skip_special_tokens=True)
@@ -143,8 +148,9 @@ def test_unused_slots_stay_within_one_partial_block_per_sequence(tiny_models):
     engine = LLMEngine(tiny_models["qwen2"], EngineConfig(max_num_batched_tokens=96))
     prompts = random_prompts([3, 17, 33, 64, 90, 5, 150, 47, 31, 16, 2, 71], 400, seed=11)
     for i, prompt in enumerate(prompts):
-        engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=20 + 3 * i,
-                                                  ignore_eos=True))
+        engine.add_request(
+            prompt, SamplingParams(temperature=0, max_tokens=20 + 3 * i, ignore_eos=True)
+        )
     bs = engine.config.block_size
     max_seen = 0
     while engine.has_unfinished_requests():
