@@ -11,6 +11,7 @@ import dataclasses
 import itertools
 import time
 from collections.abc import Sequence as SequenceABC
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -23,12 +24,24 @@ from engine.model_runner import ModelRunner
 from engine.output_processor import OutputProcessor, RequestState
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler
-from engine.sequence import FinishReason, Sequence, make_generator
+from engine.scheduler import SampledToken, Scheduler
+from engine.sequence import FinishReason, Sequence
 from engine.tokenizer import load_tokenizer
 from engine.weights import load_weights
 
 Prompt = str | SequenceABC[int]
+
+
+class CapacityError(RuntimeError):
+    """The KV pool can't take this request now (a retryable condition, not a bad request)."""
+
+
+@dataclass(frozen=True)
+class Reservation:
+    """Blocks held on a decode worker for a prompt, and how many leading tokens it caches."""
+
+    block_ids: tuple[int, ...]
+    num_cached_tokens: int
 
 
 def load_model(model_dir: str | Path, model_cfg: ModelConfig, config: EngineConfig) -> CausalLM:
@@ -69,6 +82,7 @@ class LLMEngine:
         kv_caches = allocate_kv_cache(self.model_config, self.config)
         self.runner = ModelRunner(self.model, kv_caches, self.config)
         self.outputs = OutputProcessor(self.tokenizer)
+        self._reserved: dict[str, Sequence] = {}
         self._ids = itertools.count()
 
     @property
@@ -82,13 +96,34 @@ class LLMEngine:
         params: SamplingParams | None = None,
         request_id: str | None = None,
         priority: int = 0,
+        *,
+        prefill_only: bool = False,
     ) -> str:
-        """Validate and queue a request; raise ValueError on bad input before any work is done."""
+        """Validate and queue a request; raise ValueError on bad input before any work is done.
+
+        A `prefill_only` request (prefill workers) stops after its first token and keeps its
+        blocks until `release_request`, so their KV can be sent while the engine goes on.
+        """
         params = params or SamplingParams()
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
-        if request_id in self.outputs.requests:
-            raise ValueError(f"request id {request_id!r} is already in use")
         text, token_ids = self._tokenize(prompt)
+        root = self._new_request(request_id, text, token_ids, params, priority)
+        root.prefill_only = prefill_only
+        for child in root.pending_children:
+            child.prefill_only = prefill_only
+        self.scheduler.add(root)
+        return request_id
+
+    def _new_request(
+        self,
+        request_id: str,
+        text: str | None,
+        token_ids: list[int],
+        params: SamplingParams,
+        priority: int,
+    ) -> Sequence:
+        if request_id in self.outputs.requests or request_id in self._reserved:
+            raise ValueError(f"request id {request_id!r} is already in use")
         self._validate(token_ids, params)
         root = Sequence(
             seq_id=f"{request_id}#0",
@@ -97,12 +132,78 @@ class LLMEngine:
             params=params,
             arrival=time.monotonic(),
             priority=priority,
-            generator=make_generator(params, 0),
         )
         root.pending_children = [root.make_child(i) for i in range(1, params.n)]
         self.outputs.add(RequestState(request_id, text, token_ids, [root, *root.pending_children]))
-        self.scheduler.add(root)
-        return request_id
+        return root
+
+    def reserve(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
+    ) -> Reservation:
+        """Decode side of disaggregation: hold blocks for a prompt whose KV will be pushed here.
+
+        Blocks this worker already caches for the prompt's prefix are reused; only the rest
+        need to be sent. Raises ValueError on bad input, CapacityError when the pool is full.
+        """
+        if request_id in self.outputs.requests or request_id in self._reserved:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        self._validate(prompt_token_ids, params)
+        seq = Sequence(
+            seq_id=f"{request_id}#0",
+            request_id=request_id,
+            prompt_token_ids=list(prompt_token_ids),
+            params=params,
+            arrival=time.monotonic(),
+        )
+        bm = self.block_manager
+        hit = bm.find_prefix_hit(seq.prompt_token_ids)
+        if bm.allocate(seq.seq_id, seq.num_tokens, hit) is None:
+            raise CapacityError(
+                f"no room for {seq.num_tokens} prompt tokens: "
+                f"{bm.usage().num_free_blocks + bm.usage().num_cached_blocks} blocks available"
+            )
+        seq.num_computed_tokens = seq.num_cached_prompt_tokens = (
+            hit.num_tokens(bm.block_size) if hit else 0
+        )
+        self._reserved[request_id] = seq
+        return Reservation(tuple(bm.block_table(seq.seq_id)), seq.num_computed_tokens)
+
+    def admit(
+        self,
+        request_id: str,
+        params: SamplingParams,
+        first_tokens: list[SampledToken] | None,
+        priority: int = 0,
+    ) -> list[RequestOutput]:
+        """Start a reserved request. With `first_tokens` its whole prompt KV has been written
+        into the reserved blocks and it joins the running batch; without, it is prefilled here.
+        Returns the request's output if the first tokens already finish it."""
+        seq = self._reserved.pop(request_id, None)
+        if seq is None:
+            raise KeyError(f"no reservation for request {request_id!r}")
+        seq.params, seq.priority = params, priority
+        seq.pending_children = [seq.make_child(i) for i in range(1, params.n)]
+        self.outputs.add(
+            RequestState(request_id, None, seq.prompt_token_ids, [seq, *seq.pending_children])
+        )
+        if not first_tokens:
+            self.scheduler.add(seq)
+            return []
+        seq.num_computed_tokens = seq.num_tokens
+        self.block_manager.cache_blocks(seq.seq_id, seq.token_ids, seq.num_computed_tokens)
+        touched = self.scheduler.admit_prefilled(seq, first_tokens)
+        return self._process_outputs(touched)
+
+    def block_table(self, request_id: str) -> tuple[int, ...]:
+        """Blocks of a request's first sequence (a reservation, or a running request)."""
+        return tuple(self.block_manager.block_table(f"{request_id}#0"))
+
+    def release_request(self, request_id: str) -> None:
+        """Free the blocks a finished prefill-only request kept for sending."""
+        state = self.outputs.requests.pop(request_id, None)
+        if state is not None:
+            for seq in state.sequences:
+                self.block_manager.free(seq.seq_id)
 
     def _tokenize(self, prompt: Prompt) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
@@ -137,18 +238,28 @@ class LLMEngine:
                 f"request needs {need} KV blocks but the pool holds {self.config.num_kv_blocks}"
             )
 
-    def abort_request(self, request_id: str) -> None:
-        """Stop a request wherever it is and free its blocks; unknown ids are ignored."""
+    def abort_request(self, request_id: str) -> bool:
+        """Stop a request wherever it is (reserved, queued, running, or held for sending) and
+        free its blocks. Returns False for an unknown id."""
+        reserved = self._reserved.pop(request_id, None)
+        if reserved is not None:
+            self.block_manager.free(reserved.seq_id)
+            return True
         state = self.outputs.requests.get(request_id)
         if state is None:
-            return
+            return False
         for seq in state.sequences:
             if not seq.is_finished:
                 self.scheduler.finish(seq, FinishReason.ABORT)
+            self.block_manager.free(seq.seq_id)  # a held prefill-only sequence
         self.outputs.pop(request_id)
+        return True
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
+
+    def has_request(self, request_id: str) -> bool:
+        return request_id in self.outputs.requests or request_id in self._reserved
 
     def step(self) -> list[RequestOutput]:
         """Run one iteration; return the outputs of the requests that gained tokens."""
@@ -157,7 +268,9 @@ class LLMEngine:
             return []
         tables = {s.seq.seq_id: self.block_manager.block_table(s.seq.seq_id) for s in out.scheduled}
         sampled = self.runner.execute(out, tables)
-        touched = self.scheduler.update(out, sampled)
+        return self._process_outputs(self.scheduler.update(out, sampled))
+
+    def _process_outputs(self, touched: list[Sequence]) -> list[RequestOutput]:
         for hit in self.outputs.detokenize(touched):
             if hit.seq.is_finished:
                 hit.seq.finish_reason = FinishReason.STOP
@@ -168,7 +281,8 @@ class LLMEngine:
         for request_id in dict.fromkeys(seq.request_id for seq in touched):
             output = self.outputs.output(request_id)
             results.append(output)
-            if output.finished:
+            # NOTE: held prefill-only requests stay known until release_request frees them.
+            if output.finished and not self.outputs.requests[request_id].sequences[0].prefill_only:
                 self.outputs.pop(request_id)
         return results
 

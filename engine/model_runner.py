@@ -14,7 +14,7 @@ from engine.kv_cache import copy_blocks
 from engine.model import CausalLM
 from engine.sampler import Sampler, SamplingRow
 from engine.scheduler import SampledToken, SchedulerOutput
-from engine.sequence import Sequence
+from engine.sequence import Sequence, step_generator
 
 
 class ModelRunner:
@@ -69,7 +69,7 @@ class ModelRunner:
             params=params,
             prompt_token_ids=seq.prompt_token_ids,
             output_token_ids=seq.output_token_ids,
-            generator=seq.generator,
+            generator=step_generator(seq),
             banned_token_ids=banned,
         )
 

@@ -106,8 +106,12 @@ class Scheduler:
             seq = self.waiting[0]
             if len(self.running) + 1 + len(seq.pending_children) > self.config.max_num_seqs:
                 break
-            hit = bm.find_prefix_hit(seq.token_ids) if not bm.has_seq(seq.seq_id) else None
-            num_computed = hit.num_tokens(bm.block_size) if hit else 0
+            # A sequence reserved on a decode worker arrives with blocks and computed tokens.
+            hit = None
+            num_computed = seq.num_computed_tokens
+            if not bm.has_seq(seq.seq_id):
+                hit = bm.find_prefix_hit(seq.token_ids)
+                num_computed = hit.num_tokens(bm.block_size) if hit else 0
             num_new = min(seq.num_tokens - num_computed, budget)
             alloc = bm.allocate(seq.seq_id, num_computed + num_new, hit)
             if alloc is None:
@@ -150,23 +154,33 @@ class Scheduler:
                 continue
             seq.num_computed_tokens += item.num_new_tokens
             self.block_manager.cache_blocks(seq.seq_id, seq.token_ids, seq.num_computed_tokens)
-            if not item.samples:
-                continue
-            family = [seq, *seq.pending_children]
-            seq.pending_children = []
-            for child in family[1:]:
-                child.adopt_progress(seq)
-                self.block_manager.fork(seq.seq_id, child.seq_id)
-                self.running.append(child)
-            for member, token in zip(family, sampled[seq.seq_id], strict=True):
-                member.output_token_ids.append(token.token_id)
-                if token.logprobs is not None:
-                    member.output_logprobs.append(token.logprobs)
-                reason = self._stop_reason(member, token.token_id)
-                if reason is not None:
-                    self.finish(member, *reason)
-                touched.append(member)
+            if item.samples:
+                touched.extend(self._append_samples(seq, sampled[seq.seq_id]))
         return touched
+
+    def admit_prefilled(self, seq: Sequence, first_tokens: list[SampledToken]) -> list[Sequence]:
+        """Join the running batch with a prompt whose KV was computed elsewhere (pushed by a
+        prefill worker) and its first sampled token(s). Returns the sequences, as `update`."""
+        seq.status = SequenceStatus.RUNNING
+        self.running.append(seq)
+        return self._append_samples(seq, first_tokens)
+
+    def _append_samples(self, seq: Sequence, tokens: list[SampledToken]) -> list[Sequence]:
+        # The first sample of a request with n > 1 forks it: each sibling shares its blocks.
+        family = [seq, *seq.pending_children]
+        seq.pending_children = []
+        for child in family[1:]:
+            child.adopt_progress(seq)
+            self.block_manager.fork(seq.seq_id, child.seq_id)
+            self.running.append(child)
+        for member, token in zip(family, tokens, strict=True):
+            member.output_token_ids.append(token.token_id)
+            if token.logprobs is not None:
+                member.output_logprobs.append(token.logprobs)
+            reason = self._stop_reason(member, token.token_id)
+            if reason is not None:
+                self.finish(member, *reason)
+        return family
 
     def _stop_reason(self, seq: Sequence, token_id: int) -> tuple[FinishReason, int | None] | None:
         params = seq.params
@@ -175,7 +189,11 @@ class Scheduler:
                 return FinishReason.STOP, token_id
             if not params.ignore_eos and token_id in self.eos_token_ids:
                 return FinishReason.STOP, None
-        if len(seq.output_token_ids) >= params.max_tokens or seq.num_tokens >= self.max_model_len:
+        if (
+            seq.prefill_only
+            or len(seq.output_token_ids) >= params.max_tokens
+            or seq.num_tokens >= self.max_model_len
+        ):
             return FinishReason.LENGTH, None
         return None
 
@@ -189,7 +207,9 @@ class Scheduler:
             member.status = SequenceStatus.FINISHED
             member.finish_reason = reason
             member.stop_reason = stop_reason
-            self.block_manager.free(member.seq_id)
+            # NOTE: a finished prefill-only sequence keeps its blocks until their KV is sent.
+            if not (member.prefill_only and reason is not FinishReason.ABORT):
+                self.block_manager.free(member.seq_id)
             if member in self.running:
                 self.running.remove(member)
             if member in self.waiting:

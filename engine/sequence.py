@@ -51,10 +51,12 @@ class Sequence:
     status: SequenceStatus = SequenceStatus.WAITING
     finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None
-    generator: torch.Generator | None = None
-    # Siblings (n > 1) not yet forked off: the first sampled token fans out to them, each drawn
-    # with its own generator, and they then share this sequence's blocks.
+    # Siblings (n > 1) not yet forked off: the first sampled token fans out to them, and they
+    # then share this sequence's blocks.
     pending_children: list[Sequence] = field(default_factory=list)
+    # A prefill-only sequence (on a prefill worker) stops after its first token and keeps its
+    # blocks until the engine is told they have been sent.
+    prefill_only: bool = False
     order: int = field(default_factory=itertools.count().__next__)
 
     @property
@@ -83,7 +85,7 @@ class Sequence:
             arrival=self.arrival,
             priority=self.priority,
             index=index,
-            generator=make_generator(self.params, index),
+            prefill_only=self.prefill_only,
         )
 
     def adopt_progress(self, parent: Sequence) -> None:
@@ -95,10 +97,16 @@ class Sequence:
         self.status = parent.status
 
 
-def make_generator(params: SamplingParams, index: int) -> torch.Generator | None:
-    """A per-sequence RNG so that a seeded request samples the same whatever it is batched with."""
-    if params.seed is None:
+def step_generator(seq: Sequence) -> torch.Generator | None:
+    """The RNG for a seeded sequence's next token, keyed by (seed, sample index, position).
+
+    NOTE: keyed rather than carried along, so a seeded request samples the same tokens whatever
+    it is batched with, after a preemption, and when its first token is drawn on a prefill
+    worker and the rest on a decode worker.
+    """
+    if seq.params.seed is None:
         return None
     gen = torch.Generator()
-    gen.manual_seed((params.seed * 1_000_003 + index) % 2**64)
+    key = (seq.params.seed * 1_000_003 + seq.index) * 1_000_003 + len(seq.output_token_ids)
+    gen.manual_seed(key % 2**64)
     return gen
