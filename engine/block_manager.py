@@ -61,9 +61,15 @@ class KVUsage:
 class BlockManager:
     """Maps each sequence to its blocks; the scheduler asks it whether work fits."""
 
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_prefix_caching: bool = True,
+        record_prefix_events: bool = False,
+    ):
         self.block_size = block_size
-        self.pool = BlockPool(num_blocks, enable_prefix_caching)
+        self.pool = BlockPool(num_blocks, enable_prefix_caching, record_prefix_events)
         self._tables: dict[SeqId, list[int]] = {}
         self._num_tokens: dict[SeqId, int] = {}
         self._hashes: dict[SeqId, list[bytes]] = {}

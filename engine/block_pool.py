@@ -27,8 +27,9 @@ class Block:
     block_id: int
     ref_count: int = 0
     block_hash: bytes | None = None
-    # The tokens a cached block holds, compared on a hit so a hash collision can never serve
-    # another prompt's KV.
+    # The tokens a cached block holds, compared on a hit: a collision between blocks of
+    # different content is caught; one between different prefixes of equal blocks is left to
+    # the 128-bit chained hash.
     token_ids: tuple[int, ...] = ()
 
 
@@ -46,11 +47,16 @@ def chain_hash(parent: bytes | None, token_ids: Sequence[int]) -> bytes:
 class BlockPool:
     """Physical blocks with reference counts and an LRU prefix cache of released blocks."""
 
-    def __init__(self, num_blocks: int, enable_caching: bool = True) -> None:
+    def __init__(
+        self, num_blocks: int, enable_caching: bool = True, record_events: bool = False
+    ) -> None:
         if num_blocks <= 0:
             raise ValueError("the KV pool needs at least one block")
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.enable_caching = enable_caching
+        # (True, hash) when a block enters the prefix cache, (False, hash) when it leaves;
+        # a decode worker mirrors them into the registry's prefix index.
+        self.events: list[tuple[bool, bytes]] | None = [] if record_events else None
         self._free: deque[int] = deque(range(num_blocks))
         self._evictable: OrderedDict[int, None] = OrderedDict()
         self._by_hash: dict[bytes, int] = {}
@@ -72,6 +78,13 @@ class BlockPool:
     def num_available(self) -> int:
         """Blocks that an allocation may take: free ones plus evictable cached ones."""
         return len(self._free) + len(self._evictable)
+
+    def drain_events(self) -> list[tuple[bool, bytes]]:
+        """Prefix-cache insertions and evictions since the last call, in order."""
+        if not self.events:
+            return []
+        events, self.events = self.events, []
+        return events
 
     def is_evictable(self, block_id: int) -> bool:
         return block_id in self._evictable
@@ -123,10 +136,14 @@ class BlockPool:
         block.block_hash = block_hash
         block.token_ids = tuple(token_ids)
         self._by_hash[block_hash] = block_id
+        if self.events is not None:
+            self.events.append((True, block_hash))
 
     def _uncache(self, block: Block) -> None:
         if block.block_hash is not None and self._by_hash.get(block.block_hash) == block.block_id:
             del self._by_hash[block.block_hash]
+            if self.events is not None:
+                self.events.append((False, block.block_hash))
         block.block_hash = None
         block.token_ids = ()
 
@@ -156,7 +173,8 @@ class BlockPool:
                 raise BlockIntegrityError(f"cached block {block.block_id} has no hash")
             if block.block_id in free and block.block_hash is not None:
                 raise BlockIntegrityError(f"free block {block.block_id} still has a hash")
-            if block.block_hash is not None and self._by_hash.get(block.block_hash) != block.block_id:
+            indexed = self._by_hash.get(block.block_hash) if block.block_hash else None
+            if block.block_hash is not None and indexed != block.block_id:
                 raise BlockIntegrityError(f"hashed block {block.block_id} is not in the index")
         for block_hash, block_id in self._by_hash.items():
             if self.blocks[block_id].block_hash != block_hash:

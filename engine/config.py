@@ -200,6 +200,8 @@ class EngineConfig:
     max_num_seqs: int = 256
     max_model_len: int | None = None
     enable_prefix_caching: bool = True
+    # Record prefix-cache insertions/evictions for a registry's prefix index (decode workers).
+    record_prefix_events: bool = False
     gpu_memory_utilization: float = 0.9
     kv_cache_memory_bytes: int = 512 * 1024 * 1024
     num_kv_blocks: int | None = None

@@ -74,7 +74,10 @@ class LLMEngine:
         self.config = size_kv_pool(self.model_config, config)
         assert self.config.num_kv_blocks is not None
         self.block_manager = BlockManager(
-            self.config.num_kv_blocks, self.config.block_size, self.config.enable_prefix_caching
+            self.config.num_kv_blocks,
+            self.config.block_size,
+            self.config.enable_prefix_caching,
+            self.config.record_prefix_events,
         )
         self.scheduler = Scheduler(
             self.config, self.block_manager, max_len, self.model_config.eos_token_ids
@@ -257,6 +260,10 @@ class LLMEngine:
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
+
+    def num_requests(self) -> int:
+        """Requests known in any state: reserved, queued, running, or held for sending."""
+        return len(self.outputs.requests) + len(self._reserved)
 
     def has_request(self, request_id: str) -> bool:
         return request_id in self.outputs.requests or request_id in self._reserved

@@ -1,0 +1,142 @@
+"""Runs an `LLMEngine` on a thread of its own, for the services.
+
+gRPC handler threads never touch the engine: they `call` a function, which the engine thread
+runs between steps, and read a request's outputs from the queue they `subscribe`d. Hooks run on
+the engine thread after each step (a prefill worker uses one to start pushing finished blocks).
+
+    handler ──call(fn)──▶ [commands] ──▶ engine thread: commands, step(), hooks ──▶ [outputs]
+    handler ◀──────────────────────────────────────────────── subscribe(request_id) queue
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future
+from typing import Any, TypeVar
+
+from engine.llm_engine import LLMEngine
+from engine.outputs import RequestOutput
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+StepHook = Callable[[LLMEngine], None]
+
+
+class EngineStopped(RuntimeError):
+    """The engine loop is not running (stopped, or it failed)."""
+
+
+class EngineLoop:
+    """Owns the engine thread. `call` and `subscribe` are safe from any thread."""
+
+    def __init__(self, engine: LLMEngine, idle_wait_s: float = 0.05) -> None:
+        self.engine = engine
+        self._commands: queue.Queue[tuple[Callable[[LLMEngine], Any], Future[Any]]] = queue.Queue()
+        self._subscribers: dict[str, queue.Queue[RequestOutput | BaseException]] = {}
+        self._hooks: list[StepHook] = []
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._idle_wait_s = idle_wait_s
+        self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
+        self.failure: BaseException | None = None
+
+    def start(self) -> EngineLoop:
+        self._thread.start()
+        return self
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        self._stop.set()
+        self._thread.join(timeout_s)
+
+    @property
+    def running(self) -> bool:
+        return self._thread.is_alive() and not self._stop.is_set()
+
+    def call(self, fn: Callable[[LLMEngine], T], timeout_s: float | None = 30.0) -> T:
+        """Run `fn(engine)` on the engine thread; return its result or raise its exception."""
+        if not self.running:
+            raise EngineStopped("the engine is not running") from self.failure
+        future: Future[T] = Future()
+        self._commands.put((fn, future))
+        return future.result(timeout_s)
+
+    def subscribe(self, request_id: str) -> queue.Queue[RequestOutput | BaseException]:
+        """A queue that receives every output of `request_id` (or the exception that ended the
+        engine). Subscribe before the request is added so nothing is missed."""
+        q: queue.Queue[RequestOutput | BaseException] = queue.Queue()
+        with self._lock:
+            self._subscribers[request_id] = q
+        return q
+
+    def unsubscribe(self, request_id: str) -> None:
+        with self._lock:
+            self._subscribers.pop(request_id, None)
+
+    def add_step_hook(self, hook: StepHook) -> None:
+        with self._lock:
+            self._hooks.append(hook)
+
+    def remove_step_hook(self, hook: StepHook) -> None:
+        with self._lock:
+            if hook in self._hooks:
+                self._hooks.remove(hook)
+
+    def _run(self) -> None:
+        try:
+            while not self._stop.is_set():
+                self._run_commands(block=not self.engine.has_unfinished_requests())
+                if self.engine.has_unfinished_requests():
+                    self._publish(self.engine.step())
+                    with self._lock:
+                        hooks = list(self._hooks)
+                    for hook in hooks:
+                        hook(self.engine)
+        except BaseException as exc:  # noqa: BLE001 - every waiter must hear about it
+            log.exception("engine loop failed")
+            self.failure = exc
+            self._stop.set()
+            with self._lock:
+                subscribers = list(self._subscribers.values())
+            for q in subscribers:
+                q.put(EngineStopped(f"engine failed: {exc!r}"))
+        finally:
+            self._fail_pending_commands()
+
+    def _run_commands(self, block: bool) -> None:
+        try:
+            fn, future = self._commands.get(timeout=self._idle_wait_s if block else 0.0)
+        except queue.Empty:
+            return
+        while True:
+            if future.set_running_or_notify_cancel():
+                try:
+                    future.set_result(fn(self.engine))
+                except Exception as exc:  # noqa: BLE001 - handed to the caller
+                    future.set_exception(exc)
+            try:
+                fn, future = self._commands.get_nowait()
+            except queue.Empty:
+                return
+
+    def _publish(self, outputs: list[RequestOutput]) -> None:
+        with self._lock:
+            for out in outputs:
+                q = self._subscribers.get(out.request_id)
+                if q is not None:
+                    q.put(out)
+
+    def publish(self, outputs: list[RequestOutput]) -> None:
+        """Deliver outputs produced by a command (e.g. a request finished on admission)."""
+        self._publish(outputs)
+
+    def _fail_pending_commands(self) -> None:
+        while True:
+            try:
+                _, future = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if future.set_running_or_notify_cancel():
+                future.set_exception(EngineStopped("the engine stopped"))
