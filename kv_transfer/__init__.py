@@ -1,0 +1,1 @@
+"""Moving KV blocks between workers and the Redis block-ownership registry."""

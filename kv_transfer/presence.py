@@ -1,0 +1,56 @@
+"""A worker's presence in the registry: registration, heartbeats with its current load, and a
+periodic housekeeping call, on one background thread."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+
+from kv_transfer.registry import Registry, WorkerInfo
+
+log = logging.getLogger(__name__)
+
+
+class Presence:
+    def __init__(
+        self,
+        registry: Registry,
+        info: Callable[[], WorkerInfo],
+        ttl_s: float = 3.0,
+        interval_s: float = 0.5,
+        on_tick: Callable[[], None] | None = None,
+    ) -> None:
+        if interval_s >= ttl_s:
+            raise ValueError("the heartbeat interval must be shorter than the TTL")
+        self.registry = registry
+        self.info = info
+        self.ttl_s = ttl_s
+        self.interval_s = interval_s
+        self.on_tick = on_tick
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="presence", daemon=True)
+
+    def start(self) -> Presence:
+        self.registry.register_worker(self.info(), self.ttl_s)
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        """Stop heartbeating and leave the registry at once (not after the TTL)."""
+        self._stop.set()
+        self._thread.join(5.0)
+        info = self.info()
+        try:
+            self.registry.deregister_worker(info.kind, info.worker_id)
+        except Exception:  # noqa: BLE001 - Redis may already be gone at shutdown
+            log.warning("could not deregister %s", info.worker_id)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            try:
+                self.registry.heartbeat(self.info(), self.ttl_s)
+                if self.on_tick is not None:
+                    self.on_tick()
+            except Exception:  # noqa: BLE001 - keep beating through transient Redis errors
+                log.exception("heartbeat or housekeeping failed")
