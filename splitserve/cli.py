@@ -1,13 +1,21 @@
 """`splitserve <command>`: the console entry point.
 
-Each subcommand lives in its own small function; services add theirs here as they land.
+up                 the whole stack (Redis, workers, gateway) until Ctrl-C
+gateway | prefill | decode   one service (compose and Kubernetes run these)
+generate           stream a reply from a running gateway
+make-tiny-model    write a tiny random-weight checkpoint
+offline            generate in-process with the offline engine
 """
 
 from __future__ import annotations
 
 import argparse
+import logging
+import os
+import signal
 import sys
-from collections.abc import Sequence
+import threading
+from collections.abc import Mapping, Sequence
 
 
 def _make_tiny_model(args: argparse.Namespace) -> int:
@@ -18,7 +26,7 @@ def _make_tiny_model(args: argparse.Namespace) -> int:
     return 0
 
 
-def _generate_offline(args: argparse.Namespace) -> int:
+def _offline(args: argparse.Namespace) -> int:
     from engine import LLM, SamplingParams
 
     llm = LLM(args.model, dtype=args.dtype)
@@ -28,15 +36,117 @@ def _generate_offline(args: argparse.Namespace) -> int:
     return 0
 
 
-def build_parser() -> argparse.ArgumentParser:
-    from engine.tiny_model import SUPPORTED_TINY_ARCHS
+def _serve(args: argparse.Namespace) -> int:
+    from splitserve import services
+    from splitserve.settings import (
+        GatewaySettings,
+        ServiceSettings,
+        WorkerSettings,
+        default_worker_id,
+        from_args,
+    )
+    from splitserve.up import ensure_default_model
 
-    parser = argparse.ArgumentParser(prog="splitserve", description=__doc__)
+    kind = "colocated" if getattr(args, "colocated", False) else args.command
+    if not args.redis_url:
+        raise ValueError("--redis-url (or SPLITSERVE_REDIS_URL) is required")
+    service = from_args(
+        ServiceSettings,
+        args,
+        model=args.model or ensure_default_model(),
+        worker_id=args.worker_id or default_worker_id(kind),
+    )
+    if args.command == "gateway":
+        running = services.start_gateway(service, from_args(GatewaySettings, args))
+    elif args.command == "prefill":
+        running = services.start_prefill(service, from_args(WorkerSettings, args))
+    else:
+        running = services.start_decode(service, from_args(WorkerSettings, args), kind)
+    print(f"{kind} {service.worker_id} serving on {running.address}", flush=True)
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    stop.wait()
+    running.stop()
+    return 0
+
+
+def _up(args: argparse.Namespace) -> int:
+    from splitserve.up import StackSettings, run_until_interrupted
+
+    return run_until_interrupted(
+        StackSettings(
+            model=args.model,
+            prefill=args.prefill,
+            decode=args.decode,
+            port=args.port,
+            redis_url=args.redis_url,
+        )
+    )
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from engine.sampling_params import SamplingParams
+    from splitserve.client import connect, stream
+
+    channel, stub = connect(args.address)
+    params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens)
+    with channel:
+        for msg in stream(stub, args.prompt, params, timeout_s=args.timeout):
+            if msg.HasField("chunk"):
+                print(msg.chunk.text, end="", flush=True)
+            else:
+                usage = msg.finished.usage
+                reason = msg.finished.samples[0].finish_reason if msg.finished.samples else 0
+                print(
+                    f"\n[{usage.prompt_tokens} prompt + {usage.completion_tokens} generated "
+                    f"tokens, {usage.cached_prompt_tokens} cached; finish {reason}]",
+                    file=sys.stderr,
+                )
+    return 0
+
+
+def build_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
+    from engine.tiny_model import SUPPORTED_TINY_ARCHS
+    from splitserve.settings import GatewaySettings, ServiceSettings, WorkerSettings, add_flags
+
+    parser = argparse.ArgumentParser(
+        prog="splitserve", description=__doc__, formatter_class=argparse.RawTextHelpFormatter
+    )
     sub = parser.add_subparsers(dest="command", required=True)
 
-    tiny = sub.add_parser(
-        "make-tiny-model", help="write a tiny random-weight HF checkpoint (no network needed)"
-    )
+    up = sub.add_parser("up", help="start Redis, the workers and the gateway; serve until Ctrl-C")
+    up.add_argument("--model", default=env.get("SPLITSERVE_MODEL"), help="HF model directory")
+    up.add_argument("--prefill", type=int, default=1, help="prefill workers (0: colocated)")
+    up.add_argument("--decode", type=int, default=1, help="decode workers")
+    up.add_argument("--port", type=int, default=0, help="gateway port (0: a free one)")
+    up.add_argument("--redis-url", default=env.get("SPLITSERVE_REDIS_URL"))
+    up.set_defaults(func=_up)
+
+    for name, help_text in [
+        ("gateway", "run the public gateway"),
+        ("prefill", "run a prefill worker"),
+        ("decode", "run a decode worker"),
+    ]:
+        p = sub.add_parser(name, help=help_text)
+        add_flags(p, ServiceSettings, env)
+        if name == "gateway":
+            add_flags(p, GatewaySettings, env)
+        else:
+            add_flags(p, WorkerSettings, env)
+        if name == "decode":
+            p.add_argument("--colocated", action="store_true", help="also prefill (no P workers)")
+        p.set_defaults(func=_serve)
+
+    gen = sub.add_parser("generate", help="stream a reply from a running gateway")
+    gen.add_argument("prompt")
+    gen.add_argument("--address", default=env.get("SPLITSERVE_ADDRESS", "127.0.0.1:50051"))
+    gen.add_argument("--max-tokens", type=int, default=64)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--timeout", type=float, default=120.0)
+    gen.set_defaults(func=_generate)
+
+    tiny = sub.add_parser("make-tiny-model", help="write a tiny random-weight HF checkpoint")
     tiny.add_argument("dir", help="output directory")
     tiny.add_argument("--arch", choices=SUPPORTED_TINY_ARCHS, default="llama")
     tiny.add_argument("--seed", type=int, default=0)
@@ -49,12 +159,17 @@ def build_parser() -> argparse.ArgumentParser:
     offline.add_argument("--dtype", default="float32")
     offline.add_argument("--temperature", type=float, default=0.0)
     offline.add_argument("--max-tokens", type=int, default=32)
-    offline.set_defaults(func=_generate_offline)
+    offline.set_defaults(func=_offline)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    env = dict(os.environ)
+    logging.basicConfig(
+        level=env.get("SPLITSERVE_LOG_LEVEL", "WARNING"),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    args = build_parser(env).parse_args(argv)
     try:
         return int(args.func(args))
     except ValueError as exc:

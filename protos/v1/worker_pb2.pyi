@@ -100,3 +100,37 @@ class DecodeFinished(_message.Message):
     samples: _containers.RepeatedCompositeFieldContainer[_common_pb2.SampleFinish]
     usage: _common_pb2.Usage
     def __init__(self, samples: _Optional[_Iterable[_Union[_common_pb2.SampleFinish, _Mapping]]] = ..., usage: _Optional[_Union[_common_pb2.Usage, _Mapping]] = ...) -> None: ...
+
+class GetStatsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class WorkerStats(_message.Message):
+    __slots__ = ("worker_id", "num_total_blocks", "num_free_blocks", "num_cached_blocks", "num_running", "num_waiting", "num_reservations", "kv_bytes_received", "kv_blocks_received", "kv_bytes_sent", "prefix_cache_hit_tokens", "num_reclaimed", "num_requests")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOTAL_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    NUM_FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    NUM_CACHED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
+    NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
+    NUM_RESERVATIONS_FIELD_NUMBER: _ClassVar[int]
+    KV_BYTES_RECEIVED_FIELD_NUMBER: _ClassVar[int]
+    KV_BLOCKS_RECEIVED_FIELD_NUMBER: _ClassVar[int]
+    KV_BYTES_SENT_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CACHE_HIT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_RECLAIMED_FIELD_NUMBER: _ClassVar[int]
+    NUM_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    num_total_blocks: int
+    num_free_blocks: int
+    num_cached_blocks: int
+    num_running: int
+    num_waiting: int
+    num_reservations: int
+    kv_bytes_received: int
+    kv_blocks_received: int
+    kv_bytes_sent: int
+    prefix_cache_hit_tokens: int
+    num_reclaimed: int
+    num_requests: int
+    def __init__(self, worker_id: _Optional[str] = ..., num_total_blocks: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_cached_blocks: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_reservations: _Optional[int] = ..., kv_bytes_received: _Optional[int] = ..., kv_blocks_received: _Optional[int] = ..., kv_bytes_sent: _Optional[int] = ..., prefix_cache_hit_tokens: _Optional[int] = ..., num_reclaimed: _Optional[int] = ..., num_requests: _Optional[int] = ...) -> None: ...

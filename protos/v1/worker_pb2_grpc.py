@@ -46,6 +46,11 @@ class PrefillWorkerStub:
                 request_serializer=protos_dot_v1_dot_common__pb2.AbortRequest.SerializeToString,
                 response_deserializer=protos_dot_v1_dot_common__pb2.AbortResponse.FromString,
                 _registered_method=True)
+        self.GetStats = channel.unary_unary(
+                '/splitserve.v1.PrefillWorker/GetStats',
+                request_serializer=protos_dot_v1_dot_worker__pb2.GetStatsRequest.SerializeToString,
+                response_deserializer=protos_dot_v1_dot_worker__pb2.WorkerStats.FromString,
+                _registered_method=True)
 
 
 class PrefillWorkerServicer:
@@ -67,6 +72,13 @@ class PrefillWorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetStats(self, request, context):
+        """Counters and KV pool state, for operators and tests.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_PrefillWorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -79,6 +91,11 @@ def add_PrefillWorkerServicer_to_server(servicer, server):
                     servicer.Abort,
                     request_deserializer=protos_dot_v1_dot_common__pb2.AbortRequest.FromString,
                     response_serializer=protos_dot_v1_dot_common__pb2.AbortResponse.SerializeToString,
+            ),
+            'GetStats': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetStats,
+                    request_deserializer=protos_dot_v1_dot_worker__pb2.GetStatsRequest.FromString,
+                    response_serializer=protos_dot_v1_dot_worker__pb2.WorkerStats.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -146,6 +163,33 @@ class PrefillWorker:
             metadata,
             _registered_method=True)
 
+    @staticmethod
+    def GetStats(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/splitserve.v1.PrefillWorker/GetStats',
+            protos_dot_v1_dot_worker__pb2.GetStatsRequest.SerializeToString,
+            protos_dot_v1_dot_worker__pb2.WorkerStats.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
 
 class DecodeWorkerStub:
     """A decode worker: holds KV blocks and runs the continuous decode batch.
@@ -171,6 +215,11 @@ class DecodeWorkerStub:
                 '/splitserve.v1.DecodeWorker/Abort',
                 request_serializer=protos_dot_v1_dot_common__pb2.AbortRequest.SerializeToString,
                 response_deserializer=protos_dot_v1_dot_common__pb2.AbortResponse.FromString,
+                _registered_method=True)
+        self.GetStats = channel.unary_unary(
+                '/splitserve.v1.DecodeWorker/GetStats',
+                request_serializer=protos_dot_v1_dot_worker__pb2.GetStatsRequest.SerializeToString,
+                response_deserializer=protos_dot_v1_dot_worker__pb2.WorkerStats.FromString,
                 _registered_method=True)
 
 
@@ -199,6 +248,13 @@ class DecodeWorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetStats(self, request, context):
+        """Counters and KV pool state, for operators and tests.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_DecodeWorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -216,6 +272,11 @@ def add_DecodeWorkerServicer_to_server(servicer, server):
                     servicer.Abort,
                     request_deserializer=protos_dot_v1_dot_common__pb2.AbortRequest.FromString,
                     response_serializer=protos_dot_v1_dot_common__pb2.AbortResponse.SerializeToString,
+            ),
+            'GetStats': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetStats,
+                    request_deserializer=protos_dot_v1_dot_worker__pb2.GetStatsRequest.FromString,
+                    response_serializer=protos_dot_v1_dot_worker__pb2.WorkerStats.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -300,6 +361,33 @@ class DecodeWorker:
             '/splitserve.v1.DecodeWorker/Abort',
             protos_dot_v1_dot_common__pb2.AbortRequest.SerializeToString,
             protos_dot_v1_dot_common__pb2.AbortResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetStats(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/splitserve.v1.DecodeWorker/GetStats',
+            protos_dot_v1_dot_worker__pb2.GetStatsRequest.SerializeToString,
+            protos_dot_v1_dot_worker__pb2.WorkerStats.FromString,
             options,
             channel_credentials,
             insecure,

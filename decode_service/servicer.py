@@ -1,0 +1,75 @@
+"""gRPC face of the decode worker: protobuf in, `DecodeWorker` call, protobuf out."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import grpc
+
+from decode_service.receiver import ReservationReceiver
+from decode_service.worker import DecodeWorker
+from protos import convert
+from protos.stats import worker_stats
+from protos.v1 import common_pb2, worker_pb2, worker_pb2_grpc
+
+
+class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
+    def __init__(self, worker: DecodeWorker, receiver: ReservationReceiver) -> None:
+        self.worker = worker
+        self.receiver = receiver
+
+    def Reserve(
+        self, request: worker_pb2.ReserveRequest, context: grpc.ServicerContext
+    ) -> worker_pb2.ReserveResponse:
+        params = convert.sampling_from_proto(request.sampling)
+        res = self.worker.reserve(request.request_id, list(request.prompt_token_ids), params)
+        settings = self.worker.settings
+        return worker_pb2.ReserveResponse(
+            destination=worker_pb2.KVDestination(
+                worker_id=settings.worker_id,
+                address=settings.address,
+                block_ids=res.block_ids,
+                num_cached_tokens=res.num_cached_tokens,
+                fence=res.fence,
+            )
+        )
+
+    def Decode(
+        self, request: worker_pb2.DecodeRequest, context: grpc.ServicerContext
+    ) -> Iterator[worker_pb2.DecodeResponse]:
+        params = convert.sampling_from_proto(request.sampling)
+        tracker = convert.DeltaTracker.for_params(params)
+        outputs = self.worker.decode(
+            request.request_id,
+            params,
+            convert.first_tokens_from_proto(request.first_tokens),
+            request.priority,
+            context.is_active,
+        )
+        for out in outputs:
+            for delta in tracker.deltas(out):
+                yield worker_pb2.DecodeResponse(chunk=delta)
+            if out.finished:
+                yield worker_pb2.DecodeResponse(
+                    finished=worker_pb2.DecodeFinished(
+                        samples=convert.finishes_to_proto(out), usage=convert.usage_to_proto(out)
+                    )
+                )
+
+    def Abort(
+        self, request: common_pb2.AbortRequest, context: grpc.ServicerContext
+    ) -> common_pb2.AbortResponse:
+        return common_pb2.AbortResponse(aborted=self.worker.abort(request.request_id))
+
+    def GetStats(
+        self, request: worker_pb2.GetStatsRequest, context: grpc.ServicerContext
+    ) -> worker_pb2.WorkerStats:
+        worker = self.worker
+        return worker_stats(
+            worker.loop,
+            worker.settings.worker_id,
+            num_reservations=len(worker.reservations),
+            kv_bytes_received=self.receiver.num_bytes_received,
+            kv_blocks_received=self.receiver.num_blocks_received,
+            num_reclaimed=worker.num_reclaimed,
+        )

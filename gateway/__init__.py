@@ -1,0 +1,1 @@
+"""The public gRPC API: validation, tokenization, routing, P->D orchestration, streaming."""

@@ -1,0 +1,1 @@
+"""The prefill worker: chunked prefill, pushing each finished block's KV to a decode worker."""

@@ -1,0 +1,149 @@
+"""Between protobuf messages and engine objects. Servicers call these and nothing else does."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from engine.outputs import RequestOutput
+from engine.sampling_params import SamplingParams
+from engine.scheduler import SampledToken
+from protos.v1 import common_pb2, worker_pb2
+
+_OPTIONAL_FIELDS = (
+    "n",
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "seed",
+    "repetition_penalty",
+    "presence_penalty",
+    "frequency_penalty",
+    "ignore_eos",
+    "max_tokens",
+    "min_tokens",
+    "logprobs",
+)
+
+FINISH_REASONS = {
+    "stop": common_pb2.FINISH_REASON_STOP,
+    "length": common_pb2.FINISH_REASON_LENGTH,
+    "abort": common_pb2.FINISH_REASON_ABORT,
+}
+
+
+def sampling_from_proto(msg: common_pb2.SamplingParams) -> SamplingParams:
+    """Unset optional fields take SamplingParams' defaults; bad values raise ValueError."""
+    kwargs: dict[str, Any] = {
+        name: getattr(msg, name) for name in _OPTIONAL_FIELDS if msg.HasField(name)
+    }
+    if "temperature" in kwargs:
+        # float32 on the wire: 0.7 arrives as 0.699999988; round to what the client meant.
+        kwargs["temperature"] = round(kwargs["temperature"], 6)
+    kwargs["stop"] = tuple(msg.stop)
+    kwargs["stop_token_ids"] = tuple(msg.stop_token_ids)
+    return SamplingParams(**kwargs)
+
+
+def sampling_to_proto(params: SamplingParams) -> common_pb2.SamplingParams:
+    msg = common_pb2.SamplingParams(stop=list(params.stop), stop_token_ids=params.stop_token_ids)
+    for name in _OPTIONAL_FIELDS:
+        value = getattr(params, name)
+        if value is not None:
+            setattr(msg, name, value)
+    return msg
+
+
+def logprobs_to_proto(token_id: int, entry: dict[int, float]) -> common_pb2.TokenLogprobs:
+    top = sorted(entry.items(), key=lambda kv: -kv[1])
+    return common_pb2.TokenLogprobs(
+        token_id=token_id,
+        logprob=entry[token_id],
+        top=[common_pb2.TopLogprob(token_id=t, logprob=lp) for t, lp in top],
+    )
+
+
+def logprobs_from_proto(msg: common_pb2.TokenLogprobs) -> dict[int, float]:
+    entry = {t.token_id: t.logprob for t in msg.top}
+    entry[msg.token_id] = msg.logprob
+    return entry
+
+
+def first_tokens_to_proto(out: RequestOutput) -> list[worker_pb2.FirstToken]:
+    tokens = []
+    for sample in out.outputs:
+        msg = worker_pb2.FirstToken(index=sample.index, token_id=sample.token_ids[0])
+        if sample.logprobs:
+            msg.logprobs.CopyFrom(logprobs_to_proto(sample.token_ids[0], sample.logprobs[0]))
+        tokens.append(msg)
+    return tokens
+
+
+def first_tokens_from_proto(msgs: Any) -> list[SampledToken]:
+    ordered = sorted(msgs, key=lambda m: m.index)
+    return [
+        SampledToken(
+            m.token_id, logprobs_from_proto(m.logprobs) if m.HasField("logprobs") else None
+        )
+        for m in ordered
+    ]
+
+
+@dataclass
+class DeltaTracker:
+    """Turns a request's cumulative outputs into per-sample deltas for streaming.
+
+    NOTE: text that could still turn out to begin a stop string is held back until the sample
+    finishes, because the engine cuts a matched stop string out of the text.
+    """
+
+    holdback: int = 0
+    _sent_tokens: dict[int, int] = field(default_factory=dict)
+    _sent_text: dict[int, int] = field(default_factory=dict)
+
+    @classmethod
+    def for_params(cls, params: SamplingParams) -> DeltaTracker:
+        return cls(holdback=max((len(s) for s in params.stop), default=1) - 1)
+
+    def deltas(self, out: RequestOutput) -> list[common_pb2.SampleDelta]:
+        result = []
+        for sample in out.outputs:
+            sent_t = self._sent_tokens.get(sample.index, 0)
+            sent_x = self._sent_text.get(sample.index, 0)
+            text_end = len(sample.text) if sample.finished else len(sample.text) - self.holdback
+            text = sample.text[sent_x:text_end] if text_end > sent_x else ""
+            new_tokens = sample.token_ids[sent_t:]
+            if not new_tokens and not text:
+                continue
+            delta = common_pb2.SampleDelta(index=sample.index, token_ids=new_tokens, text=text)
+            if sample.logprobs:
+                for i, token_id in enumerate(new_tokens, start=sent_t):
+                    delta.logprobs.append(logprobs_to_proto(token_id, sample.logprobs[i]))
+            self._sent_tokens[sample.index] = len(sample.token_ids)
+            self._sent_text[sample.index] = max(sent_x, text_end)
+            result.append(delta)
+        return result
+
+
+def finishes_to_proto(out: RequestOutput) -> list[common_pb2.SampleFinish]:
+    finishes = []
+    for sample in out.outputs:
+        msg = common_pb2.SampleFinish(
+            index=sample.index,
+            finish_reason=FINISH_REASONS.get(sample.finish_reason or "", 0),
+        )
+        if isinstance(sample.stop_reason, str):
+            msg.stop_string = sample.stop_reason
+        elif isinstance(sample.stop_reason, int):
+            msg.stop_token_id = sample.stop_reason
+        finishes.append(msg)
+    return finishes
+
+
+def usage_to_proto(out: RequestOutput) -> common_pb2.Usage:
+    return common_pb2.Usage(
+        prompt_tokens=len(out.prompt_token_ids),
+        completion_tokens=sum(len(s.token_ids) for s in out.outputs),
+        cached_prompt_tokens=out.num_cached_tokens,
+    )

@@ -1,0 +1,91 @@
+"""Helpers for end-to-end tests: a real stack (redis-server, worker and gateway processes on
+loopback), its workers' stats, and the leak check every test ends with."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import grpc
+
+from kv_transfer.registry import Registry, WorkerInfo
+from protos.v1 import gateway_pb2_grpc, worker_pb2, worker_pb2_grpc
+from splitserve.up import Stack, StackSettings, start_stack
+
+# Short leases and heartbeats so that failure tests finish quickly.
+WORKER_ARGS = (
+    "--lease-s",
+    "3",
+    "--heartbeat-ttl-s",
+    "1.5",
+    "--num-kv-blocks",
+    "400",
+    "--max-num-batched-tokens",
+    "128",
+)
+
+
+@contextmanager
+def running_stack(model_dir: str, prefill: int, decode: int) -> Iterator[Stack]:
+    stack = start_stack(
+        StackSettings(
+            model=str(model_dir), prefill=prefill, decode=decode, extra_worker_args=WORKER_ARGS
+        )
+    )
+    try:
+        yield stack
+    finally:
+        stack.stop()
+
+
+def gateway(stack: Stack) -> gateway_pb2_grpc.GatewayStub:
+    return gateway_pb2_grpc.GatewayStub(grpc.insecure_channel(stack.address))
+
+
+def workers(stack: Stack) -> list[WorkerInfo]:
+    registry = Registry(stack.redis_url)
+    try:
+        return [
+            w for kind in ("prefill", "decode", "colocated") for w in registry.live_workers(kind)
+        ]
+    finally:
+        registry.close()
+
+
+def stats(worker: WorkerInfo) -> worker_pb2.WorkerStats:
+    with grpc.insecure_channel(worker.address) as channel:
+        if worker.kind == "prefill":
+            stub = worker_pb2_grpc.PrefillWorkerStub(channel)
+        else:
+            stub = worker_pb2_grpc.DecodeWorkerStub(channel)
+        return stub.GetStats(worker_pb2.GetStatsRequest(), timeout=10)
+
+
+def leftovers(stack: Stack) -> list[str]:
+    """What is still held anywhere: blocks in use, requests known, reservations, Redis records."""
+    problems = []
+    for w in workers(stack):
+        s = stats(w)
+        if s.num_free_blocks != s.num_total_blocks:
+            problems.append(f"{w.worker_id}: {s.num_total_blocks - s.num_free_blocks} blocks held")
+        if s.num_requests or s.num_reservations:
+            problems.append(
+                f"{w.worker_id}: {s.num_requests} requests, {s.num_reservations} reservations"
+            )
+    registry = Registry(stack.redis_url)
+    try:
+        problems += [f"redis: {key}" for key in registry.request_record_keys()]
+    finally:
+        registry.close()
+    return problems
+
+
+def assert_nothing_leaks(stack: Stack, timeout_s: float = 10.0) -> None:
+    """Every worker's free blocks back to its total, no request anywhere, Redis clean."""
+    deadline = time.monotonic() + timeout_s
+    problems = leftovers(stack)
+    while problems and time.monotonic() < deadline:
+        time.sleep(0.2)
+        problems = leftovers(stack)
+    assert not problems, problems
