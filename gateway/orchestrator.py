@@ -120,7 +120,7 @@ class Orchestrator:
             if job.request_id in self._routes:
                 raise ValueError(f"request id {job.request_id!r} is already running")
             self._routes[job.request_id] = route
-            self._inflight[decode.worker_id] = self._inflight.get(decode.worker_id, 0) + 1
+        self._count(decode.worker_id, +1)
         try:
             first = self._prefill(job, route, deadline, is_active)
             stream = self.stubs.decode(decode.address).Decode(
@@ -137,7 +137,7 @@ class Orchestrator:
         finally:
             with self._lock:
                 self._routes.pop(job.request_id, None)
-                self._inflight[decode.worker_id] -= 1
+            self._count(decode.worker_id, -1)
 
     def _pick_decode(self, job: Job) -> WorkerInfo:
         workers = self.registry.live_workers("decode") + self.registry.live_workers("colocated")
@@ -190,6 +190,7 @@ class Orchestrator:
                 timeout=_remaining(deadline),
             )
             self._track(route, future)
+            self._count(prefill.worker_id, +1)
             try:
                 return list(future.result().first_tokens)
             except grpc.RpcError as err:
@@ -204,7 +205,13 @@ class Orchestrator:
                     err.code(),
                 )
                 self.num_prefill_retries += 1
+            finally:
+                self._count(prefill.worker_id, -1)
         raise AssertionError("unreachable")  # pragma: no cover
+
+    def _count(self, worker_id: str, delta: int) -> None:
+        with self._lock:
+            self._inflight[worker_id] = self._inflight.get(worker_id, 0) + delta
 
     def abort(self, request_id: str) -> bool:
         """Cancel a running request on every worker it touches; False if it is not running."""

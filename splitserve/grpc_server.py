@@ -41,6 +41,7 @@ def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
         (ValueError, grpc.StatusCode.INVALID_ARGUMENT),
         (CapacityError, grpc.StatusCode.RESOURCE_EXHAUSTED),
         (KeyError, grpc.StatusCode.NOT_FOUND),
+        (grpc.FutureCancelledError, grpc.StatusCode.CANCELLED),
         (RegistryError, grpc.StatusCode.FAILED_PRECONDITION),
         (EngineStopped, grpc.StatusCode.UNAVAILABLE),
         (TimeoutError, grpc.StatusCode.DEADLINE_EXCEEDED),

@@ -76,7 +76,7 @@ def _worker_info(kind: str, worker_id: str, address: str, engine: LLMEngine, ext
 
 def start_decode(service: ServiceSettings, worker: WorkerSettings, kind: str = "decode") -> Running:
     """A decode worker (kind "decode"), or a colocated one that also prefills ("colocated")."""
-    engine = _engine(service, worker)
+    engine = _engine(service, worker, record_prefix_events=True)
     loop = EngineLoop(engine).start()
     registry = Registry(service.redis_url)
     decode = DecodeWorker(

@@ -1,0 +1,158 @@
+"""The mission end to end: gateway -> prefill worker -> KV pushed -> decode worker -> tokens,
+across real processes with a real redis-server; outputs equal the offline engine's."""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+import pytest
+
+from engine import LLM, SamplingParams
+from splitserve.client import collect, stream
+from tests.e2e.harness import assert_nothing_leaks, gateway, running_stack, stats, workers
+from tests.engine.hf_oracle import random_prompts
+
+GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+LENGTHS = [1, 3, 17, 40, 64, 90, 130, 200, 250, 300, 12, 33, 77, 150, 5, 48]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tiny_models):
+    return tiny_models["llama"]
+
+
+@pytest.fixture(scope="module")
+def offline(model_dir):
+    llm = LLM(model_dir)
+    prompts = random_prompts(LENGTHS, llm.engine.model_config.vocab_size, seed=21)
+    outs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    return prompts, [o.outputs[0].token_ids for o in outs]
+
+
+@pytest.fixture(scope="module")
+def stack(model_dir):
+    with running_stack(model_dir, prefill=2, decode=2) as s:
+        yield s
+
+
+def _generate_all(stub, prompts, params):
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        futures = [
+            pool.submit(lambda p: collect(stream(stub, p, params, timeout_s=120)), p)
+            for p in prompts
+        ]
+        return [f.result() for f in futures]
+
+
+def test_concurrent_disaggregated_greedy_equals_offline(stack, offline):
+    prompts, expected = offline
+    results = _generate_all(gateway(stack), prompts, GREEDY)
+    assert [r.token_ids[0] for r in results] == expected
+    for r, prompt in zip(results, prompts, strict=True):
+        assert r.finished.usage.prompt_tokens == len(prompt)
+        assert r.finished.usage.completion_tokens == GREEDY.max_tokens
+        assert r.finished.samples[0].finish_reason == 2  # FINISH_REASON_LENGTH
+    # Both prefill and both decode workers took part.
+    roles = {w.worker_id: stats(w) for w in workers(stack)}
+    assert sum(1 for k, s in roles.items() if k.startswith("decode") and s.kv_bytes_received) == 2
+    assert sum(1 for k, s in roles.items() if k.startswith("prefill") and s.kv_bytes_sent) == 2
+    assert_nothing_leaks(stack)
+
+
+def test_shared_prefix_sends_fewer_bytes_to_a_decode_worker_holding_it(stack, model_dir):
+    stub = gateway(stack)
+    vocab = LLM.__name__ and 500
+    shared = random_prompts([96], vocab, seed=31)[0]
+    first, second = (shared + tail for tail in random_prompts([10, 12], vocab, seed=32))
+
+    def received() -> int:
+        return sum(stats(w).kv_bytes_received for w in workers(stack) if w.kind == "decode")
+
+    before = received()
+    one = collect(stream(stub, first, GREEDY, timeout_s=60))
+    time.sleep(1.0)  # the decode worker publishes its prefix index on its next heartbeat
+    middle = received()
+    two = collect(stream(stub, second, GREEDY, timeout_s=60))
+    after = received()
+    assert one.finished.usage.cached_prompt_tokens == 0
+    assert two.finished.usage.cached_prompt_tokens == 96
+    assert after - middle < middle - before, "the cached prefix must not be sent again"
+    assert_nothing_leaks(stack)
+
+
+BAD_REQUESTS = [
+    ({"text": ""}, {}, "prompt is empty"),
+    ({"token_ids": [5, 10**6]}, {}, "outside the vocabulary"),
+    ({"token_ids": [5, 6]}, {"temperature": -1.0}, "temperature"),
+    ({"token_ids": [5, 6]}, {"top_p": 1.5}, "top_p"),
+    ({"token_ids": [5, 6]}, {"logprobs": 50}, "logprobs"),
+    ({"token_ids": [5, 6]}, {"max_tokens": 5000}, "exceeds the model's context"),
+    ({"token_ids": [5, 6]}, {"min_tokens": 9, "max_tokens": 3}, "min_tokens"),
+    ({}, {}, "prompt is missing"),
+]
+
+
+def test_bad_inputs_get_invalid_argument_while_other_requests_keep_running(stack):
+    from protos.v1 import common_pb2, gateway_pb2
+
+    stub = gateway(stack)
+    long_params = SamplingParams(temperature=0, max_tokens=150, ignore_eos=True)
+    with ThreadPoolExecutor(1) as pool:
+        running = pool.submit(lambda: collect(stream(stub, [7] * 50, long_params, timeout_s=120)))
+        time.sleep(0.3)
+        for prompt, sampling, message in BAD_REQUESTS:
+            request = gateway_pb2.GenerateRequest(sampling=common_pb2.SamplingParams(**sampling))
+            if "text" in prompt:
+                request.text = prompt["text"]
+            if "token_ids" in prompt:
+                request.token_ids.ids.extend(prompt["token_ids"])
+            with pytest.raises(grpc.RpcError) as err:
+                list(stub.Generate(request, timeout=30))
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, (prompt, sampling)
+            assert message in err.value.details(), err.value.details()
+        done = running.result()
+    assert len(done.token_ids[0]) == 150
+    assert_nothing_leaks(stack)
+
+
+def test_cancel_during_decode_frees_blocks_everywhere(stack):
+    stub = gateway(stack)
+    params = SamplingParams(temperature=0, max_tokens=1500, ignore_eos=True)
+    call = stream(stub, [9] * 30, params, timeout_s=120)
+    got = 0
+    for msg in call:
+        got += len(msg.chunk.token_ids)
+        if got >= 5:
+            break
+    call.cancel()
+    assert_nothing_leaks(stack)
+
+
+def test_cancel_during_prefill_frees_blocks_everywhere(stack):
+    stub = gateway(stack)
+    prompt = random_prompts([1900], 500, seed=41)[0]
+    call = stream(stub, prompt, SamplingParams(max_tokens=8), request_id="cancel-me", timeout_s=120)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:  # wait until a prefill worker is busy with it
+        if any(stats(w).num_running for w in workers(stack) if w.kind == "prefill"):
+            break
+        time.sleep(0.05)
+    else:
+        pytest.fail("the prefill never started")
+    from protos.v1 import common_pb2
+
+    assert stub.Abort(common_pb2.AbortRequest(request_id="cancel-me"), timeout=10).aborted
+    with pytest.raises(grpc.RpcError) as err:
+        list(call)
+    assert err.value.code() in (grpc.StatusCode.CANCELLED, grpc.StatusCode.ABORTED)
+    assert_nothing_leaks(stack)
+
+
+def test_model_info_describes_the_model(stack):
+    from protos.v1 import gateway_pb2
+
+    info = gateway(stack).GetModelInfo(gateway_pb2.GetModelInfoRequest(), timeout=10)
+    assert info.architecture == "LlamaForCausalLM"
+    assert info.max_model_len == 2048 and info.vocab_size > 0 and info.block_size == 16
