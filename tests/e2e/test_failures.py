@@ -1,0 +1,94 @@
+"""Failures across processes: a prefill worker killed mid-request, a reservation nobody claims,
+and the colocated baseline. Nothing may hang and no block may be stranded."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+import pytest
+
+from engine import LLM, SamplingParams
+from protos import convert
+from protos.v1 import worker_pb2, worker_pb2_grpc
+from splitserve.client import collect, stream
+from tests.e2e.harness import assert_nothing_leaks, gateway, running_stack, stats, workers
+from tests.engine.hf_oracle import random_prompts
+
+GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+
+
+def test_colocated_mode_equals_offline(tiny_models):
+    model_dir = tiny_models["qwen2"]
+    llm = LLM(model_dir)
+    prompts = random_prompts([1, 20, 70, 180, 33, 300, 9, 64], 400, seed=51)
+    expected = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
+    with running_stack(model_dir, prefill=0, decode=1) as stack:
+        stub = gateway(stack)
+        with ThreadPoolExecutor(len(prompts)) as pool:
+            results = list(
+                pool.map(lambda p: collect(stream(stub, p, GREEDY, timeout_s=120)), prompts)
+            )
+        assert [r.token_ids[0] for r in results] == expected
+        assert {w.kind for w in workers(stack)} == {"colocated"}
+        assert_nothing_leaks(stack)
+
+
+@pytest.fixture(scope="module")
+def stack(tiny_models):
+    with running_stack(tiny_models["llama"], prefill=2, decode=1) as s:
+        yield s
+
+
+def test_unclaimed_reservation_is_reclaimed_when_its_lease_expires(stack):
+    decode = next(w for w in workers(stack) if w.kind == "decode")
+    with grpc.insecure_channel(decode.address) as channel:
+        stub = worker_pb2_grpc.DecodeWorkerStub(channel)
+        reply = stub.Reserve(
+            worker_pb2.ReserveRequest(
+                request_id="orphan",
+                prompt_token_ids=list(range(3, 90)),
+                sampling=convert.sampling_to_proto(GREEDY),
+            ),
+            timeout=10,
+        )
+    assert len(reply.destination.block_ids) == 6
+    held = stats(decode)
+    assert held.num_reservations == 1 and held.num_free_blocks < held.num_total_blocks
+    # Nobody prefills or decodes it: the 3 s lease runs out and the worker takes the blocks back.
+    assert_nothing_leaks(stack, timeout_s=15)
+    assert stats(decode).num_reclaimed >= 1
+
+
+def test_prefill_worker_killed_mid_request_strands_nothing(stack):
+    stub = gateway(stack)
+    prompt = random_prompts([1900], 500, seed=61)[0]
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    with ThreadPoolExecutor(1) as pool:
+        started = time.monotonic()
+        future = pool.submit(lambda: collect(stream(stub, prompt, params, timeout_s=90)))
+        victim = None
+        while victim is None and time.monotonic() - started < 30:
+            busy = [w for w in workers(stack) if w.kind == "prefill" and stats(w).num_running]
+            victim = busy[0] if busy else None
+            time.sleep(0.02)
+        assert victim is not None, "no prefill worker picked the request up"
+        proc = next(p for p in stack.processes if victim.worker_id in p.args)
+        os.kill(proc.pid, signal.SIGKILL)
+        try:
+            result = future.result(timeout=60)  # a retried success...
+            assert len(result.token_ids[0]) == 4
+        except grpc.RpcError as err:  # ...or a clear error, never a hang
+            assert err.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.ABORTED)
+            assert err.details()
+        assert time.monotonic() - started < 60
+    stack.processes.remove(proc)
+    # The killed worker's heartbeat lapses; nothing stays held on the live workers or in Redis.
+    deadline = time.monotonic() + 10
+    while any(w.worker_id == victim.worker_id for w in workers(stack)):
+        assert time.monotonic() < deadline, "the dead worker never left the registry"
+        time.sleep(0.2)
+    assert_nothing_leaks(stack, timeout_s=15)

@@ -1,0 +1,83 @@
+"""The README's serving command and examples, run as a user would: `splitserve up` as a real
+process on the embedded default model, the README's Python client, `splitserve generate`, and
+a clean shutdown on Ctrl-C."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from splitserve.up import free_port
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _readme_block(marker: str, lang: str) -> str:
+    text = (ROOT / "README.md").read_text()
+    match = re.search(rf"<!-- {marker} -->\s*```{lang}\n(.*?)```", text, re.S)
+    assert match, f"README has no {marker} block"
+    return match.group(1)
+
+
+def test_up_serves_readme_client_and_generate_then_stops_cleanly(tmp_path):
+    up_command = _readme_block("up-command", "bash").strip()
+    assert up_command.endswith("splitserve up --port 50051")
+    port = free_port("127.0.0.1")
+    env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path / "cache"), "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "splitserve.cli", "up", "--port", str(port)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
+    )
+    lines = []
+    try:
+        deadline = time.monotonic() + 180
+        assert proc.stdout is not None
+        while time.monotonic() < deadline:
+            line = proc.stdout.readline()
+            assert line, f"splitserve up exited early: {''.join(lines)}"
+            lines.append(line)
+            if "is serving on" in line:
+                break
+        assert f"127.0.0.1:{port}" in lines[-1]
+        assert (tmp_path / "cache" / "splitserve" / "tiny-llama" / "config.json").is_file()
+
+        client = _readme_block("client-example", "python").replace(
+            "127.0.0.1:50051", f"127.0.0.1:{port}"
+        )
+        ran = subprocess.run(
+            [sys.executable, "-c", client], capture_output=True, text=True, timeout=120, cwd=ROOT
+        )
+        assert ran.returncode == 0, ran.stderr
+        assert "completion_tokens: 32" in ran.stdout
+
+        gen = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "splitserve.cli",
+                "generate",
+                "Hello",
+                "--address",
+                f"127.0.0.1:{port}",
+                "--max-tokens",
+                "8",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert gen.returncode == 0, gen.stderr
+        assert "generated" in gen.stderr
+    finally:
+        proc.send_signal(signal.SIGINT)
+        out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 0, out
+    assert "stopped" in out
