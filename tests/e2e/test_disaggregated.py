@@ -156,3 +156,34 @@ def test_model_info_describes_the_model(stack):
     info = gateway(stack).GetModelInfo(gateway_pb2.GetModelInfoRequest(), timeout=10)
     assert info.architecture == "LlamaForCausalLM"
     assert info.max_model_len == 2048 and info.vocab_size > 0 and info.block_size == 16
+
+
+def test_every_server_serves_health_and_reflection(stack):
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+    from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+    addresses = [stack.address] + [w.address for w in workers(stack)]
+    for address in addresses:
+        with grpc.insecure_channel(address) as channel:
+            health = health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(service=""), timeout=10
+            )
+            assert health.status == health_pb2.HealthCheckResponse.SERVING
+            replies = reflection_pb2_grpc.ServerReflectionStub(channel).ServerReflectionInfo(
+                iter([reflection_pb2.ServerReflectionRequest(list_services="")]), timeout=10
+            )
+            names = {s.name for r in replies for s in r.list_services_response.service}
+            assert "grpc.health.v1.Health" in names
+            assert names & {
+                "splitserve.v1.Gateway",
+                "splitserve.v1.PrefillWorker",
+                "splitserve.v1.DecodeWorker",
+            }
+
+
+def test_deadline_is_enforced_and_frees_everything(stack):
+    params = SamplingParams(temperature=0, max_tokens=1900, ignore_eos=True)
+    with pytest.raises(grpc.RpcError) as err:
+        collect(stream(gateway(stack), [11] * 40, params, timeout_s=1.0))
+    assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert_nothing_leaks(stack)

@@ -92,3 +92,47 @@ def test_prefill_worker_killed_mid_request_strands_nothing(stack):
         assert time.monotonic() < deadline, "the dead worker never left the registry"
         time.sleep(0.2)
     assert_nothing_leaks(stack, timeout_s=15)
+
+
+def test_gateway_answers_unavailable_without_workers_and_resource_exhausted_when_full(stack):
+    from kv_transfer.redis_server import RedisServer
+    from splitserve.services import start_gateway
+    from splitserve.settings import GatewaySettings, ServiceSettings
+
+    with RedisServer() as empty_redis:
+        lonely = start_gateway(
+            ServiceSettings(model=stack.model, redis_url=empty_redis.url), GatewaySettings()
+        )
+        try:
+            with grpc.insecure_channel(lonely.address) as channel:
+                from protos.v1 import gateway_pb2_grpc
+
+                with pytest.raises(grpc.RpcError) as err:
+                    collect(
+                        stream(gateway_pb2_grpc.GatewayStub(channel), [5, 6], GREEDY, timeout_s=10)
+                    )
+            assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+            assert "no decode worker" in err.value.details()
+        finally:
+            lonely.stop()
+
+    small = start_gateway(
+        ServiceSettings(model=stack.model, redis_url=stack.redis_url),
+        GatewaySettings(max_inflight=1),
+    )
+    try:
+        with grpc.insecure_channel(small.address) as channel:
+            from protos.v1 import gateway_pb2_grpc
+
+            stub = gateway_pb2_grpc.GatewayStub(channel)
+            long = SamplingParams(temperature=0, max_tokens=300, ignore_eos=True)
+            first = stream(stub, [5] * 20, long, timeout_s=60)
+            head = next(first)  # it is running
+            with pytest.raises(grpc.RpcError) as err:
+                collect(stream(stub, [5, 6], GREEDY, timeout_s=10))
+            assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            rest = collect(first)
+            assert len(head.chunk.token_ids) + len(rest.token_ids[0]) == 300
+    finally:
+        small.stop()
+    assert_nothing_leaks(stack)
