@@ -13,7 +13,7 @@ from collections.abc import Collection
 import grpc
 
 from decode_service.reservations import ReservationBook
-from kv_transfer.wire import CacheLayout, PushRefused, unpack_into
+from kv_transfer.wire import Buffer, CacheLayout, PushRefused, unpack_into
 from protos.v1 import kv_transfer_pb2
 
 
@@ -43,7 +43,7 @@ class ReservationReceiver:
             )
         return res.needed
 
-    def on_blocks(self, header: kv_transfer_pb2.KVTransferHeader, payload: bytes) -> None:
+    def on_blocks(self, header: kv_transfer_pb2.KVTransferHeader, payload: Buffer) -> None:
         res = self.reservations.get(header.request_id)
         if res is None:
             raise PushRefused(

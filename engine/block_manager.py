@@ -209,10 +209,11 @@ class BlockManager:
         # The next token lands in the last block if it is partly filled; if that block is
         # shared with a forked sibling, writing in place would corrupt the sibling's KV.
         table = self._tables.get(seq_id)
-        num_tokens = self._num_tokens.get(seq_id, 0)
+        if not table:
+            return False
+        num_tokens = self._num_tokens[seq_id]
         return (
-            bool(table)
-            and num_total_tokens > num_tokens
+            num_total_tokens > num_tokens
             and num_tokens % self.block_size != 0
             and self.pool.blocks[table[-1]].ref_count > 1
         )

@@ -30,65 +30,10 @@ from typing import Any
 
 import redis
 
+from kv_transfer import registry_lua as lua
+
 WORKER_KINDS = ("prefill", "decode", "colocated")
 RECORD_STATES = ("reserved", "writing", "owned")
-
-# NOTE: fences are compared as the decimal strings Redis stores; INCR never yields leading zeros.
-_RESERVE = """
-if ARGV[4] ~= '1' and redis.call('EXISTS', KEYS[1]) == 1 then
-  return {0, redis.call('HGET', KEYS[1], 'state') or ''}
-end
-local fence = redis.call('INCR', KEYS[2])
-redis.call('DEL', KEYS[1])
-redis.call('HSET', KEYS[1], 'state', 'reserved', 'owner', ARGV[1], 'writer', '',
-           'fence', fence, 'blocks', ARGV[2])
-redis.call('PEXPIRE', KEYS[1], ARGV[3])
-return {1, fence}
-"""
-_BEGIN_WRITE = """
-local cur = redis.call('HMGET', KEYS[1], 'fence', 'state', 'writer')
-if not cur[1] then return {'missing', ''} end
-if cur[1] ~= ARGV[2] then return {'fence', cur[1]} end
-if cur[2] ~= 'reserved' and cur[2] ~= 'writing' then return {'state', cur[2]} end
-if cur[2] == 'writing' and cur[3] ~= ARGV[1] then return {'writer', cur[3]} end
-redis.call('HSET', KEYS[1], 'state', 'writing', 'writer', ARGV[1])
-redis.call('PEXPIRE', KEYS[1], ARGV[3])
-return {'ok', ''}
-"""
-_HANDOFF = """
-local cur = redis.call('HMGET', KEYS[1], 'fence', 'owner')
-if not cur[1] then return {'missing', ''} end
-if cur[1] ~= ARGV[2] then return {'fence', cur[1]} end
-if cur[2] ~= ARGV[1] then return {'owner', cur[2]} end
-redis.call('HSET', KEYS[1], 'state', 'owned')
-redis.call('PEXPIRE', KEYS[1], ARGV[3])
-return {'ok', ''}
-"""
-_RENEW = """
-if redis.call('HGET', KEYS[1], 'fence') ~= ARGV[1] then return 0 end
-return redis.call('PEXPIRE', KEYS[1], ARGV[2])
-"""
-_RELEASE = """
-if redis.call('HGET', KEYS[1], 'fence') ~= ARGV[1] then return 0 end
-return redis.call('DEL', KEYS[1])
-"""
-# KEYS[1] is the kind's id set, KEYS[i + 1] the hash of ARGV[i].
-_LIVE_WORKERS = """
-local out = {}
-for i = 2, #KEYS do
-  out[i - 1] = redis.call('HGETALL', KEYS[i])
-  if #out[i - 1] == 0 then redis.call('SREM', KEYS[1], ARGV[i - 1]) end
-end
-return out
-"""
-# NOTE: builds the per-hash keys from ARGV[2] (their common prefix), so it needs a single
-# Redis (or every key in one cluster slot); the registry does not support Redis Cluster.
-_CLEAR_PREFIX = """
-local members = redis.call('SMEMBERS', KEYS[1])
-for _, h in ipairs(members) do redis.call('SREM', ARGV[2] .. h, ARGV[1]) end
-redis.call('DEL', KEYS[1])
-return #members
-"""
 
 
 class RegistryError(Exception):
@@ -186,13 +131,13 @@ class Registry:
             raise ValueError("namespace must be non-empty")
         self._client = client
         self._ns = namespace
-        self._reserve = client.register_script(_RESERVE)
-        self._begin_write = client.register_script(_BEGIN_WRITE)
-        self._handoff = client.register_script(_HANDOFF)
-        self._renew = client.register_script(_RENEW)
-        self._release = client.register_script(_RELEASE)
-        self._live_workers = client.register_script(_LIVE_WORKERS)
-        self._clear_prefix = client.register_script(_CLEAR_PREFIX)
+        self._reserve = client.register_script(lua.RESERVE)
+        self._begin_write = client.register_script(lua.BEGIN_WRITE)
+        self._handoff = client.register_script(lua.HANDOFF)
+        self._renew = client.register_script(lua.RENEW)
+        self._release = client.register_script(lua.RELEASE)
+        self._live_workers = client.register_script(lua.LIVE_WORKERS)
+        self._clear_prefix = client.register_script(lua.CLEAR_PREFIX)
 
     @property
     def namespace(self) -> str:

@@ -131,7 +131,8 @@ def finishes_to_proto(out: RequestOutput) -> list[common_pb2.SampleFinish]:
     for sample in out.outputs:
         msg = common_pb2.SampleFinish(
             index=sample.index,
-            finish_reason=FINISH_REASONS.get(sample.finish_reason or "", 0),
+            finish_reason=FINISH_REASONS.get(sample.finish_reason or "")
+            or common_pb2.FINISH_REASON_UNSPECIFIED,
         )
         if isinstance(sample.stop_reason, str):
             msg.stop_string = sample.stop_reason

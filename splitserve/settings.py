@@ -60,7 +60,8 @@ def add_flags(
     parser: argparse.ArgumentParser, cls: type, env: Mapping[str, str], skip: tuple[str, ...] = ()
 ) -> None:
     """One `--flag` per dataclass field, its default taken from SPLITSERVE_<FIELD> if set."""
-    for name, field in cls.__dataclass_fields__.items():
+    for field in dataclasses.fields(cls):
+        name = field.name
         if name in skip:
             continue
         default = None if field.default is dataclasses.MISSING else field.default
@@ -72,7 +73,8 @@ def add_flags(
 
 
 def from_args(cls: type, args: argparse.Namespace, **overrides: Any) -> Any:
-    values = {name: getattr(args, name) for name in cls.__dataclass_fields__ if hasattr(args, name)}
+    names = [f.name for f in dataclasses.fields(cls)]
+    values = {name: getattr(args, name) for name in names if hasattr(args, name)}
     values.update(overrides)
     return cls(**values)
 

@@ -16,6 +16,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import cast
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -64,6 +65,11 @@ class Stack:
                 proc.wait()
         if self.redis is not None:
             self.redis.stop()
+
+
+def _name(proc: subprocess.Popen) -> str:
+    """The service a child runs: `python -m splitserve.cli <service> …`."""
+    return str(cast(list[str], proc.args)[3])
 
 
 def default_model_dir() -> Path:
@@ -145,7 +151,7 @@ def _wait_ready(stack: Stack, settings: StackSettings) -> None:
     decode_kind = "colocated" if settings.prefill == 0 else "decode"
     try:
         while time.monotonic() < deadline:
-            dead = [p.args[3] for p in stack.processes if p.poll() is not None]
+            dead = [_name(p) for p in stack.processes if p.poll() is not None]
             if dead:
                 raise RuntimeError(f"service(s) exited during start-up: {dead}")
             ready = (
@@ -186,7 +192,7 @@ def run_until_interrupted(settings: StackSettings) -> int:
     print("press Ctrl-C to stop", flush=True)
     try:
         while not stop.wait(0.5):
-            dead = [p.args[3] for p in stack.processes if p.poll() is not None]
+            dead = [_name(p) for p in stack.processes if p.poll() is not None]
             if dead:
                 print(f"service(s) exited: {dead}; shutting down", file=sys.stderr)
                 return 1
