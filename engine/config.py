@@ -36,8 +36,18 @@ def supported_architectures() -> tuple[str, ...]:
     return tuple(_ARCHITECTURES)
 
 
-def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
-    """Turn "float32" / "bfloat16" / "float16" (or a torch dtype) into a torch dtype."""
+def resolve_device(device: str) -> str:
+    """ "auto" picks the GPU when there is one."""
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return device
+
+
+def parse_dtype(dtype: str | torch.dtype, device: str = "cpu") -> torch.dtype:
+    """Turn "float32" / "bfloat16" / "float16" (or a torch dtype) into a torch dtype; "auto" is
+    bfloat16 on a GPU and float32 on the CPU."""
+    if dtype == "auto":
+        return torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
     if isinstance(dtype, torch.dtype):
         if dtype not in _DTYPES.values():
             raise ValueError(f"unsupported dtype {dtype}; use one of {sorted(_DTYPES)}")
@@ -206,7 +216,13 @@ class EngineConfig:
     kv_cache_memory_bytes: int = 512 * 1024 * 1024
     num_kv_blocks: int | None = None
     scheduling_policy: str = "fcfs"
-    attention_backend: str = "torch"
+    # "auto": Triton kernels on CUDA, the plain-torch backend elsewhere.
+    attention_backend: str = "auto"
+    # "safetensors" reads the checkpoint; "dummy" fills random weights of the config's shape
+    # (for benchmarks of large shapes without writing their checkpoints).
+    load_format: str = "safetensors"
+    # Capture CUDA graphs for decode batches (one per batch-size bucket).
+    enable_cuda_graphs: bool = True
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -224,6 +240,8 @@ class EngineConfig:
             raise ValueError("num_kv_blocks must be positive")
         if self.scheduling_policy not in ("fcfs", "priority"):
             raise ValueError("scheduling_policy must be 'fcfs' or 'priority'")
+        if self.load_format not in ("safetensors", "dummy"):
+            raise ValueError("load_format must be 'safetensors' or 'dummy'")
         if self.max_model_len is not None and self.max_model_len <= 1:
             raise ValueError("max_model_len must be at least 2")
 

@@ -9,7 +9,7 @@ from typing import Any
 
 from tqdm import tqdm
 
-from engine.config import EngineConfig, parse_dtype
+from engine.config import EngineConfig, parse_dtype, resolve_device
 from engine.llm_engine import LLMEngine, Prompt
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
@@ -20,15 +20,19 @@ _ENGINE_OPTIONS = {f.name for f in dataclasses.fields(EngineConfig)}
 class LLM:
     """Generate completions for a batch of prompts with continuous batching.
 
-    `options` are `EngineConfig` fields (block_size, max_num_batched_tokens, num_kv_blocks,
-    enable_prefix_caching, device, …); an unknown option is an error, not ignored.
+    `dtype` "auto" is bfloat16 on a GPU and float32 on the CPU; `device` "auto" is the GPU when
+    there is one. `options` are `EngineConfig` fields (block_size, max_num_batched_tokens,
+    num_kv_blocks, enable_prefix_caching, …); an unknown option is an error, not ignored.
     """
 
-    def __init__(self, model: str | Path, dtype: str = "float32", **options: Any) -> None:
+    def __init__(
+        self, model: str | Path, dtype: str = "auto", device: str = "auto", **options: Any
+    ) -> None:
         unknown = sorted(set(options) - _ENGINE_OPTIONS)
         if unknown:
             raise ValueError(f"unknown LLM option(s) {unknown}; valid: {sorted(_ENGINE_OPTIONS)}")
-        config = EngineConfig(dtype=parse_dtype(dtype), **options)
+        device = resolve_device(device)
+        config = EngineConfig(dtype=parse_dtype(dtype, device), device=device, **options)
         self.engine = LLMEngine(model, config)
 
     def generate(

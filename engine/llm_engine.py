@@ -27,7 +27,7 @@ from engine.sampling_params import SamplingParams
 from engine.scheduler import SampledToken, Scheduler
 from engine.sequence import FinishReason, Sequence
 from engine.tokenizer import load_tokenizer
-from engine.weights import load_weights
+from engine.weights import fill_dummy_weights, load_weights
 
 Prompt = str | SequenceABC[int]
 
@@ -49,11 +49,16 @@ def load_model(model_dir: str | Path, model_cfg: ModelConfig, config: EngineConf
     # NOTE: built on the meta device and materialised once in the target dtype, so a large
     # model never holds a float32 copy or random initial weights.
     with torch.device("meta"):
-        model = CausalLM(model_cfg, config.max_model_len or model_cfg.max_model_len)
+        model = CausalLM(
+            model_cfg, config.max_model_len or model_cfg.max_model_len, config.attention_backend
+        )
     model = model.to(dtype=config.dtype).to_empty(device=config.device)
     model.tie_weights()
     model.model.rotary.reset(config.device)
-    load_weights(model, model_dir, tied_lm_head=model_cfg.tie_word_embeddings)
+    if config.load_format == "dummy":
+        fill_dummy_weights(model, config.seed)
+    else:
+        load_weights(model, model_dir, tied_lm_head=model_cfg.tie_word_embeddings)
     return model.eval()
 
 
@@ -68,7 +73,10 @@ class LLMEngine:
             raise ValueError(
                 f"max_model_len {max_len} exceeds the model's {self.model_config.max_model_len}"
             )
-        config = dataclasses.replace(config, max_model_len=max_len)
+        backend = config.attention_backend
+        if backend == "auto":
+            backend = "triton" if torch.device(config.device).type == "cuda" else "torch"
+        config = dataclasses.replace(config, max_model_len=max_len, attention_backend=backend)
         self.tokenizer = load_tokenizer(model_dir)
         self.model = load_model(model_dir, self.model_config, config)
         self.config = size_kv_pool(self.model_config, config)

@@ -89,7 +89,7 @@ class ModelRunner:
             start = seq.num_computed_tokens
             end = start + item.num_new_tokens
             table = block_tables[seq.seq_id]
-            input_ids.extend(seq.token_ids[start:end])
+            input_ids.extend(seq.tokens_between(start, end))
             positions.extend(range(start, end))
             slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
             query_lens.append(item.num_new_tokens)

@@ -152,8 +152,11 @@ class Scheduler:
             seq = item.seq
             if seq.status is not SequenceStatus.RUNNING:
                 continue
+            before = seq.num_computed_tokens
             seq.num_computed_tokens += item.num_new_tokens
-            self.block_manager.cache_blocks(seq.seq_id, seq.token_ids, seq.num_computed_tokens)
+            bs = self.block_manager.block_size
+            if seq.num_computed_tokens // bs > before // bs:  # a block became full
+                self.block_manager.cache_blocks(seq.seq_id, seq.token_ids, seq.num_computed_tokens)
             if item.samples:
                 touched.extend(self._append_samples(seq, sampled[seq.seq_id]))
         return touched

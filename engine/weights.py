@@ -78,3 +78,14 @@ def load_weights(model: torch.nn.Module, model_dir: str | Path, *, tied_lm_head:
             f"missing {missing[:8]}{'…' if len(missing) > 8 else ''}, "
             f"unexpected {unexpected[:8]}{'…' if len(unexpected) > 8 else ''}"
         )
+
+
+@torch.no_grad()
+def fill_dummy_weights(model: torch.nn.Module, seed: int = 0) -> None:
+    """Random weights of the right shapes (norm weights 1): for benchmarks of large shapes."""
+    gen = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
+    for name, param in model.named_parameters():
+        if name.endswith("norm.weight"):
+            param.fill_(1.0)
+        else:
+            param.normal_(0.0, 0.02, generator=gen)

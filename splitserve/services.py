@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from decode_service.receiver import ReservationReceiver
 from decode_service.servicer import DecodeServicer
 from decode_service.worker import DecodeSettings, DecodeWorker
-from engine.config import EngineConfig, ModelConfig, parse_dtype
+from engine.config import EngineConfig, ModelConfig, parse_dtype, resolve_device
 from engine.engine_loop import EngineLoop
 from engine.llm_engine import LLMEngine
 from engine.tokenizer import load_tokenizer
@@ -48,10 +48,11 @@ class Running:
 def _engine(
     service: ServiceSettings, worker: WorkerSettings, record_prefix_events: bool = False
 ) -> LLMEngine:
+    device = resolve_device(worker.device)
     config = EngineConfig(
         record_prefix_events=record_prefix_events,
-        dtype=parse_dtype(worker.dtype),
-        device=worker.device,
+        dtype=parse_dtype(worker.dtype, device),
+        device=device,
         block_size=worker.block_size,
         num_kv_blocks=worker.num_kv_blocks,
         kv_cache_memory_bytes=worker.kv_cache_memory_bytes,

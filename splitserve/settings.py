@@ -35,8 +35,8 @@ class ServiceSettings:
 class WorkerSettings:
     """Engine and lease settings of a prefill or decode worker."""
 
-    dtype: str = "float32"
-    device: str = "cpu"
+    dtype: str = "auto"  # bfloat16 on a GPU, float32 on the CPU
+    device: str = "auto"  # the GPU when there is one
     block_size: int = 16
     num_kv_blocks: int | None = None
     kv_cache_memory_bytes: int = 256 * 1024 * 1024
