@@ -92,6 +92,9 @@ class LLMEngine:
         )
         kv_caches = allocate_kv_cache(self.model_config, self.config)
         self.runner = ModelRunner(self.model, kv_caches, self.config)
+        cfg = self.config
+        if cfg.enable_cuda_graphs and cfg.attention_backend == "triton" and "cuda" in cfg.device:
+            self.runner.capture_cuda_graphs()
         self.outputs = OutputProcessor(self.tokenizer)
         self._reserved: dict[str, Sequence] = {}
         self._ids = itertools.count()

@@ -6,10 +6,13 @@ SchedulerOutput ──▶ input_ids / positions / slot_mapping / block_tables �
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import torch
 
 from engine.attention import AttentionMetadata
 from engine.config import EngineConfig
+from engine.cuda_graphs import DecodeGraphs
 from engine.kv_cache import copy_blocks
 from engine.model import CausalLM
 from engine.sampler import Sampler, SamplingRow
@@ -30,6 +33,22 @@ class ModelRunner:
         self.device = torch.device(config.device)
         self.eos_token_ids = frozenset(model.cfg.eos_token_ids)
         self.sampler = Sampler()
+        self.graphs: DecodeGraphs | None = None
+
+    def capture_cuda_graphs(self) -> None:
+        """Capture decode graphs (CUDA only; the attention backend must be graph-safe)."""
+        cfg = self.config
+        assert cfg.max_model_len is not None
+        graphs = DecodeGraphs(
+            self.model,
+            self.kv_caches,
+            max_batch=cfg.max_num_seqs,
+            max_blocks_per_seq=-(-cfg.max_model_len // cfg.block_size),
+            block_size=cfg.block_size,
+            max_model_len=cfg.max_model_len,
+        )
+        graphs.capture()
+        self.graphs = graphs
 
     @torch.inference_mode()
     def execute(
@@ -37,12 +56,18 @@ class ModelRunner:
     ) -> dict[str, list[SampledToken]]:
         """Run one step; returns the sampled tokens of each sequence that samples."""
         copy_blocks(self.kv_caches, out.block_copies)
-        input_ids, positions, meta, logits_indices = self._prepare(out, block_tables)
-        hidden = self.model(input_ids, positions, self.kv_caches, meta)
+        batch = _gather(out, block_tables, self.config.block_size)
         sampling = [s.seq for s in out.scheduled if s.samples]
+        graphs = self.graphs
+        if graphs is not None and batch.is_decode and graphs.can_run(len(batch.query_lens)):
+            hidden = graphs.run(
+                batch.input_ids, batch.positions, batch.slots, batch.seq_lens, batch.tables
+            )
+        else:
+            hidden = self._forward_eager(batch)
         if not sampling:
             return {}
-        logits = self.model.compute_logits(hidden[logits_indices])
+        logits = self.model.compute_logits(hidden[self._to_dev(batch.logits_indices)])
         # A sequence about to fork samples once per sibling from the same logits row.
         row_ids: list[int] = []
         rows: list[SamplingRow] = []
@@ -73,51 +98,59 @@ class ModelRunner:
             banned_token_ids=banned,
         )
 
-    def _prepare(
-        self, out: SchedulerOutput, block_tables: dict[str, list[int]]
-    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
-        bs = self.config.block_size
-        input_ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        query_lens: list[int] = []
-        seq_lens: list[int] = []
-        logits_indices: list[int] = []
-        tables: list[list[int]] = []
-        for item in out.scheduled:
-            seq = item.seq
-            start = seq.num_computed_tokens
-            end = start + item.num_new_tokens
-            table = block_tables[seq.seq_id]
-            input_ids.extend(seq.tokens_between(start, end))
-            positions.extend(range(start, end))
-            slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
-            query_lens.append(item.num_new_tokens)
-            seq_lens.append(end)
-            tables.append(table)
-            if item.samples:
-                logits_indices.append(len(input_ids) - 1)
-        width = max(len(t) for t in tables)
-        padded = [t + [0] * (width - len(t)) for t in tables]
+    def _to_dev(self, values: list, dtype: torch.dtype = torch.int64) -> torch.Tensor:
+        return torch.tensor(values, dtype=dtype).to(self.device, non_blocking=True)
+
+    def _forward_eager(self, batch: _Batch) -> torch.Tensor:
+        width = max(len(t) for t in batch.tables)
+        padded = [t + [0] * (width - len(t)) for t in batch.tables]
         cu = [0]
-        for n in query_lens:
+        for n in batch.query_lens:
             cu.append(cu[-1] + n)
-
-        def to_dev(values: list, dtype: torch.dtype) -> torch.Tensor:
-            return torch.tensor(values, dtype=dtype).to(self.device, non_blocking=True)
-
         meta = AttentionMetadata(
-            slot_mapping=to_dev(slots, torch.int64),
-            cu_seqlens_q=to_dev(cu, torch.int32),
-            seq_lens=to_dev(seq_lens, torch.int32),
-            block_tables=to_dev(padded, torch.int32),
-            query_lens_cpu=tuple(query_lens),
-            seq_lens_cpu=tuple(seq_lens),
-            block_size=bs,
+            slot_mapping=self._to_dev(batch.slots),
+            cu_seqlens_q=self._to_dev(cu, torch.int32),
+            seq_lens=self._to_dev(batch.seq_lens, torch.int32),
+            block_tables=self._to_dev(padded, torch.int32),
+            query_lens_cpu=tuple(batch.query_lens),
+            seq_lens_cpu=tuple(batch.seq_lens),
+            block_size=self.config.block_size,
         )
-        return (
-            to_dev(input_ids, torch.int64),
-            to_dev(positions, torch.int64),
-            meta,
-            to_dev(logits_indices, torch.int64),
+        return self.model(
+            self._to_dev(batch.input_ids), self._to_dev(batch.positions), self.kv_caches, meta
         )
+
+
+@dataclass
+class _Batch:
+    """One step's inputs as host lists, before they become tensors."""
+
+    input_ids: list[int] = field(default_factory=list)
+    positions: list[int] = field(default_factory=list)
+    slots: list[int] = field(default_factory=list)
+    query_lens: list[int] = field(default_factory=list)
+    seq_lens: list[int] = field(default_factory=list)
+    tables: list[list[int]] = field(default_factory=list)
+    logits_indices: list[int] = field(default_factory=list)
+
+    @property
+    def is_decode(self) -> bool:
+        return len(self.input_ids) == len(self.query_lens)
+
+
+def _gather(out: SchedulerOutput, block_tables: dict[str, list[int]], bs: int) -> _Batch:
+    batch = _Batch()
+    for item in out.scheduled:
+        seq = item.seq
+        start = seq.num_computed_tokens
+        end = start + item.num_new_tokens
+        table = block_tables[seq.seq_id]
+        batch.input_ids.extend(seq.tokens_between(start, end))
+        batch.positions.extend(range(start, end))
+        batch.slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
+        batch.query_lens.append(item.num_new_tokens)
+        batch.seq_lens.append(end)
+        batch.tables.append(table)
+        if item.samples:
+            batch.logits_indices.append(len(batch.input_ids) - 1)
+    return batch
