@@ -1,0 +1,111 @@
+"""DESIGN.md benchmark 2: decode step time against its memory floor.
+
+    python -m bench.decode_roofline [--shape llama-3-8b] [--context 1024] [--out F]
+
+For batch 1 and 8 (Llama-3-8B shape, bf16, random weights), the median wall time of a whole
+engine step while every sequence decodes, against (weights read + KV read) / the copy bandwidth
+measured in the same run. Weights read per step: every parameter except the embedding table
+(a decode step reads only B of its rows).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from bench.common import SHAPES, copy_bandwidth, device_name, model_dir, sync, table, write_results
+
+
+def decode_step_times(engine, batch: int, context: int, steps: int) -> list[float]:
+    from engine import SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=steps + 8, ignore_eos=True)
+    for i in range(batch):
+        engine.add_request([10 + (i + j) % 5000 for j in range(context)], params)
+    while (
+        any(s.num_computed_tokens < s.num_tokens - 1 for s in engine.scheduler.running)
+        or engine.scheduler.waiting
+    ):
+        engine.step()  # prefill
+    times = []
+    for _ in range(steps):
+        sync()
+        start = time.perf_counter()
+        engine.step()
+        sync()
+        times.append(time.perf_counter() - start)
+    for seq in list(engine.scheduler.running):
+        engine.abort_request(seq.request_id)
+    return times
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="llama-3-8b")
+    parser.add_argument("--context", type=int, default=1024)
+    parser.add_argument("--steps", type=int, default=50)
+    parser.add_argument("--out", default="bench/results/decode_roofline.json")
+    args = parser.parse_args()
+    assert torch.cuda.is_available(), "this benchmark needs a GPU"
+    from engine import LLMEngine
+    from engine.config import EngineConfig
+
+    bandwidth = copy_bandwidth()
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        path = model_dir(args.shape, Path(tmp))
+        engine = LLMEngine(
+            path,
+            EngineConfig(
+                dtype=torch.bfloat16,
+                device="cuda",
+                load_format="dummy",
+                max_num_seqs=8,
+                max_model_len=args.context + args.steps + 16,
+            ),
+        )
+        cfg = engine.model_config
+        params = sum(p.numel() for p in engine.model.parameters())
+        weight_bytes = 2 * (
+            params - cfg.vocab_size * cfg.hidden_size * (not cfg.tie_word_embeddings)
+        )
+        kv_per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 2
+        for batch in (1, 8):
+            times = decode_step_times(engine, batch, args.context, args.steps)
+            step = statistics.median(times)
+            kv_bytes = batch * (args.context + args.steps // 2) * kv_per_token
+            floor = (weight_bytes + kv_bytes) / bandwidth
+            rows.append(
+                {
+                    "batch": batch,
+                    "step ms": step * 1e3,
+                    "floor ms": floor * 1e3,
+                    "ratio": step / floor,
+                    "weights GB": weight_bytes / 1e9,
+                    "KV MB": kv_bytes / 1e6,
+                }
+            )
+    results = {
+        "benchmark": "decode_roofline",
+        "device": device_name(),
+        "shape": args.shape,
+        "dtype": "bfloat16",
+        "context": args.context,
+        "copy_bandwidth_GBps": bandwidth / 1e9,
+        "rows": rows,
+    }
+    write_results(args.out, results)
+    print(
+        f"device: {device_name()}  shape: {args.shape}  bf16  context {args.context}  "
+        f"copy bandwidth {bandwidth / 1e9:.0f} GB/s"
+    )
+    print(table(rows, ["batch", "step ms", "floor ms", "ratio", "weights GB", "KV MB"]))
+
+
+if __name__ == "__main__":
+    main()

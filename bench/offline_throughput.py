@@ -1,0 +1,173 @@
+"""DESIGN.md benchmark 1: offline throughput, nano-vllm protocol, against HF static batching.
+
+    python -m bench.offline_throughput --shape qwen3-0.6b [--num-requests 256] [--out F]
+
+256 requests with input and output lengths uniform in [100, 1024], random token ids, EOS
+ignored; output tokens/s of `LLM.generate`. Baseline in the same run: HF `transformers`
+`generate` in static batches of 32 in arrival order (left padding, each batch runs to its
+longest output) on the same shape and dtype; `--baseline-batches K` times only the first K
+batches (stated in the results) because a full baseline of a large shape takes many minutes.
+Also a fixed-length grid (in/out 128/128, 1024/128, 128/1024) as output and total tokens/s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from bench.common import SHAPES, device_name, model_dir, sync, table, write_results
+
+
+def workload(num: int, seed: int, lo: int = 100, hi: int = 1024, vocab: int = 10000):
+    rng = random.Random(seed)
+    lens = [(rng.randint(lo, hi), rng.randint(lo, hi)) for _ in range(num)]
+    prompts = [[rng.randrange(10, vocab) for _ in range(n_in)] for n_in, _ in lens]
+    return prompts, [n_out for _, n_out in lens]
+
+
+def run_engine(path: Path, prompts, outputs, dtype: str) -> dict[str, Any]:
+    from engine import LLM, SamplingParams
+
+    llm = LLM(
+        path,
+        dtype=dtype,
+        load_format="dummy",
+        max_num_seqs=256,
+        max_num_batched_tokens=8192,
+        max_model_len=2048,
+    )
+    warm = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    llm.generate(prompts[:4], warm, use_tqdm=False)
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in outputs]
+    sync()
+    start = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    sync()
+    seconds = time.perf_counter() - start
+    produced = sum(len(o.outputs[0].token_ids) for o in outs)
+    assert produced == sum(outputs), "every request must produce its full output"
+    del llm
+    torch.cuda.empty_cache()
+    return {"seconds": seconds, "output_tokens": produced, "prompt_tokens": sum(map(len, prompts))}
+
+
+def run_hf(shape: str, prompts, outputs, dtype: torch.dtype, batches: int | None):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model(
+        **{k: v for k, v in SHAPES[shape].items() if k not in ("architectures",)}
+    )
+    with torch.device("cuda"):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
+    pad = 0
+    total = useful = 0
+    seconds = 0.0
+    groups = [range(i, min(i + 32, len(prompts))) for i in range(0, len(prompts), 32)]
+    for group in groups[: batches or len(groups)]:
+        batch = [prompts[i] for i in group]
+        longest_in = max(map(len, batch))
+        ids = torch.tensor([[pad] * (longest_in - len(p)) + p for p in batch], device="cuda")
+        mask = (
+            torch.arange(longest_in, device="cuda")[None, :]
+            >= torch.tensor([longest_in - len(p) for p in batch], device="cuda")[:, None]
+        )
+        longest_out = max(outputs[i] for i in group)
+        sync()
+        start = time.perf_counter()
+        with torch.inference_mode():
+            model.generate(
+                input_ids=ids,
+                attention_mask=mask.long(),
+                max_new_tokens=longest_out,
+                min_new_tokens=longest_out,
+                do_sample=False,
+                pad_token_id=pad,
+            )
+        sync()
+        seconds += time.perf_counter() - start
+        useful += sum(outputs[i] for i in group)
+        total += len(batch) * longest_out
+    del model
+    torch.cuda.empty_cache()
+    return {
+        "seconds": seconds,
+        "output_tokens": useful,
+        "generated_incl_padding": total,
+        "batches_timed": min(batches or len(groups), len(groups)),
+        "batches_total": len(groups),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="qwen3-0.6b")
+    parser.add_argument("--num-requests", type=int, default=256)
+    parser.add_argument("--baseline-batches", type=int, default=0, help="0: all")
+    parser.add_argument("--grid", action="store_true", help="also the fixed-length grid")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", default="bench/results/offline_throughput.json")
+    args = parser.parse_args()
+    assert torch.cuda.is_available(), "this benchmark needs a GPU"
+    dtype = torch.bfloat16
+    with tempfile.TemporaryDirectory() as tmp:
+        path = model_dir(args.shape, Path(tmp))
+        prompts, outputs = workload(args.num_requests, args.seed)
+        ours = run_engine(path, prompts, outputs, "bfloat16")
+        hf = run_hf(args.shape, prompts, outputs, dtype, args.baseline_batches or None)
+        rows = [
+            {
+                "system": "splitserve LLM",
+                "requests": len(prompts),
+                "out tok/s": ours["output_tokens"] / ours["seconds"],
+                "seconds": ours["seconds"],
+            },
+            {
+                "system": "HF static batch 32",
+                "requests": 32 * hf["batches_timed"],
+                "out tok/s": hf["output_tokens"] / hf["seconds"],
+                "seconds": hf["seconds"],
+            },
+        ]
+        speedup = rows[0]["out tok/s"] / rows[1]["out tok/s"]
+        grid = []
+        if args.grid:
+            for n_in, n_out in ((128, 128), (1024, 128), (128, 1024)):
+                g_prompts, _ = workload(args.num_requests, args.seed + 1, n_in, n_in)
+                res = run_engine(path, g_prompts, [n_out] * len(g_prompts), "bfloat16")
+                grid.append(
+                    {
+                        "in/out": f"{n_in}/{n_out}",
+                        "out tok/s": res["output_tokens"] / res["seconds"],
+                        "total tok/s": (res["output_tokens"] + res["prompt_tokens"])
+                        / res["seconds"],
+                    }
+                )
+    results = {
+        "benchmark": "offline_throughput",
+        "device": device_name(),
+        "shape": args.shape,
+        "config": SHAPES[args.shape],
+        "dtype": "bfloat16",
+        "ignore_eos": True,
+        "workload": f"{args.num_requests} requests, in/out uniform 100-1024, seed {args.seed}",
+        "splitserve": ours,
+        "hf_baseline": hf,
+        "speedup": speedup,
+        "grid": grid,
+    }
+    write_results(args.out, results)
+    print(f"device: {device_name()}  shape: {args.shape}  dtype: bf16  EOS ignored")
+    print(table(rows, ["system", "requests", "out tok/s", "seconds"]))
+    print(f"speedup over HF static batching: {speedup:.1f}x")
+    if grid:
+        print(table(grid, ["in/out", "out tok/s", "total tok/s"]))
+
+
+if __name__ == "__main__":
+    main()
