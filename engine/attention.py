@@ -86,8 +86,17 @@ def _torch_backend() -> type[AttentionBackend]:
     return TorchPagedAttention
 
 
+def _triton_backend() -> type[AttentionBackend]:
+    from engine.triton_attention import TritonPagedAttention
+
+    return TritonPagedAttention
+
+
 # name -> loader; imports stay lazy so a backend's dependencies load only when it is chosen.
-BACKENDS: dict[str, Callable[[], type[AttentionBackend]]] = {"torch": _torch_backend}
+BACKENDS: dict[str, Callable[[], type[AttentionBackend]]] = {
+    "torch": _torch_backend,
+    "triton": _triton_backend,
+}
 
 
 def get_attention_backend(name: str) -> type[AttentionBackend]:

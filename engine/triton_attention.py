@@ -1,0 +1,48 @@
+"""Triton paged attention: the GPU backend (it also runs on the CPU under TRITON_INTERPRET=1).
+
+Each layer's step is two or three launches: the KV-cache write, then either the split-K decode
+kernel (every sequence has exactly one query token) or the prefill/extend kernel for the whole
+batch (any mix of fresh prompts, prefill chunks over a cached prefix, and decodes). Nothing
+here reads device memory on the host, so the decode step can be captured in a CUDA graph.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from engine.attention import AttentionBackend, AttentionMetadata
+from kernels.decode_attention import decode_attention
+from kernels.kv_cache_write import write_kv_cache
+from kernels.prefill_attention import prefill_attention
+
+
+class TritonPagedAttention(AttentionBackend):
+    """Paged attention with the kernels in `kernels/`."""
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        # NOTE: the write comes first: both kernels read this step's keys from the cache.
+        write_kv_cache(k, v, kv_cache, meta.slot_mapping)
+        if meta.max_query_len == 1:
+            # NOTE: the split count comes from the block tables' width, not from seq_lens_cpu,
+            # so a CUDA graph captured with padded tables still splits for the longest context
+            # it can replay (seq_len 0 padding rows come out as zeros).
+            return decode_attention(
+                q, kv_cache, meta.block_tables, meta.seq_lens, self.scale, self.sliding_window
+            )
+        return prefill_attention(
+            q,
+            kv_cache,
+            meta.block_tables,
+            meta.cu_seqlens_q,
+            meta.seq_lens,
+            meta.max_query_len,
+            self.scale,
+            self.sliding_window,
+        )

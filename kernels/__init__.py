@@ -1,0 +1,22 @@
+"""Triton kernels for the engine's hot paths, each beside a plain-torch reference.
+
+Every module holds one kernel (or one kernel pair) with three layers:
+
+- `_*_kernel`: the `@triton.jit` function; it trusts its arguments.
+- the public wrapper (`decode_attention`, `rms_norm`, …): typed, checks shapes, dtypes, devices
+  and strides and raises a clear `ValueError` before anything is launched, then picks block
+  sizes and launches.
+- `*_ref`: the same signature in plain torch, computed the obvious way; tests compare the two.
+
+| module | public API |
+| --- | --- |
+| `kv_cache_write` | `write_kv_cache`, `write_kv_cache_ref` |
+| `decode_attention` | `decode_attention`, `decode_attention_ref`, `choose_num_splits` |
+| `prefill_attention` | `prefill_attention`, `prefill_attention_ref` |
+| `rmsnorm` | `rms_norm`, `fused_add_rms_norm` (+ `_ref`) |
+| `rotary` | `rotary_embedding`, `rotary_embedding_ref` |
+| `activation` | `silu_and_mul`, `silu_and_mul_ref` |
+
+On a machine without a GPU, set `TRITON_INTERPRET=1` before triton is first imported and pass
+CPU tensors: the kernels then run (slowly) in Triton's interpreter.
+"""

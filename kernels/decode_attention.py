@@ -1,0 +1,314 @@
+"""Paged decode attention: one query token per sequence, split-K (flash-decoding) over the context.
+
+Stage 1 runs one program per (sequence, KV head, split). It loads the query rows of every query
+head that shares the KV head (GQA), so each K/V tile is read once per KV head, walks its share of
+the context tile by tile with an online softmax, and leaves a partial output normalised by its own
+sum plus that sum's log (base 2). Stage 2 merges the splits of each (sequence, head). With one
+split, stage 1 writes the final output itself and stage 2 is skipped.
+
+    positions:  0 ....... window_start ................................. seq_len
+    tiles:      |        |[ tile ][ tile ][ tile ][ tile ][ tile ][ tile]|
+                          ^ tile_base = window_start rounded down to BLOCK_N
+    splits:               |<--- split 0 --->|<--- split 1 --->|<- split 2 ->|
+                          (whole tiles each; a split past the last tile is empty)
+
+Keys are gathered token by token through the block table (page = block_tables[pos // block_size]),
+so BLOCK_N need not match block_size and a window may start anywhere inside a page.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels._validate import (
+    check_attention,
+    check_devices,
+    check_tensor,
+    dot_precision,
+    is_interpreted,
+)
+from kernels.attention_ref import decode_attention_ref
+
+__all__ = ["choose_num_splits", "decode_attention", "decode_attention_ref"]
+
+LOG2E = math.log2(math.e)
+# Each split reads at least this many keys: below it the merge pass costs more than it saves.
+MIN_SPLIT_LEN = 256
+MAX_SPLITS = 64
+# Programs wanted per SM: several resident programs hide the latency of the gathered loads.
+PROGRAMS_PER_SM = 4
+# The interpreter has no SMs to count: it passes for a tiny GPU, so CPU runs may split too.
+INTERPRETER_NUM_SMS = 4
+
+
+@triton.jit
+def _decode_split_kernel(
+    q_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    block_tables_ptr,
+    seq_lens_ptr,
+    out_ptr,
+    part_out_ptr,
+    part_lse_ptr,
+    scale_log2e,
+    window,
+    num_splits,
+    stride_qb,
+    stride_qh,
+    stride_cblock,
+    stride_cslot,
+    stride_chead,
+    stride_bt,
+    stride_ob,
+    stride_oh,
+    stride_pb,
+    stride_ph,
+    GROUP: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    USE_WINDOW: tl.constexpr,
+    SINGLE_SPLIT: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    seq = tl.program_id(0).to(tl.int64)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    seq_len = tl.load(seq_lens_ptr + seq)
+
+    rows = tl.arange(0, BLOCK_H)
+    heads = kv_head * GROUP + rows
+    row_mask = rows < GROUP  # BLOCK_H >= 16 for tl.dot; rows past the group are padding
+    dims = tl.arange(0, HEAD_DIM)
+    q = tl.load(
+        q_ptr + seq * stride_qb + heads[:, None] * stride_qh + dims[None, :],
+        mask=row_mask[:, None],
+        other=0.0,
+    )
+
+    window_start = tl.maximum(seq_len - window, 0) if USE_WINDOW else seq_len * 0
+    tile_base = (window_start // BLOCK_N) * BLOCK_N
+    num_tiles = tl.cdiv(seq_len - tile_base, BLOCK_N)
+    tiles_per_split = tl.cdiv(num_tiles, num_splits)
+    lo = tile_base + split * tiles_per_split * BLOCK_N
+    hi = tl.minimum(lo + tiles_per_split * BLOCK_N, seq_len)
+
+    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, HEAD_DIM], tl.float32)
+    offs_n = tl.arange(0, BLOCK_N)
+    table = block_tables_ptr + seq * stride_bt
+    # NOTE: every tile in [lo, hi) holds at least one visible key (window_start itself, or the
+    # tile's first position), so the running max is finite after the first tile and the
+    # rescaling below never computes -inf - -inf.
+    for start in range(lo, hi, BLOCK_N):
+        pos = start + offs_n
+        visible = (pos >= window_start) & (pos < seq_len)
+        page = tl.load(table + pos // BLOCK_SIZE, mask=visible, other=0).to(tl.int64)
+        kv_offsets = page * stride_cblock + (pos % BLOCK_SIZE) * stride_cslot
+        kv_offsets += kv_head * stride_chead
+        k = tl.load(
+            k_cache_ptr + kv_offsets[:, None] + dims[None, :], mask=visible[:, None], other=0.0
+        )
+        scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2e
+        scores = tl.where(visible[None, :], scores, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(scores, 1))
+        p = tl.exp2(scores - m_new[:, None])
+        alpha = tl.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        # NOTE: masked keys must load as 0, not garbage: p == 0 there, but 0 * NaN is NaN.
+        v = tl.load(
+            v_cache_ptr + kv_offsets[:, None] + dims[None, :], mask=visible[:, None], other=0.0
+        )
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        m_i = m_new
+
+    # An empty split (or a seq_len == 0 padding row) has l_i == 0: it writes zeros, not NaN.
+    has_keys = l_i > 0
+    acc = acc / tl.where(has_keys, l_i, 1.0)[:, None]
+    if SINGLE_SPLIT:
+        out_ptrs = out_ptr + seq * stride_ob + heads[:, None] * stride_oh + dims[None, :]
+        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=row_mask[:, None])
+    else:
+        part = seq * stride_pb + heads * stride_ph + split  # [B, H, num_splits] row index
+        tl.store(part_out_ptr + part[:, None] * HEAD_DIM + dims[None, :], acc, row_mask[:, None])
+        lse = tl.where(has_keys, m_i + tl.log2(tl.where(has_keys, l_i, 1.0)), float("-inf"))
+        tl.store(part_lse_ptr + part, lse, mask=row_mask)
+
+
+@triton.jit
+def _decode_merge_kernel(
+    out_ptr,
+    part_out_ptr,
+    part_lse_ptr,
+    num_splits,
+    stride_ob,
+    stride_oh,
+    stride_pb,
+    stride_ph,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+):
+    seq = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    splits = tl.arange(0, BLOCK_S)
+    split_mask = splits < num_splits
+    dims = tl.arange(0, HEAD_DIM)
+    base = seq * stride_pb + head * stride_ph
+    lse = tl.load(part_lse_ptr + base + splits, mask=split_mask, other=float("-inf"))
+    lse_max = tl.max(lse, 0)
+    # All splits empty (seq_len == 0): shift by 0 so that the weights are exp2(-inf) = 0.
+    lse_max = tl.where(lse_max == float("-inf"), 0.0, lse_max)
+    weights = tl.exp2(lse - lse_max)
+    total = tl.sum(weights, 0)
+    parts = tl.load(
+        part_out_ptr + (base + splits)[:, None] * HEAD_DIM + dims[None, :],
+        mask=split_mask[:, None],
+        other=0.0,
+    )
+    merged = tl.sum(parts * weights[:, None], 0) / tl.where(total > 0, total, 1.0)
+    tl.store(
+        out_ptr + seq * stride_ob + head * stride_oh + dims,
+        merged.to(out_ptr.dtype.element_ty),
+    )
+
+
+def choose_num_splits(batch: int, num_kv_heads: int, max_seq_len: int, num_sms: int) -> int:
+    """How many splits of the context each (sequence, KV head) gets.
+
+    Without splitting there are batch * num_kv_heads programs; a small batch leaves most SMs
+    idle, so split until there are about PROGRAMS_PER_SM programs per SM, but never below
+    MIN_SPLIT_LEN keys per split nor above MAX_SPLITS.
+    """
+    wanted = triton.cdiv(PROGRAMS_PER_SM * num_sms, max(batch * num_kv_heads, 1))
+    longest = max(max_seq_len // MIN_SPLIT_LEN, 1)
+    return max(1, min(wanted, longest, MAX_SPLITS))
+
+
+def _launch_config(dtype: torch.dtype) -> tuple[int, int, int]:
+    """(BLOCK_N, num_warps, num_stages).
+
+    16-bit: 64-key tiles, 4 warps, K/V loads double-buffered (cp.async); about 80 registers and
+    38 KiB of shared memory per program on sm_90 for head_dim 128, so several programs fit on
+    an SM. float32 runs its dots on FMA units (exact "ieee" precision): half the tile and twice
+    the warps keep it from spilling registers.
+    """
+    if dtype == torch.float32:
+        return 32, 8, 2
+    return 64, 4, 2
+
+
+def decode_attention(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    sliding_window: int | None = None,
+    out: torch.Tensor | None = None,
+    *,
+    max_seq_len: int | None = None,
+    num_splits: int | None = None,
+) -> torch.Tensor:
+    """Attend each sequence's single query to its paged context; returns out [B, H, D].
+
+    q: [B, num_heads, head_dim]; kv_cache: [2, num_blocks, block_size, num_kv_heads, head_dim]
+    (contiguous, q's dtype); block_tables: [B, max_blocks] int32; seq_lens: [B] int32, the
+    context length including this step's token (0 marks a padding row: its output is zeros).
+    The query sits at position seq_len - 1 and, with `sliding_window`, sees keys at positions
+    > seq_len - 1 - sliding_window. `max_seq_len` (an upper bound, default the block tables'
+    capacity, so no device sync) and `num_splits` (default `choose_num_splits`) set the split.
+    """
+    block_size, num_kv_heads = check_attention(q, kv_cache, sliding_window)
+    batch, num_heads, head_dim = q.shape
+    check_tensor("block_tables", block_tables, ndim=2, dtypes=(torch.int32,), shape=(batch, None))
+    check_tensor("seq_lens", seq_lens, dtypes=(torch.int32,), shape=(batch,))
+    if out is None:
+        out = torch.empty_like(q)
+    check_tensor("out", out, dtypes=(q.dtype,), shape=tuple(q.shape))
+    device = check_devices(
+        _decode_split_kernel,
+        q=q,
+        kv_cache=kv_cache,
+        block_tables=block_tables,
+        seq_lens=seq_lens,
+        out=out,
+    )
+    if num_splits is not None and num_splits < 1:
+        raise ValueError(f"num_splits must be >= 1, got {num_splits}")
+    if batch == 0:
+        return out
+
+    if num_splits is None:
+        if max_seq_len is None:
+            max_seq_len = block_tables.shape[1] * block_size
+        if sliding_window is not None:
+            max_seq_len = min(max_seq_len, sliding_window)
+        if is_interpreted(_decode_split_kernel):
+            num_sms = INTERPRETER_NUM_SMS
+        else:
+            num_sms = torch.cuda.get_device_properties(device).multi_processor_count
+        num_splits = choose_num_splits(batch, num_kv_heads, max_seq_len, num_sms)
+
+    group = num_heads // num_kv_heads
+    block_n, num_warps, num_stages = _launch_config(q.dtype)
+    single = num_splits == 1
+    part_shape = (batch, num_heads, num_splits)
+    # Partials are float32 whatever q's dtype: they are summed again in the merge.
+    part_out = out if single else q.new_empty((*part_shape, head_dim), dtype=torch.float32)
+    part_lse = out if single else q.new_empty(part_shape, dtype=torch.float32)
+    k_cache, v_cache = kv_cache[0], kv_cache[1]
+    _decode_split_kernel[(batch, num_kv_heads, num_splits)](
+        q,
+        k_cache,
+        v_cache,
+        block_tables,
+        seq_lens,
+        out,
+        part_out,
+        part_lse,
+        scale * LOG2E,
+        sliding_window or 0,
+        num_splits,
+        q.stride(0),
+        q.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        block_tables.stride(0),
+        out.stride(0),
+        out.stride(1),
+        num_heads * num_splits,
+        num_splits,
+        GROUP=group,
+        BLOCK_H=max(16, triton.next_power_of_2(group)),
+        HEAD_DIM=head_dim,
+        BLOCK_SIZE=block_size,
+        BLOCK_N=block_n,
+        USE_WINDOW=sliding_window is not None,
+        SINGLE_SPLIT=single,
+        DOT_PRECISION=dot_precision(q.dtype),
+        num_warps=num_warps,
+        num_stages=num_stages,
+    )
+    if not single:
+        _decode_merge_kernel[(batch, num_heads)](
+            out,
+            part_out,
+            part_lse,
+            num_splits,
+            out.stride(0),
+            out.stride(1),
+            num_heads * num_splits,
+            num_splits,
+            HEAD_DIM=head_dim,
+            BLOCK_S=triton.next_power_of_2(num_splits),
+            num_warps=4 if head_dim >= 128 else 2,
+        )
+    return out

@@ -1,0 +1,103 @@
+"""Store this step's keys and values into the paged KV cache at their flat slots.
+
+    kv_cache[0 or 1]: [num_blocks, block_size, num_kv_heads, head_dim], contiguous, so that
+    slot = block * block_size + offset addresses one [num_kv_heads, head_dim] row:
+
+        token t ──slot_mapping[t]──▶ row `slot` of kv_cache[0] (key) and kv_cache[1] (value)
+
+A negative slot means "no cache slot": padding tokens (a CUDA graph replayed for a smaller batch)
+are skipped, not written.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels._validate import FLOAT_DTYPES, check_devices, check_tensor
+
+
+@triton.jit
+def _write_kv_cache_kernel(
+    k_ptr,
+    v_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    slot_mapping_ptr,
+    num_slots,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    stride_cslot,
+    stride_chead,
+    NUM_KV_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+):
+    token = tl.program_id(0).to(tl.int64)
+    slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
+    # NOTE: slots past the pool are skipped as well as negative ones, so a bad slot_mapping can
+    # never scribble over memory beyond the cache (the reference raises an IndexError instead).
+    if (slot < 0) | (slot >= num_slots):
+        return
+    heads = tl.arange(0, BLOCK_H)
+    dims = tl.arange(0, HEAD_DIM)
+    mask = heads[:, None] < NUM_KV_HEADS
+    k = tl.load(k_ptr + token * stride_kt + heads[:, None] * stride_kh + dims[None, :], mask=mask)
+    v = tl.load(v_ptr + token * stride_vt + heads[:, None] * stride_vh + dims[None, :], mask=mask)
+    cache_offsets = slot * stride_cslot + heads[:, None] * stride_chead + dims[None, :]
+    tl.store(k_cache_ptr + cache_offsets, k, mask=mask)
+    tl.store(v_cache_ptr + cache_offsets, v, mask=mask)
+
+
+def write_kv_cache(
+    k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    """Write k, v ([num_tokens, num_kv_heads, head_dim]) into `kv_cache`
+    ([2, num_blocks, block_size, num_kv_heads, head_dim], same dtype, contiguous) at
+    `slot_mapping` ([num_tokens] int64); tokens whose slot is negative are skipped."""
+    check_tensor("kv_cache", kv_cache, ndim=5, dtypes=FLOAT_DTYPES, contiguous=True)
+    _, num_blocks, block_size, num_kv_heads, head_dim = kv_cache.shape
+    if kv_cache.shape[0] != 2:
+        raise ValueError(f"kv_cache must have 2 (key, value) planes, got {kv_cache.shape[0]}")
+    if head_dim & (head_dim - 1):
+        raise ValueError(f"head_dim must be a power of two, got {head_dim}")
+    num_tokens = k.shape[0] if isinstance(k, torch.Tensor) else 0
+    for name, t in (("k", k), ("v", v)):
+        check_tensor(name, t, dtypes=(kv_cache.dtype,), shape=(num_tokens, num_kv_heads, head_dim))
+    check_tensor("slot_mapping", slot_mapping, dtypes=(torch.int64,), shape=(num_tokens,))
+    check_devices(_write_kv_cache_kernel, k=k, v=v, kv_cache=kv_cache, slot_mapping=slot_mapping)
+    if num_tokens == 0:
+        return
+    k_cache, v_cache = kv_cache[0], kv_cache[1]
+    _write_kv_cache_kernel[(num_tokens,)](
+        k,
+        v,
+        k_cache,
+        v_cache,
+        slot_mapping,
+        num_blocks * block_size,
+        k.stride(0),
+        k.stride(1),
+        v.stride(0),
+        v.stride(1),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        NUM_KV_HEADS=num_kv_heads,
+        HEAD_DIM=head_dim,
+        BLOCK_H=triton.next_power_of_2(num_kv_heads),
+        num_warps=4 if num_kv_heads * head_dim >= 1024 else 1,
+    )
+
+
+def write_kv_cache_ref(
+    k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    """Plain-torch `write_kv_cache`: an indexed copy of the tokens whose slot is >= 0."""
+    keep = slot_mapping >= 0
+    slots = slot_mapping[keep]
+    num_kv_heads, head_dim = kv_cache.shape[-2], kv_cache.shape[-1]
+    kv_cache[0].view(-1, num_kv_heads, head_dim)[slots] = k[keep]
+    kv_cache[1].view(-1, num_kv_heads, head_dim)[slots] = v[keep]

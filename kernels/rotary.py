@@ -1,0 +1,209 @@
+"""Rotary position embedding (neox / HF "rotate_half" style) on q and k, one program per token.
+
+    x = [x1 | x2] (halves of head_dim), rotate_half(x) = [-x2 | x1]
+    out = x * cos + rotate_half(x) * sin = [x1*c1 - x2*s1 | x2*c2 + x1*s2]
+
+cos/sin are engine/rotary.py's float32 tables [max_len, head_dim] (the halves repeat). As there,
+they are cast to q's dtype first and each product and the sum round to that dtype, so 16-bit
+results round where the engine's torch code does.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels._validate import FLOAT_DTYPES, check_devices, check_tensor
+
+__all__ = ["rotary_embedding", "rotary_embedding_ref"]
+
+
+@triton.jit
+def _rotate_heads(
+    src_ptr,
+    dst_ptr,
+    stride_src,
+    stride_dst,
+    num_heads,
+    c1,
+    c2,
+    s1,
+    s2,
+    HALF: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+):
+    """Rotate the [num_heads, 2 * HALF] rows of one token (pointers at its head 0)."""
+    dtype = dst_ptr.dtype.element_ty
+    heads = tl.arange(0, BLOCK_H)[:, None]
+    dims = tl.arange(0, HALF)[None, :]
+    mask = heads < num_heads
+    src = src_ptr + heads * stride_src + dims
+    x1 = tl.load(src, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(src + HALF, mask=mask, other=0.0).to(tl.float32)
+    # NOTE: every load of this token happens before its stores, so dst may alias src (in place).
+    o1 = (x1 * c1).to(dtype).to(tl.float32) - (x2 * s1).to(dtype).to(tl.float32)
+    o2 = (x2 * c2).to(dtype).to(tl.float32) + (x1 * s2).to(dtype).to(tl.float32)
+    dst = dst_ptr + heads * stride_dst + dims
+    tl.store(dst, o1.to(dtype), mask=mask)
+    tl.store(dst + HALF, o2.to(dtype), mask=mask)
+
+
+@triton.jit
+def _rotary_kernel(
+    q_ptr,
+    k_ptr,
+    q_out_ptr,
+    k_out_ptr,
+    positions_ptr,
+    cos_ptr,
+    sin_ptr,
+    num_heads,
+    num_kv_heads,
+    stride_qt,
+    stride_qh,
+    stride_kt,
+    stride_kh,
+    stride_qot,
+    stride_qoh,
+    stride_kot,
+    stride_koh,
+    stride_table,
+    HALF: tl.constexpr,
+    BLOCK_HQ: tl.constexpr,
+    BLOCK_HK: tl.constexpr,
+):
+    token = tl.program_id(0).to(tl.int64)
+    position = tl.load(positions_ptr + token).to(tl.int64)
+    dtype = q_ptr.dtype.element_ty
+    dims = tl.arange(0, HALF)[None, :]
+    table = position * stride_table + dims
+    # Rounded to q's dtype, then widened: the engine multiplies by `cos.to(q.dtype)`.
+    c1 = tl.load(cos_ptr + table).to(dtype).to(tl.float32)
+    c2 = tl.load(cos_ptr + table + HALF).to(dtype).to(tl.float32)
+    s1 = tl.load(sin_ptr + table).to(dtype).to(tl.float32)
+    s2 = tl.load(sin_ptr + table + HALF).to(dtype).to(tl.float32)
+    _rotate_heads(
+        q_ptr + token * stride_qt,
+        q_out_ptr + token * stride_qot,
+        stride_qh,
+        stride_qoh,
+        num_heads,
+        c1,
+        c2,
+        s1,
+        s2,
+        HALF,
+        BLOCK_HQ,
+    )
+    _rotate_heads(
+        k_ptr + token * stride_kt,
+        k_out_ptr + token * stride_kot,
+        stride_kh,
+        stride_koh,
+        num_kv_heads,
+        c1,
+        c2,
+        s1,
+        s2,
+        HALF,
+        BLOCK_HK,
+    )
+
+
+def rotary_embedding(
+    positions: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    *,
+    inplace: bool = False,
+    q_out: torch.Tensor | None = None,
+    k_out: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotate q [T, num_heads, head_dim] and k [T, num_kv_heads, head_dim] (same dtype) by the
+    rows `positions` ([T] int64) of cos/sin ([max_len, head_dim] float32, contiguous).
+
+    Returns (q_out, k_out): new tensors, the given `q_out`/`k_out`, or q and k themselves when
+    `inplace`. Positions must be < max_len (they index the tables unchecked, as the engine's
+    `cos[positions]` would on a GPU).
+    """
+    check_tensor("q", q, ndim=3, dtypes=FLOAT_DTYPES)
+    num_tokens, num_heads, head_dim = q.shape
+    check_tensor("k", k, ndim=3, dtypes=(q.dtype,), shape=(num_tokens, None, head_dim))
+    if head_dim % 2 or (head_dim // 2) & (head_dim // 2 - 1):
+        raise ValueError(f"head_dim must be twice a power of two, got {head_dim}")
+    check_tensor("positions", positions, dtypes=(torch.int64,), shape=(num_tokens,))
+    check_tensor("cos", cos, ndim=2, dtypes=(torch.float32,), contiguous=True)
+    check_tensor("sin", sin, dtypes=(torch.float32,), shape=tuple(cos.shape), contiguous=True)
+    if cos.shape[1] != head_dim:
+        raise ValueError(f"cos/sin must have head_dim ({head_dim}) columns, got {cos.shape[1]}")
+    if inplace:
+        if q_out is not None or k_out is not None:
+            raise ValueError("pass either inplace=True or q_out/k_out, not both")
+        q_out, k_out = q, k
+    q_out = torch.empty_like(q) if q_out is None else q_out
+    k_out = torch.empty_like(k) if k_out is None else k_out
+    check_tensor("q_out", q_out, dtypes=(q.dtype,), shape=tuple(q.shape))
+    check_tensor("k_out", k_out, dtypes=(q.dtype,), shape=tuple(k.shape))
+    check_devices(
+        _rotary_kernel, positions=positions, q=q, k=k, cos=cos, sin=sin, q_out=q_out, k_out=k_out
+    )
+    if num_tokens == 0:
+        return q_out, k_out
+    num_kv_heads = k.shape[1]
+    _rotary_kernel[(num_tokens,)](
+        q,
+        k,
+        q_out,
+        k_out,
+        positions,
+        cos,
+        sin,
+        num_heads,
+        num_kv_heads,
+        q.stride(0),
+        q.stride(1),
+        k.stride(0),
+        k.stride(1),
+        q_out.stride(0),
+        q_out.stride(1),
+        k_out.stride(0),
+        k_out.stride(1),
+        cos.stride(0),
+        HALF=head_dim // 2,
+        BLOCK_HQ=triton.next_power_of_2(num_heads),
+        BLOCK_HK=triton.next_power_of_2(num_kv_heads),
+        num_warps=4 if num_heads * head_dim >= 2048 else 1,
+    )
+    return q_out, k_out
+
+
+def rotary_embedding_ref(
+    positions: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    *,
+    inplace: bool = False,
+    q_out: torch.Tensor | None = None,
+    k_out: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Plain-torch `rotary_embedding`: engine/rotary.py's RotaryEmbedding.forward."""
+    c = cos[positions].unsqueeze(1).to(q.dtype)
+    s = sin[positions].unsqueeze(1).to(q.dtype)
+    half = q.shape[-1] // 2
+
+    def rotate(x: torch.Tensor) -> torch.Tensor:
+        return x * c + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * s
+
+    q_rot, k_rot = rotate(q), rotate(k)
+    if inplace:
+        q_out, k_out = q, k
+    if q_out is not None:
+        q_rot = q_out.copy_(q_rot)
+    if k_out is not None:
+        k_rot = k_out.copy_(k_rot)
+    return q_rot, k_rot

@@ -1,0 +1,124 @@
+"""Paged prefill / extend attention matches its reference: fresh prompts, chunked prefill over a
+cached prefix, decode rows mixed in, several query tiles per sequence, empty sequences, MHA and
+GQA, sliding windows narrower and wider than a tile, pages smaller and larger than a key tile."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.attention import AttentionMetadata
+from engine.torch_attention import TorchPagedAttention
+from kernels.prefill_attention import prefill_attention, prefill_attention_ref
+from tests.kernels.paged_inputs import DTYPES, GPU_DTYPES, random_paged_kv, tolerance
+
+needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+# (query_lens, seq_lens, num_heads, num_kv_heads, head_dim, block_size, sliding_window)
+CPU_CASES = [
+    ([5, 20, 1], [5, 20, 1], 4, 4, 16, 16, None),  # fresh prompts, MHA
+    ([5, 20, 1], [5, 20, 1], 8, 2, 16, 16, None),  # GQA
+    ([7, 16, 1, 1], [40, 16, 33, 1], 6, 2, 32, 16, None),  # cached prefixes + decode rows, group 3
+    ([100, 3], [130, 3], 4, 2, 16, 16, None),  # two query tiles over a cached prefix
+    ([30, 0, 12], [30, 9, 50], 4, 2, 16, 8, None),  # an empty sequence; pages < key tile
+    ([40, 9], [90, 9], 4, 1, 16, 64, None),  # pages larger than the key tile
+    ([70, 20], [70, 45], 4, 2, 16, 16, 7),  # window inside a tile: rows see no key of some tiles
+    ([70, 20], [70, 45], 4, 2, 16, 16, 50),  # window across tiles and pages
+    ([33, 1], [33, 60], 4, 2, 16, 4, 1),  # window of one key
+    ([40, 1], [70, 33], 32, 8, 128, 16, None),  # the benchmark's heads and head_dim
+]
+
+
+def _check(
+    query_lens: list[int],
+    seq_lens: list[int],
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    block_size: int,
+    window: int | None,
+    dtype: torch.dtype,
+    device: torch.device,
+    seed: int,
+) -> None:
+    paged = random_paged_kv(seq_lens, num_kv_heads, head_dim, block_size, dtype, device, seed)
+    gen = torch.Generator().manual_seed(seed + 1)
+    q = torch.randn(sum(query_lens), num_heads, head_dim, generator=gen).to(device, dtype)
+    cu = torch.tensor([0, *query_lens], dtype=torch.int32).cumsum(0).int().to(device)
+    args = (q, paged.kv_cache, paged.block_tables, cu, paged.seq_lens, max(query_lens))
+    scale = head_dim**-0.5
+    out = torch.full_like(q, float("nan"))
+    got = prefill_attention(*args, scale, window, out=out)
+    assert got is out
+    want = prefill_attention_ref(*args, scale, window)
+    atol, rtol = tolerance(dtype)
+    torch.testing.assert_close(got, want, atol=atol, rtol=rtol)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("index", range(len(CPU_CASES)))
+def test_prefill_matches_reference(index, dtype, device):
+    _check(*CPU_CASES[index], dtype, device, seed=index)
+
+
+@pytest.mark.parametrize("window", [None, 6])
+def test_reference_agrees_with_the_engine_torch_backend(window, device):
+    query_lens, seq_lens, heads, kv_heads, dim, block = [9, 1, 20], [25, 1, 20], 4, 2, 16, 8
+    paged = random_paged_kv(seq_lens, kv_heads, dim, block, torch.float32, device, seed=3)
+    q = torch.randn(sum(query_lens), heads, dim, device=device)
+    cu = torch.tensor([0, 9, 10, 30], dtype=torch.int32, device=device)
+    backend = TorchPagedAttention(heads, kv_heads, dim, 0.3, sliding_window=window)
+    # The backend writes k, v first: hand it the cache's own query-position keys.
+    slots = torch.tensor(
+        [
+            int(paged.block_tables[i, p // block]) * block + p % block
+            for i, (n_q, n) in enumerate(zip(query_lens, seq_lens, strict=True))
+            for p in range(n - n_q, n)
+        ],
+        device=device,
+    )
+    flat = paged.kv_cache.view(2, -1, kv_heads, dim)
+    meta = AttentionMetadata(
+        slot_mapping=slots,
+        cu_seqlens_q=cu,
+        seq_lens=paged.seq_lens,
+        block_tables=paged.block_tables,
+        query_lens_cpu=tuple(query_lens),
+        seq_lens_cpu=tuple(seq_lens),
+        block_size=block,
+    )
+    want = backend.forward(q, flat[0, slots], flat[1, slots], paged.kv_cache, meta)
+    got = prefill_attention_ref(
+        q, paged.kv_cache, paged.block_tables, cu, paged.seq_lens, 20, 0.3, window
+    )
+    torch.testing.assert_close(got, want)
+
+
+def test_bad_arguments_raise_before_launch(device):
+    paged = random_paged_kv([5, 9], 2, 16, 16, torch.float32, device, seed=0)
+    q = torch.randn(14, 4, 16, device=device)
+    cu = torch.tensor([0, 5, 14], dtype=torch.int32, device=device)
+    args = (paged.kv_cache, paged.block_tables)
+    with pytest.raises(ValueError, match="cu_seqlens_q must have dtype"):
+        prefill_attention(q, *args, cu.long(), paged.seq_lens, 9, 0.25)
+    with pytest.raises(ValueError, match="seq_lens must have shape"):
+        prefill_attention(q, *args, cu, paged.seq_lens[:1], 9, 0.25)
+    with pytest.raises(ValueError, match="head_dim"):
+        narrow = paged.kv_cache[..., :12].contiguous()
+        prefill_attention(q[..., :12], narrow, paged.block_tables, cu, paged.seq_lens, 9, 0.25)
+    with pytest.raises(ValueError, match="out must have dtype"):
+        prefill_attention(q, *args, cu, paged.seq_lens, 9, 0.25, out=q.double())
+
+
+@needs_gpu
+@pytest.mark.parametrize("dtype", GPU_DTYPES)
+@pytest.mark.parametrize(
+    ("query_lens", "seq_lens", "window"),
+    [
+        ([2048], [2048], None),
+        ([512, 1, 300, 1000], [4096, 700, 300, 1000], None),
+        ([777, 256], [3000, 256], 1024),
+    ],
+)
+def test_prefill_real_shapes_on_gpu(dtype, query_lens, seq_lens, window):
+    _check(query_lens, seq_lens, 32, 8, 128, 16, window, dtype, torch.device("cuda"), seed=1)
