@@ -221,6 +221,8 @@ class EngineConfig:
     # "safetensors" reads the checkpoint; "dummy" fills random weights of the config's shape
     # (for benchmarks of large shapes without writing their checkpoints).
     load_format: str = "safetensors"
+    # Detokenize every step (services stream text); off, text is made when a sample finishes.
+    stream_text: bool = True
     # Capture CUDA graphs for decode batches (one per batch-size bucket).
     enable_cuda_graphs: bool = True
     seed: int = 0

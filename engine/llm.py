@@ -32,6 +32,7 @@ class LLM:
         if unknown:
             raise ValueError(f"unknown LLM option(s) {unknown}; valid: {sorted(_ENGINE_OPTIONS)}")
         device = resolve_device(device)
+        options.setdefault("stream_text", False)  # nothing streams: decode text once, at the end
         config = EngineConfig(dtype=parse_dtype(dtype, device), device=device, **options)
         self.engine = LLMEngine(model, config)
 

@@ -59,6 +59,8 @@ def load_model(model_dir: str | Path, model_cfg: ModelConfig, config: EngineConf
         fill_dummy_weights(model, config.seed)
     else:
         load_weights(model, model_dir, tied_lm_head=model_cfg.tie_word_embeddings)
+    if torch.device(config.device).type == "cuda":
+        model.merge_projections()
     return model.eval()
 
 
@@ -95,7 +97,7 @@ class LLMEngine:
         cfg = self.config
         if cfg.enable_cuda_graphs and cfg.attention_backend == "triton" and "cuda" in cfg.device:
             self.runner.capture_cuda_graphs()
-        self.outputs = OutputProcessor(self.tokenizer)
+        self.outputs = OutputProcessor(self.tokenizer, self.config.stream_text)
         self._reserved: dict[str, Sequence] = {}
         self._ids = itertools.count()
 

@@ -23,12 +23,27 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.is_cuda:
+            from kernels.rmsnorm import rms_norm  # GPU only: triton loads on first use
+
+            return rms_norm(x, self.weight, self.eps)
         # NOTE: normalise in float32 and scale after casting back, exactly as HF does, so that
         # float32 outputs agree token for token and bf16 outputs agree within rounding.
         dtype = x.dtype
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * h.to(dtype)
+
+    def add_and_norm(
+        self, x: torch.Tensor, residual: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(x + residual), x + residual): one fused kernel on a GPU."""
+        if x.is_cuda:
+            from kernels.rmsnorm import fused_add_rms_norm
+
+            return fused_add_rms_norm(x, residual, self.weight, self.eps)
+        residual = residual + x
+        return self(residual), residual
 
 
 class Attention(nn.Module):
@@ -45,6 +60,14 @@ class Attention(nn.Module):
         # Shared across layers; kept out of the module tree so it is not registered per layer.
         self._rotary = (rotary,)
         self.backend = backend
+        self.qkv_weight: torch.Tensor | None = None
+        self.qkv_bias: torch.Tensor | None = None
+
+    def merge_projections(self) -> None:
+        """Put q/k/v weights into one tensor (the three Linear weights become views of it)."""
+        self.qkv_weight = _merge(self.q_proj, self.k_proj, self.v_proj, "weight")
+        if self.cfg.qkv_bias:
+            self.qkv_bias = _merge(self.q_proj, self.k_proj, self.v_proj, "bias")
 
     def forward(
         self,
@@ -54,12 +77,23 @@ class Attention(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         cfg = self.cfg
-        q = self.q_proj(x).view(-1, cfg.num_heads, cfg.head_dim)
-        k = self.k_proj(x).view(-1, cfg.num_kv_heads, cfg.head_dim)
-        v = self.v_proj(x).view(-1, cfg.num_kv_heads, cfg.head_dim)
+        if self.qkv_weight is not None:  # merged projection on a GPU: one GEMM, not three
+            qkv = F.linear(x, self.qkv_weight, self.qkv_bias)
+            q, k, v = qkv.split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q = q.reshape(-1, cfg.num_heads, cfg.head_dim)
+        k = k.reshape(-1, cfg.num_kv_heads, cfg.head_dim)
+        v = v.reshape(-1, cfg.num_kv_heads, cfg.head_dim)
         if cfg.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self._rotary[0](positions, q, k)
+        rotary = self._rotary[0]
+        if q.is_cuda:
+            from kernels.rotary import rotary_embedding
+
+            q, k = rotary_embedding(positions, q, k, rotary.cos, rotary.sin)
+        else:
+            q, k = rotary(positions, q, k)
         out = self.backend.forward(q, k, v, kv_cache, meta)
         return self.o_proj(out.reshape(-1, cfg.q_size))
 
@@ -71,8 +105,29 @@ class MLP(nn.Module):
         self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
+        self.gate_up_weight: torch.Tensor | None = None
+
+    def merge_projections(self) -> None:
+        self.gate_up_weight = _merge(self.gate_proj, self.up_proj, None, "weight")
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gate_up_weight is not None:
+            from kernels.activation import silu_and_mul
+
+            return self.down_proj(silu_and_mul(F.linear(x, self.gate_up_weight)))
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+def _merge(a: nn.Linear, b: nn.Linear, c: nn.Linear | None, name: str) -> torch.Tensor:
+    """Concatenate the parameters `name` of a, b (and c) along the output dim; each module's
+    parameter then views its slice, so memory is not doubled and reloading stays possible."""
+    parts = [getattr(m, name) for m in (a, b, c) if m is not None]
+    merged = torch.cat([p.data for p in parts])
+    start = 0
+    for p in parts:
+        p.data = merged[start : start + p.shape[0]]
+        start += p.shape[0]
+    return merged
 
 
 class DecoderLayer(nn.Module):
@@ -87,11 +142,22 @@ class DecoderLayer(nn.Module):
         self,
         positions: torch.Tensor,
         x: torch.Tensor,
+        residual: torch.Tensor | None,
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
-    ) -> torch.Tensor:
-        x = x + self.self_attn(positions, self.input_layernorm(x), kv_cache, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Returns (this layer's output, the residual stream before it is added back).
+
+        NOTE: the residual addition is deferred into the next norm (fused on a GPU); on the
+        CPU the additions happen in HF's order, so float32 results stay identical.
+        """
+        if residual is None:
+            residual, h = x, self.input_layernorm(x)
+        else:
+            h, residual = self.input_layernorm.add_and_norm(x, residual)
+        h = self.self_attn(positions, h, kv_cache, meta)
+        h, residual = self.post_attention_layernorm.add_and_norm(h, residual)
+        return self.mlp(h), residual
 
 
 class DecoderModel(nn.Module):
@@ -135,9 +201,18 @@ class CausalLM(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         x = self.model.embed_tokens(input_ids)
+        residual: torch.Tensor | None = None
         for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
-            x = layer(positions, x, kv_cache, meta)
-        return self.model.norm(x)
+            x, residual = layer(positions, x, residual, kv_cache, meta)
+        assert residual is not None
+        return self.model.norm.add_and_norm(x, residual)[0]
+
+    def merge_projections(self) -> None:
+        """GPU layout: one GEMM for q/k/v and one for gate/up in every layer."""
+        for layer in self.model.layers:
+            assert isinstance(layer, DecoderLayer)
+            layer.self_attn.merge_projections()
+            layer.mlp.merge_projections()
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)

@@ -32,8 +32,11 @@ class StopStringHit:
 
 
 class OutputProcessor:
-    def __init__(self, tokenizer: PreTrainedTokenizerBase | None) -> None:
+    def __init__(self, tokenizer: PreTrainedTokenizerBase | None, stream_text: bool = True) -> None:
+        """With `stream_text` off (offline use), text is decoded when a sequence finishes, or
+        step by step only for sequences with stop strings: decoding is costly per step."""
         self.tokenizer = tokenizer
+        self.stream_text = stream_text
         self.requests: dict[str, RequestState] = {}
 
     def add(self, state: RequestState) -> None:
@@ -49,12 +52,13 @@ class OutputProcessor:
             state = self.requests.get(seq.request_id)
             if state is None or self.tokenizer is None:
                 continue
+            if not (self.stream_text or seq.params.stop or seq.is_finished):
+                continue  # offline: text is made once, at the end
             detok = state.detokenizers.get(seq.seq_id)
             if detok is None:
                 detok = IncrementalDetokenizer(self.tokenizer, seq.prompt_token_ids)
-                detok.add(seq.output_token_ids[:-1])
                 state.detokenizers[seq.seq_id] = detok
-            delta = detok.add(seq.output_token_ids[-1:])
+            delta = detok.add(seq.output_token_ids[detok.num_fed :], final=seq.is_finished)
             text = detok.text
             stops = seq.params.stop
             if delta and stops and len(seq.output_token_ids) > seq.params.min_tokens:

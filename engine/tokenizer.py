@@ -33,14 +33,17 @@ class IncrementalDetokenizer:
         self._prefix_offset = 0
         self._read_offset = len(self._tokens)
         self.text = ""
+        self.num_fed = 0  # generated tokens fed so far
 
-    def add(self, token_ids: list[int]) -> str:
-        """Feed new token ids; return the text they complete (possibly empty)."""
+    def add(self, token_ids: list[int], final: bool = False) -> str:
+        """Feed new token ids; return the text they complete (possibly empty). `final` flushes
+        a held-back incomplete character (as U+FFFD): nothing more will come."""
+        self.num_fed += len(token_ids)
         self._tokens.extend(token_ids)
         decode = self._decode
         prefix_text = decode(self._tokens[self._prefix_offset : self._read_offset])
         full_text = decode(self._tokens[self._prefix_offset :])
-        if full_text.endswith("\ufffd") or len(full_text) <= len(prefix_text):
+        if (full_text.endswith("\ufffd") and not final) or len(full_text) <= len(prefix_text):
             return ""
         delta = full_text[len(prefix_text) :]
         self._prefix_offset = self._read_offset

@@ -109,7 +109,14 @@ def test_stop_string_cuts_text_and_finishes(llm):
     base = llm.generate(
         prompt, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True), use_tqdm=False
     )[0].outputs[0]
-    middle = [i for i in range(len(base.text) // 2, len(base.text)) if not base.text[i].isspace()]
+    text = base.text
+    middle = [
+        i
+        for i in range(len(text) // 4, 3 * len(text) // 4)
+        if text[i : i + 2].isprintable()
+        and not text[i : i + 2].isspace()
+        and "\ufffd" not in text[i : i + 2]
+    ]
     assert middle, f"greedy text {base.text!r} has no usable stop string"
     stop = base.text[middle[0] : middle[0] + 2]
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, stop=[stop])

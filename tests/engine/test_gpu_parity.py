@@ -31,14 +31,23 @@ def model_dir(tmp_path_factory):
     )
 
 
-@pytest.fixture(scope="module")
-def hf(model_dir):
+def _hf(model_dir, dtype):
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).cuda().eval()
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).cuda().eval()
 
 
-def test_gpu_bf16_logits_within_tolerance_and_greedy_agreement_rate(model_dir, hf):
+@torch.inference_mode()
+def _chosen_logprobs(model, prompt: list[int], tokens: list[int]) -> torch.Tensor:
+    """Teacher-forced log-probabilities of `tokens` after `prompt`, in float32."""
+    ids = torch.tensor([prompt + tokens], device="cuda")
+    logprobs = torch.log_softmax(model(ids).logits[0, len(prompt) - 1 : -1].float(), -1)
+    return logprobs[torch.arange(len(tokens)), torch.tensor(tokens, device="cuda")].cpu()
+
+
+def test_gpu_bf16_logprobs_within_bf16_error_and_greedy_agreement_rate(model_dir):
+    """bf16 tolerance is measured, not assumed: HF's own bf16 error against HF float32 on the
+    same weights is the yardstick for ours."""
     llm = LLM(model_dir, dtype="bfloat16", device="cuda")
     assert llm.engine.config.attention_backend == "triton"
     assert llm.engine.runner.graphs is not None
@@ -49,27 +58,26 @@ def test_gpu_bf16_logits_within_tolerance_and_greedy_agreement_rate(model_dir, h
     )
     params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True, logprobs=1)
     outs = llm.generate(prompts, params, use_tqdm=False)
-    agree = 0
-    worst = 0.0
+    hf32, hf16 = _hf(model_dir, torch.float32), _hf(model_dir, torch.bfloat16)
+    agree, err_ours, err_hf = 0, 0.0, 0.0
     for prompt, out in zip(prompts, outs, strict=True):
         tokens = out.outputs[0].token_ids
-        with torch.inference_mode():
-            ids = torch.tensor([prompt + tokens], device="cuda")
-            ref = torch.log_softmax(hf(ids).logits[0, len(prompt) - 1 : -1].float(), -1)
+        truth = _chosen_logprobs(hf32, prompt, tokens)
         ours = torch.tensor([lp[t] for lp, t in zip(out.outputs[0].logprobs, tokens, strict=True)])
-        theirs = ref[torch.arange(len(tokens)), torch.tensor(tokens, device="cuda")].cpu()
-        worst = max(worst, (ours - theirs).abs().max().item())
-        hf_tokens = hf.generate(
-            torch.tensor([prompt], device="cuda"),
-            max_new_tokens=32,
-            min_new_tokens=32,
-            do_sample=False,
-            pad_token_id=0,
-        )
+        err_ours = max(err_ours, (ours - truth).abs().max().item())
+        err_hf = max(err_hf, (_chosen_logprobs(hf16, prompt, tokens) - truth).abs().max().item())
+        with torch.inference_mode():
+            hf_tokens = hf16.generate(
+                torch.tensor([prompt], device="cuda"),
+                max_new_tokens=32,
+                min_new_tokens=32,
+                do_sample=False,
+                pad_token_id=0,
+            )
         agree += hf_tokens[0, len(prompt) :].tolist() == tokens
     print(
-        f"\nGPU bf16: greedy 32-token agreement {agree}/{len(prompts)}, "
-        f"max |logprob diff| of chosen tokens {worst:.4f}"
+        f"\nGPU bf16 vs HF float32, max |logprob error| of chosen tokens: ours {err_ours:.4f}, "
+        f"HF bf16 {err_hf:.4f}; greedy 32-token agreement with HF bf16: {agree}/{len(prompts)}"
     )
-    assert worst < 0.25, "logprobs must agree within bf16 tolerance"
-    assert agree >= len(prompts) // 2
+    assert err_ours <= 2 * err_hf + 0.02, "ours must be as close to float32 as HF's own bf16"
+    assert agree >= len(prompts) // 2, "greedy tokens must agree for most prompts"
