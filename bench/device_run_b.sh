@@ -1,0 +1,12 @@
+#!/usr/bin/env bash
+# Second device call: re-checks after the fused GPU path, split sweep, roofline, throughput.
+set -uo pipefail
+export PYTHONUNBUFFERED=1 PYTHONPATH=.
+OUT=${OUT:-bench/results}
+mkdir -p "$OUT"
+step() { local name=$1; shift; echo "=== $name"; local t0=$SECONDS; "$@" > "$OUT/$name.log" 2>&1; local rc=$?; tail -n "${TAIL:-8}" "$OUT/$name.log"; echo "=== $name rc=$rc in $((SECONDS - t0)) s"; }
+step kernel_tests python3 -m pytest tests/kernels -q -p no:cacheprovider
+step gpu_parity python3 -m pytest tests/engine/test_gpu_parity.py -q -s -p no:cacheprovider
+TAIL=40 step split_sweep python3 -m bench.decode_split_sweep
+step roofline python3 -m bench.decode_roofline --out "$OUT/roofline.json"
+TAIL=10 step throughput_qwen3 python3 -m bench.offline_throughput --shape qwen3-0.6b --baseline-batches 2 --out "$OUT/throughput_qwen3.json"
