@@ -28,9 +28,10 @@ def main() -> None:
         for splits in sorted({1, 2, 4, 8, 12, 16, 24, 32, default}):
             if splits > context // 64:
                 continue
+            args = (q, cache, tables, lens, 0.088)
             ms = triton.testing.do_bench(
-                lambda s=splits: decode_attention(
-                    q, cache, tables, lens, 0.088, max_seq_len=context, num_splits=s
+                lambda a=args, c=context, s=splits: decode_attention(
+                    *a, max_seq_len=c, num_splits=s
                 ),
                 return_mode="median",
             )
