@@ -86,7 +86,8 @@ class Attention(nn.Module):
         k = k.reshape(-1, cfg.num_kv_heads, cfg.head_dim)
         v = v.reshape(-1, cfg.num_kv_heads, cfg.head_dim)
         if cfg.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
+            # The GPU norm kernel wants whole rows; q and k are strided views of the qkv GEMM.
+            q, k = self.q_norm(q.contiguous()), self.k_norm(k.contiguous())
         rotary = self._rotary[0]
         if q.is_cuda:
             from kernels.rotary import rotary_embedding

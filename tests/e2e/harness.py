@@ -6,6 +6,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import Any
 
 import grpc
 
@@ -27,10 +28,15 @@ WORKER_ARGS = (
 
 
 @contextmanager
-def running_stack(model_dir: str, prefill: int, decode: int) -> Iterator[Stack]:
+def running_stack(model_dir: str, prefill: int, decode: int, **settings: Any) -> Iterator[Stack]:
+    """A ready stack; `settings` are more `StackSettings` fields (metrics, env, …)."""
     stack = start_stack(
         StackSettings(
-            model=str(model_dir), prefill=prefill, decode=decode, extra_worker_args=WORKER_ARGS
+            model=str(model_dir),
+            prefill=prefill,
+            decode=decode,
+            extra_worker_args=WORKER_ARGS,
+            **settings,
         )
     )
     try:

@@ -81,3 +81,17 @@ def test_gpu_bf16_logprobs_within_bf16_error_and_greedy_agreement_rate(model_dir
     )
     assert err_ours <= 2 * err_hf + 0.02, "ours must be as close to float32 as HF's own bf16"
     assert agree >= len(prompts) // 2, "greedy tokens must agree for most prompts"
+
+
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_gpu_float32_sliding_window_matches_hf(tmp_path, backend):
+    from tests.engine.hf_oracle import hf_greedy
+
+    model_dir = make_tiny_model(tmp_path / "m", "mistral", config_overrides={"sliding_window": 12})
+    llm = LLM(model_dir, dtype="float32", device="cuda", attention_backend=backend)
+    prompts = random_prompts([5, 30, 70], llm.engine.model_config.vocab_size, seed=2)
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    want = [hf_greedy(model_dir, tuple(p), 16) for p in prompts]
+    print(f"\n{backend} window: {[g == w for g, w in zip(got, want, strict=True)]}")
+    assert got == want

@@ -106,3 +106,12 @@ def test_requests_added_while_others_decode(tiny_models, arch):
     outputs = [finished[i] for i in range(len(prompts))]
     _assert_matches_hf(tiny_models[arch], prompts, outputs)
     engine.check_integrity()
+
+
+def test_sliding_window_matches_hf(tmp_path):
+    from engine.tiny_model import make_tiny_model
+
+    model_dir = make_tiny_model(tmp_path / "m", "mistral", config_overrides={"sliding_window": 12})
+    llm = LLM(model_dir, max_num_batched_tokens=32)
+    prompts = _prompts(llm, [5, 30, 70, 140])
+    _assert_matches_hf(model_dir, prompts, llm.generate(prompts, GREEDY, use_tqdm=False))
