@@ -44,12 +44,39 @@ def decode_step_times(engine, batch: int, context: int, steps: int) -> list[floa
     return times
 
 
+def profile_steps(engine, batch: int, context: int, steps: int = 10) -> str:
+    """Where a decode step's time goes: GPU kernel time against the wall time of the step."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from engine import SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=steps + 20, ignore_eos=True)
+    for i in range(batch):
+        engine.add_request([10 + (i + j) % 5000 for j in range(context)], params)
+    for _ in range(5):
+        engine.step()
+    sync()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        start = time.perf_counter()
+        for _ in range(steps):
+            engine.step()
+        sync()
+        wall = (time.perf_counter() - start) / steps
+    for seq in list(engine.scheduler.running):
+        engine.abort_request(seq.request_id)
+    events = prof.key_averages()
+    gpu = sum(e.self_device_time_total for e in events) / steps / 1e3
+    top = events.table(sort_by="self_device_time_total", row_limit=12)
+    return f"batch {batch}: wall {wall * 1e3:.2f} ms/step, GPU kernels {gpu:.2f} ms/step\n{top}"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shape", choices=sorted(SHAPES), default="llama-3-8b")
     parser.add_argument("--context", type=int, default=1024)
     parser.add_argument("--steps", type=int, default=50)
     parser.add_argument("--out", default="bench/results/decode_roofline.json")
+    parser.add_argument("--profile", action="store_true", help="also profile batch-1 steps")
     args = parser.parse_args()
     assert torch.cuda.is_available(), "this benchmark needs a GPU"
     from engine import LLMEngine
@@ -100,6 +127,8 @@ def main() -> None:
         "rows": rows,
     }
     write_results(args.out, results)
+    if args.profile:
+        print(profile_steps(engine, 1, args.context))
     print(
         f"device: {device_name()}  shape: {args.shape}  bf16  context {args.context}  "
         f"copy bandwidth {bandwidth / 1e9:.0f} GB/s"

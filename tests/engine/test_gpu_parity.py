@@ -88,7 +88,9 @@ def test_gpu_float32_sliding_window_matches_hf(tmp_path, backend):
     from tests.engine.hf_oracle import hf_greedy
 
     model_dir = make_tiny_model(tmp_path / "m", "mistral", config_overrides={"sliding_window": 12})
-    llm = LLM(model_dir, dtype="float32", device="cuda", attention_backend=backend)
+    llm = LLM(
+        model_dir, dtype="float32", device="cuda", attention_backend=backend, num_kv_blocks=256
+    )
     prompts = random_prompts([5, 30, 70], llm.engine.model_config.vocab_size, seed=2)
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
     got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
