@@ -30,7 +30,7 @@ def _generate(llm: LLM, prompts: list[list[int]]) -> tuple[list[list[int]], int]
 )
 def test_triton_backend_matches_torch_backend(tmp_path, arch, overrides, options):
     model_dir = make_tiny_model(tmp_path / arch, arch, config_overrides=overrides)
-    common = {"num_kv_blocks": 64, **options}
+    common = {"num_kv_blocks": 64, "dtype": "float32", **options}
     torch_llm = LLM(model_dir, attention_backend="torch", **common)
     triton_llm = LLM(model_dir, attention_backend="triton", **common)
     prompts = random_prompts([5, 23, 40], torch_llm.engine.model_config.vocab_size, seed=11)
