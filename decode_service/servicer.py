@@ -6,6 +6,7 @@ from collections.abc import Iterator
 
 import grpc
 
+from decode_service.observer import DecodeObserver
 from decode_service.receiver import ReservationReceiver
 from decode_service.worker import DecodeWorker
 from protos import convert
@@ -14,47 +15,61 @@ from protos.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 
 
 class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
-    def __init__(self, worker: DecodeWorker, receiver: ReservationReceiver) -> None:
+    def __init__(
+        self, worker: DecodeWorker, receiver: ReservationReceiver, observer: DecodeObserver
+    ) -> None:
         self.worker = worker
         self.receiver = receiver
+        self.observer = observer
 
     def Reserve(
         self, request: worker_pb2.ReserveRequest, context: grpc.ServicerContext
     ) -> worker_pb2.ReserveResponse:
         params = convert.sampling_from_proto(request.sampling)
-        res = self.worker.reserve(request.request_id, list(request.prompt_token_ids), params)
-        settings = self.worker.settings
-        return worker_pb2.ReserveResponse(
-            destination=worker_pb2.KVDestination(
+        with self.observer.reserve(request.request_id, context) as span:
+            res = self.worker.reserve(request.request_id, list(request.prompt_token_ids), params)
+            settings = self.worker.settings
+            destination = worker_pb2.KVDestination(
                 worker_id=settings.worker_id,
                 address=settings.address,
                 block_ids=res.block_ids,
                 num_cached_tokens=res.num_cached_tokens,
                 fence=res.fence,
             )
-        )
+            self.observer.reserved(span, destination)
+        return worker_pb2.ReserveResponse(destination=destination)
 
     def Decode(
         self, request: worker_pb2.DecodeRequest, context: grpc.ServicerContext
     ) -> Iterator[worker_pb2.DecodeResponse]:
         params = convert.sampling_from_proto(request.sampling)
         tracker = convert.DeltaTracker.for_params(params)
+        obs = self.observer.decode(request.request_id, params, context)
         outputs = self.worker.decode(
             request.request_id,
             params,
             convert.first_tokens_from_proto(request.first_tokens),
             request.priority,
             context.is_active,
+            on_admitted=obs.admitted,
         )
-        for out in outputs:
-            for delta in tracker.deltas(out):
-                yield worker_pb2.DecodeResponse(chunk=delta)
-            if out.finished:
-                yield worker_pb2.DecodeResponse(
-                    finished=worker_pb2.DecodeFinished(
+        try:
+            for out in outputs:
+                obs.on_output()
+                for delta in tracker.deltas(out):
+                    yield worker_pb2.DecodeResponse(chunk=delta)
+                if out.finished:
+                    finished = worker_pb2.DecodeFinished(
                         samples=convert.finishes_to_proto(out), usage=convert.usage_to_proto(out)
                     )
-                )
+                    obs.on_finished(finished)
+                    yield worker_pb2.DecodeResponse(finished=finished)
+        except BaseException as exc:
+            obs.end(exc)
+            raise
+        finally:
+            outputs.close()  # NOTE: now (frees the request), not whenever the GC gets to it
+        obs.end(None)
 
     def Abort(
         self, request: common_pb2.AbortRequest, context: grpc.ServicerContext

@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator
 from dataclasses import dataclass
 
 import grpc
@@ -79,7 +79,8 @@ class DecodeWorker:
         first_tokens: list[SampledToken],
         priority: int,
         is_active: Callable[[], bool],
-    ) -> Iterator[RequestOutput]:
+        on_admitted: Callable[[], None] | None = None,
+    ) -> Generator[RequestOutput, None, None]:
         """Admit a reserved request and yield its outputs until it finishes.
 
         With no `first_tokens` the prompt is prefilled here (colocated or short prompts).
@@ -107,6 +108,8 @@ class DecodeWorker:
             self.loop.publish(
                 self.loop.call(lambda e: e.admit(request_id, params, first_tokens, priority))
             )
+            if on_admitted is not None:
+                on_admitted()
             while not finished:
                 try:
                     item = outputs.get(timeout=0.1)

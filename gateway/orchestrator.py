@@ -5,8 +5,9 @@
             ──Decode───▶ D ══ tokens ══▶ gateway ══▶ client
 
 A prefill worker that fails (dies, or loses its lease) is retried once on another, with a fresh
-reservation. Every in-flight call is cancellable from `abort`, so a cancel at the client reaches
-P and D and frees their blocks.
+reservation; a decode worker that refuses the reservation (UNAVAILABLE: it is draining or still
+loading) is replaced once by another. Every in-flight call is cancellable from `abort`, so a
+cancel at the client reaches P and D and frees their blocks.
 """
 
 from __future__ import annotations
@@ -14,13 +15,14 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Generator
 from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
 
 from engine.block_pool import chain_hash
+from gateway.observability import DECODE, PREFILL, RESERVE, RequestObservation
 from gateway.router import NoWorkerError, RoutingPolicy
 from gateway.validation import Job
 from kv_transfer.registry import Registry, WorkerInfo
@@ -110,64 +112,101 @@ class Orchestrator:
         self.num_prefill_retries = 0
 
     def run(
-        self, job: Job, timeout_s: float | None, is_active: Callable[[], bool]
-    ) -> Iterator[worker_pb2.DecodeResponse]:
+        self,
+        job: Job,
+        timeout_s: float | None,
+        is_active: Callable[[], bool],
+        obs: RequestObservation,
+    ) -> Generator[worker_pb2.DecodeResponse, None, None]:
         """Yield the decode worker's stream for `job`; raise grpc.RpcError / NoWorkerError."""
         deadline = time.monotonic() + (timeout_s or self.settings.default_timeout_s)
-        decode = self._pick_decode(job)
-        route = Route(decode)
+        route = Route(self._pick_decode(job, obs, exclude=()))
         with self._lock:
             if job.request_id in self._routes:
                 raise ValueError(f"request id {job.request_id!r} is already running")
             self._routes[job.request_id] = route
-        self._count(decode.worker_id, +1)
+        self._count(route.decode.worker_id, +1)
         try:
-            first = self._prefill(job, route, deadline, is_active)
-            stream = self.stubs.decode(decode.address).Decode(
-                worker_pb2.DecodeRequest(
-                    request_id=job.request_id,
-                    sampling=convert.sampling_to_proto(job.params),
-                    first_tokens=first,
-                    priority=job.priority,
-                ),
-                timeout=_remaining(deadline),
-            )
-            self._track(route, stream)
-            yield from stream
+            first = self._prefill(job, route, deadline, is_active, obs)
+            with obs.call(DECODE, route.decode) as call:
+                stream = self.stubs.decode(route.decode.address).Decode(
+                    worker_pb2.DecodeRequest(
+                        request_id=job.request_id,
+                        sampling=convert.sampling_to_proto(job.params),
+                        first_tokens=first,
+                        priority=job.priority,
+                    ),
+                    timeout=_remaining(deadline),
+                    metadata=call.metadata,
+                )
+                self._track(route, stream)
+                yield from stream
         finally:
             with self._lock:
                 self._routes.pop(job.request_id, None)
-            self._count(decode.worker_id, -1)
+            self._count(route.decode.worker_id, -1)
 
-    def _pick_decode(self, job: Job) -> WorkerInfo:
-        workers = self.registry.live_workers("decode") + self.registry.live_workers("colocated")
+    def _pick_decode(
+        self, job: Job, obs: RequestObservation, exclude: Collection[str]
+    ) -> WorkerInfo:
+        workers = [
+            w
+            for kind in ("decode", "colocated")
+            for w in self.registry.live_workers(kind)
+            if w.worker_id not in exclude
+        ]
         hashes = prompt_block_hashes(job.prompt_token_ids, self.settings.block_size)
         prefix = self.registry.prefix_match(hashes) if hashes else {}
         with self._lock:
             inflight = dict(self._inflight)
         chosen = self.policy.pick_decode(workers, inflight, prefix)
-        if prefix.get(chosen.worker_id):
-            self.num_prefix_routed += 1
+        hit = bool(prefix.get(chosen.worker_id))
+        self.num_prefix_routed += hit
+        obs.routed("decode", chosen.worker_id, "prefix_hit" if hit else "least_loaded")
         return chosen
 
+    def _reserve(
+        self, job: Job, route: Route, deadline: float, obs: RequestObservation
+    ) -> worker_pb2.KVDestination:
+        """Blocks on D for the prompt; a D that refuses (draining) is replaced once."""
+        request = worker_pb2.ReserveRequest(
+            request_id=job.request_id,
+            prompt_token_ids=job.prompt_token_ids,
+            sampling=convert.sampling_to_proto(job.params),
+        )
+        for attempt in range(2):
+            try:
+                with obs.call(RESERVE, route.decode) as call:
+                    stub = self.stubs.decode(route.decode.address)
+                    reply = stub.Reserve(
+                        request, timeout=_remaining(deadline), metadata=call.metadata
+                    )
+                    return reply.destination
+            except grpc.RpcError as err:
+                if attempt or err.code() != grpc.StatusCode.UNAVAILABLE or route.cancelled:
+                    raise
+                refused = route.decode
+                route.decode = self._pick_decode(job, obs, exclude={refused.worker_id})
+                self._count(refused.worker_id, -1)
+                self._count(route.decode.worker_id, +1)
+        raise AssertionError("unreachable")  # pragma: no cover
+
     def _prefill(
-        self, job: Job, route: Route, deadline: float, is_active: Callable[[], bool]
+        self,
+        job: Job,
+        route: Route,
+        deadline: float,
+        is_active: Callable[[], bool],
+        obs: RequestObservation,
     ) -> list[worker_pb2.FirstToken]:
         """Reserve on D and, unless D prefills itself, run the prefill on some P."""
         tried: set[str] = set()
         sampling = convert.sampling_to_proto(job.params)
-        decode_stub = self.stubs.decode(route.decode.address)
         for attempt in range(self.settings.prefill_attempts):
-            dest = decode_stub.Reserve(
-                worker_pb2.ReserveRequest(
-                    request_id=job.request_id,
-                    prompt_token_ids=job.prompt_token_ids,
-                    sampling=sampling,
-                ),
-                timeout=_remaining(deadline),
-            ).destination
+            dest = self._reserve(job, route, deadline, obs)
             uncached = len(job.prompt_token_ids) - dest.num_cached_tokens
             if route.decode.kind == "colocated" or uncached <= self.settings.local_prefill_tokens:
+                obs.routed("prefill", route.decode.worker_id, "local")
                 return []
             candidates = [
                 w for w in self.registry.live_workers("prefill") if w.worker_id not in tried
@@ -179,34 +218,42 @@ class Orchestrator:
                 raise
             route.prefill = prefill
             tried.add(prefill.worker_id)
-            future = self.stubs.prefill(prefill.address).Prefill.future(
-                worker_pb2.PrefillRequest(
-                    request_id=job.request_id,
-                    prompt_token_ids=job.prompt_token_ids,
-                    sampling=sampling,
-                    destination=dest,
-                    priority=job.priority,
-                ),
-                timeout=_remaining(deadline),
-            )
-            self._track(route, future)
-            self._count(prefill.worker_id, +1)
-            try:
-                return list(future.result().first_tokens)
-            except grpc.RpcError as err:
-                self._abort_reservation(route, job.request_id)
-                retry = attempt + 1 < self.settings.prefill_attempts
-                if not (retry and err.code() in RETRYABLE and is_active() and not route.cancelled):
-                    raise
-                log.warning(
-                    "prefill of %s on %s failed (%s); retrying elsewhere",
-                    job.request_id,
-                    prefill.worker_id,
-                    err.code(),
+            obs.routed("prefill", prefill.worker_id, "retry" if attempt else "least_loaded")
+            with obs.call(PREFILL, prefill) as call:
+                future = self.stubs.prefill(prefill.address).Prefill.future(
+                    worker_pb2.PrefillRequest(
+                        request_id=job.request_id,
+                        prompt_token_ids=job.prompt_token_ids,
+                        sampling=sampling,
+                        destination=dest,
+                        priority=job.priority,
+                    ),
+                    timeout=_remaining(deadline),
+                    metadata=call.metadata,
                 )
-                self.num_prefill_retries += 1
-            finally:
-                self._count(prefill.worker_id, -1)
+                self._track(route, future)
+                self._count(prefill.worker_id, +1)
+                try:
+                    response = future.result()
+                    obs.prefilled(response)
+                    return list(response.first_tokens)
+                except grpc.RpcError as err:
+                    call.fail(err)
+                    self._abort_reservation(route, job.request_id)
+                    retry = attempt + 1 < self.settings.prefill_attempts
+                    if not (
+                        retry and err.code() in RETRYABLE and is_active() and not route.cancelled
+                    ):
+                        raise
+                    log.warning(
+                        "prefill of %s on %s failed (%s); retrying elsewhere",
+                        job.request_id,
+                        prefill.worker_id,
+                        err.code(),
+                    )
+                    self.num_prefill_retries += 1
+                finally:
+                    self._count(prefill.worker_id, -1)
         raise AssertionError("unreachable")  # pragma: no cover
 
     def _count(self, worker_id: str, delta: int) -> None:

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import grpc
 
 from engine.config import ModelConfig
+from gateway.observability import GatewayObserver
 from gateway.orchestrator import Orchestrator
 from gateway.validation import validate_request
 from protos.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
@@ -25,9 +26,15 @@ class ModelInfo:
 
 class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
     def __init__(
-        self, orchestrator: Orchestrator, tokenizer, model: ModelInfo, max_inflight: int
+        self,
+        orchestrator: Orchestrator,
+        tokenizer,
+        model: ModelInfo,
+        max_inflight: int,
+        observer: GatewayObserver,
     ) -> None:
         self.orchestrator = orchestrator
+        self.observer = observer
         self.tokenizer = tokenizer
         self.model = model
         self._slots = threading.BoundedSemaphore(max_inflight)
@@ -42,21 +49,30 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
                 f"the gateway is at its limit of {self.max_inflight} requests in flight",
             )
+        obs = self.observer.start(job, context)
+        responses = self.orchestrator.run(job, context.time_remaining(), context.is_active, obs)
         try:
             # NOTE: runs when the RPC ends for any reason; after a normal finish it finds no
             # route and does nothing, after a client cancel it reaches P and D.
             context.add_callback(lambda: self.orchestrator.abort(job.request_id))
             rid = job.request_id
-            for msg in self.orchestrator.run(job, context.time_remaining(), context.is_active):
+            for msg in responses:
                 if msg.HasField("chunk"):
+                    obs.on_chunk()
                     yield gateway_pb2.GenerateResponse(request_id=rid, chunk=msg.chunk)
                 else:
-                    done = msg.finished
-                    yield gateway_pb2.GenerateResponse(
-                        request_id=rid,
-                        finished=gateway_pb2.Finished(samples=done.samples, usage=done.usage),
+                    done = gateway_pb2.Finished(
+                        samples=msg.finished.samples, usage=msg.finished.usage
                     )
+                    obs.on_finished(done)
+                    yield gateway_pb2.GenerateResponse(request_id=rid, finished=done)
+        except BaseException as exc:
+            obs.end(exc)
+            raise
+        else:
+            obs.end(None)
         finally:
+            responses.close()  # NOTE: now (frees the route), not whenever the GC gets to it
             self._slots.release()
 
     def Abort(

@@ -5,15 +5,22 @@ GrpcKVTransport.send ── header ───────────────
                      ── data[0..1 MiB) ───────▶  append (never past payload_bytes)
                      ── data ... ─────────────▶
                      ◀── PushBlocksResponse ──  size + CRC-32C, then receiver.on_blocks
+
+The push carries the sender's current trace context (W3C `traceparent` metadata); a servicer
+given a tracer records a `kv.receive` span under it, and reports every push to `on_push`.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Iterable, Iterator
+import time
+from collections.abc import Callable, Iterable, Iterator
 
 import grpc
+from opentelemetry import trace
+from opentelemetry.trace import Span, SpanKind, Status, StatusCode
+from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 from kv_transfer.transport import KVReceiver, KVTransport, PushResult, TransferError
 from kv_transfer.wire import (
@@ -37,6 +44,9 @@ CHANNEL_OPTIONS = (
 )
 """Options for channels and servers that carry KVTransfer."""
 
+PushObserver = Callable[[int, float, bool], None]
+"""Told of every push a servicer handles: (payload bytes, seconds, whether it landed)."""
+
 
 class GrpcKVTransport(KVTransport):
     """Pushes blocks over one cached insecure channel per receiver address."""
@@ -48,6 +58,7 @@ class GrpcKVTransport(KVTransport):
         self._lock = threading.Lock()
         self._channels: dict[str, tuple[grpc.Channel, kv_transfer_pb2_grpc.KVTransferStub]] = {}
         self._closed = False
+        self._propagator = TraceContextTextMapPropagator()
 
     def _stub(self, address: str) -> kv_transfer_pb2_grpc.KVTransferStub:
         with self._lock:
@@ -81,8 +92,14 @@ class GrpcKVTransport(KVTransport):
                 f"payload is {len(payload)} bytes but the header declares {header.payload_bytes}"
             )
         stub = self._stub(address)
+        carrier: dict[str, str] = {}
+        self._propagator.inject(carrier)  # nothing unless a recording span is current
         try:
-            response = stub.PushBlocks(self._messages(header, payload), timeout=timeout_s)
+            response = stub.PushBlocks(
+                self._messages(header, payload),
+                timeout=timeout_s,
+                metadata=tuple(carrier.items()) or None,
+            )
         except grpc.RpcError as exc:
             code: grpc.StatusCode | None = exc.code()  # type: ignore[attr-defined]
             details: str = exc.details() or ""  # type: ignore[attr-defined]
@@ -107,16 +124,33 @@ class KVTransferServicer(kv_transfer_pb2_grpc.KVTransferServicer):
     """Receives pushes for a `KVReceiver`; nothing reaches the receiver unless the header,
     size and checksum are all good. Every failure is an abort with a clear message."""
 
-    def __init__(self, receiver: KVReceiver) -> None:
+    def __init__(
+        self,
+        receiver: KVReceiver,
+        tracer: trace.Tracer | None = None,
+        on_push: PushObserver | None = None,
+    ) -> None:
         self.receiver = receiver
+        self.tracer = tracer
+        self.on_push = on_push
+        self._propagator = TraceContextTextMapPropagator()
 
     def PushBlocks(
         self,
         request_iterator: Iterable[kv_transfer_pb2.KVTransferMessage],
         context: grpc.ServicerContext,
     ) -> kv_transfer_pb2.PushBlocksResponse:
+        start = time.perf_counter()
+        span = self._span(context)
         try:
-            return self._push(iter(request_iterator))
+            response = self._push(iter(request_iterator), span)
+            seconds = time.perf_counter() - start
+            if span.is_recording():
+                span.set_attribute("splitserve.kv.transfer_seconds", seconds)
+            if self.on_push is not None:
+                self.on_push(response.num_bytes, seconds, True)
+            span.end()
+            return response
         except PushRefused as exc:
             code, message = exc.code, str(exc)
         except KVTransferError as exc:
@@ -127,16 +161,35 @@ class KVTransferServicer(kv_transfer_pb2_grpc.KVTransferServicer):
             if context.is_active():
                 log.exception("PushBlocks failed")
             code, message = grpc.StatusCode.INTERNAL, f"internal error receiving KV: {exc!r}"
+        if self.on_push is not None:
+            self.on_push(0, time.perf_counter() - start, False)
+        span.set_status(Status(StatusCode.ERROR, f"{code.name}: {message}"))
+        span.end()
         context.abort(code, message)
         raise AssertionError("context.abort returned")  # abort always raises
 
+    def _span(self, context: grpc.ServicerContext) -> Span:
+        if self.tracer is None:
+            return trace.INVALID_SPAN
+        carrier = {k: v for k, v in context.invocation_metadata() if isinstance(v, str)}
+        parent = self._propagator.extract(carrier)
+        return self.tracer.start_span("kv.receive", context=parent, kind=SpanKind.SERVER)
+
     def _push(
-        self, messages: Iterator[kv_transfer_pb2.KVTransferMessage]
+        self, messages: Iterator[kv_transfer_pb2.KVTransferMessage], span: Span
     ) -> kv_transfer_pb2.PushBlocksResponse:
         first = next(messages, None)
         if first is None or first.WhichOneof("part") != "header":
             raise KVTransferError("a PushBlocks stream must start with the header")
         header = first.header
+        if span.is_recording():
+            span.set_attributes(
+                {
+                    "splitserve.request_id": header.request_id,
+                    "splitserve.kv.bytes": header.payload_bytes,
+                    "splitserve.kv.num_blocks": len(header.dst_block_ids),
+                }
+            )
         # The cheap geometry check first: a push that cannot fit is refused before the
         # reservation is looked at.
         layout = self.receiver.layout()

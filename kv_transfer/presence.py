@@ -1,5 +1,9 @@
 """A worker's presence in the registry: registration, heartbeats with its current load, and a
-periodic housekeeping call, on one background thread."""
+periodic housekeeping call, on one background thread.
+
+A draining worker `leave`s: it is out of the registry at once (so the gateway routes nothing
+new to it), while housekeeping (lease renewal, reclaiming) goes on until `stop`.
+"""
 
 from __future__ import annotations
 
@@ -29,6 +33,8 @@ class Presence:
         self.interval_s = interval_s
         self.on_tick = on_tick
         self._stop = threading.Event()
+        self._left = False
+        self._lock = threading.Lock()  # NOTE: a heartbeat never re-registers after `leave`
         self._thread = threading.Thread(target=self._run, name="presence", daemon=True)
 
     def start(self) -> Presence:
@@ -36,20 +42,30 @@ class Presence:
         self._thread.start()
         return self
 
+    def leave(self) -> None:
+        """Leave the registry at once (not after the TTL); housekeeping goes on."""
+        with self._lock:
+            if self._left:
+                return
+            self._left = True
+            info = self.info()
+            try:
+                self.registry.deregister_worker(info.kind, info.worker_id)
+            except Exception:  # noqa: BLE001 - Redis may already be gone at shutdown
+                log.warning("could not deregister %s", info.worker_id)
+
     def stop(self) -> None:
-        """Stop heartbeating and leave the registry at once (not after the TTL)."""
+        """Leave the registry (if not yet done) and stop the background thread."""
+        self.leave()
         self._stop.set()
         self._thread.join(5.0)
-        info = self.info()
-        try:
-            self.registry.deregister_worker(info.kind, info.worker_id)
-        except Exception:  # noqa: BLE001 - Redis may already be gone at shutdown
-            log.warning("could not deregister %s", info.worker_id)
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval_s):
             try:
-                self.registry.heartbeat(self.info(), self.ttl_s)
+                with self._lock:
+                    if not self._left:
+                        self.registry.heartbeat(self.info(), self.ttl_s)
                 if self.on_tick is not None:
                     self.on_tick()
             except Exception:  # noqa: BLE001 - keep beating through transient Redis errors

@@ -7,13 +7,16 @@ complete and hands them to a sender thread, so the next chunk computes while the
     step 1   [computed.......]                                           -> push 0
     step 2                   [computed.................]                 -> push 1
     step 3                                  [computed.....................] -> push 2, 3
-Blocks the decode worker already caches (its `num_cached_tokens`) are never sent.
+Blocks the decode worker already caches (its `num_cached_tokens`) are never sent. Each send runs
+under `trace_context` (the request's span), so that its `kv.push` span joins the request's trace.
 """
 
 from __future__ import annotations
 
 import threading
 from concurrent.futures import Executor, Future
+
+from opentelemetry import context as otel_context
 
 from engine.llm_engine import LLMEngine
 from kv_transfer.transport import KVTransport, PushResult
@@ -31,6 +34,7 @@ class BlockPusher:
         transport: KVTransport,
         executor: Executor,
         send_timeout_s: float,
+        trace_context: otel_context.Context | None = None,
     ) -> None:
         self.request_id = request_id
         self.destination = destination
@@ -39,6 +43,7 @@ class BlockPusher:
         self.transport = transport
         self.executor = executor
         self.send_timeout_s = send_timeout_s
+        self.trace_context = trace_context
         self.num_blocks = -(-prompt_len // block_size)
         self._next_block = destination.num_cached_tokens // block_size
         self._futures: list[Future[PushResult]] = []
@@ -88,9 +93,15 @@ class BlockPusher:
             layout.num_layers,
             num_tokens_after,
         )
-        return self.transport.send(
-            self.destination.address, header, payload, timeout_s=self.send_timeout_s
-        )
+        # NOTE: attached and detached on this (sender) thread, around one synchronous send.
+        token = otel_context.attach(self.trace_context) if self.trace_context else None
+        try:
+            return self.transport.send(
+                self.destination.address, header, payload, timeout_s=self.send_timeout_s
+            )
+        finally:
+            if token is not None:
+                otel_context.detach(token)
 
     def wait(self, timeout_s: float) -> tuple[int, int]:
         """Block until every push is acknowledged; return (blocks, bytes). Raises the first

@@ -8,11 +8,13 @@ from prefill_service.worker import PrefillWorker
 from protos import convert
 from protos.stats import worker_stats
 from protos.v1 import common_pb2, worker_pb2, worker_pb2_grpc
+from splitserve.tracing import Tracing
 
 
 class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
-    def __init__(self, worker: PrefillWorker) -> None:
+    def __init__(self, worker: PrefillWorker, tracing: Tracing) -> None:
         self.worker = worker
+        self.tracing = tracing
 
     def Prefill(
         self, request: worker_pb2.PrefillRequest, context: grpc.ServicerContext
@@ -24,6 +26,7 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
             request.destination,
             request.priority,
             context.is_active,
+            self.tracing.extract(context),
         )
         return worker_pb2.PrefillResponse(
             first_tokens=convert.first_tokens_to_proto(result.output),

@@ -9,12 +9,14 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import grpc
+from opentelemetry.context import Context
 
 from engine.engine_loop import EngineLoop
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 from kv_transfer.registry import Registry
 from kv_transfer.transport import KVTransport
+from prefill_service.observer import PrefillObservation, PrefillObserver
 from prefill_service.pusher import BlockPusher
 from protos.v1 import worker_pb2
 
@@ -47,8 +49,10 @@ class PrefillWorker:
         registry: Registry,
         transport: KVTransport,
         settings: PrefillSettings,
+        observer: PrefillObserver,
     ) -> None:
         self.loop = loop
+        self.observer = observer
         self.registry = registry
         self.transport = transport
         self.settings = settings
@@ -63,8 +67,33 @@ class PrefillWorker:
         destination: worker_pb2.KVDestination,
         priority: int,
         is_active: Callable[[], bool],
+        trace_parent: Context | None = None,
     ) -> PrefillResult:
         """Prefill into `destination`'s reserved blocks; return once all are acknowledged."""
+        obs = self.observer.start(
+            request_id, len(prompt_token_ids), params, destination.num_cached_tokens, trace_parent
+        )
+        try:
+            result = self._prefill(
+                request_id, prompt_token_ids, params, destination, priority, is_active, obs
+            )
+        except BaseException as exc:
+            obs.end(exc)
+            raise
+        obs.finish(result.num_blocks_sent, result.num_bytes_sent)
+        obs.end(None)
+        return result
+
+    def _prefill(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        destination: worker_pb2.KVDestination,
+        priority: int,
+        is_active: Callable[[], bool],
+        obs: PrefillObservation,
+    ) -> PrefillResult:
         s = self.settings
         self.registry.begin_write(request_id, s.worker_id, destination.fence, s.lease_s)
         pusher = BlockPusher(
@@ -75,8 +104,10 @@ class PrefillWorker:
             self.transport,
             self._executor,
             s.send_timeout_s,
+            obs.context,
         )
         outputs = self.loop.subscribe(request_id)
+        self.loop.add_step_hook(obs.on_step)
         self.loop.add_step_hook(pusher.on_step)
         done = False
         try:
@@ -92,6 +123,7 @@ class PrefillWorker:
             return PrefillResult(output, num_blocks, num_bytes)
         finally:
             self.loop.remove_step_hook(pusher.on_step)
+            self.loop.remove_step_hook(obs.on_step)
             self.loop.unsubscribe(request_id)
             if not done:
                 pusher.cancel()

@@ -36,15 +36,19 @@ def _offline(args: argparse.Namespace) -> int:
     return 0
 
 
-def _serve(args: argparse.Namespace) -> int:
+def _serve(args: argparse.Namespace, env: Mapping[str, str]) -> int:
+    """One service until SIGTERM (or Ctrl-C): then drain, stop, and exit 0. A second signal
+    cuts the drain short."""
     from splitserve import services
     from splitserve.settings import (
         GatewaySettings,
         ServiceSettings,
+        TracingSettings,
         WorkerSettings,
         default_worker_id,
         from_args,
     )
+    from splitserve.tracing import make_tracing
     from splitserve.up import ensure_default_model
 
     kind = "colocated" if getattr(args, "colocated", False) else args.command
@@ -56,18 +60,25 @@ def _serve(args: argparse.Namespace) -> int:
         model=args.model or ensure_default_model(),
         worker_id=args.worker_id or default_worker_id(kind),
     )
-    if args.command == "gateway":
-        running = services.start_gateway(service, from_args(GatewaySettings, args))
-    elif args.command == "prefill":
-        running = services.start_prefill(service, from_args(WorkerSettings, args))
-    else:
-        running = services.start_decode(service, from_args(WorkerSettings, args), kind)
-    print(f"{kind} {service.worker_id} serving on {running.address}", flush=True)
-    stop = threading.Event()
+    tracing = make_tracing(TracingSettings.from_env(env), kind, service.worker_id)
+    stop, hurry = threading.Event(), threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
-    stop.wait()
-    running.stop()
+        signal.signal(sig, lambda *_: (hurry if stop.is_set() else stop).set())
+    try:
+        if args.command == "gateway":
+            running = services.start_gateway(service, from_args(GatewaySettings, args), tracing)
+        elif args.command == "prefill":
+            running = services.start_prefill(service, from_args(WorkerSettings, args), tracing)
+        else:
+            running = services.start_decode(service, from_args(WorkerSettings, args), kind, tracing)
+        print(f"{kind} {service.worker_id} serving on {running.address}", flush=True)
+        stop.wait()
+        print(f"{kind} {service.worker_id} draining", flush=True)
+        drained = running.drain(service.drain_timeout_s, hurry)
+        running.stop()
+        print(f"{kind} {service.worker_id} stopped ({'drained' if drained else 'cut short'})")
+    finally:
+        tracing.shutdown()
     return 0
 
 
@@ -81,6 +92,8 @@ def _up(args: argparse.Namespace) -> int:
             decode=args.decode,
             port=args.port,
             redis_url=args.redis_url,
+            metrics=args.metrics,
+            drain_timeout_s=args.drain_timeout_s,
         )
     )
 
@@ -121,6 +134,12 @@ def build_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
     up.add_argument("--decode", type=int, default=1, help="decode workers")
     up.add_argument("--port", type=int, default=0, help="gateway port (0: a free one)")
     up.add_argument("--redis-url", default=env.get("SPLITSERVE_REDIS_URL"))
+    up.add_argument(
+        "--metrics", action="store_true", help="serve /metrics of every service on free ports"
+    )
+    up.add_argument(
+        "--drain-timeout-s", type=float, default=30.0, help="each service's drain on stop"
+    )
     up.set_defaults(func=_up)
 
     for name, help_text in [
@@ -136,7 +155,7 @@ def build_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
             add_flags(p, WorkerSettings, env)
         if name == "decode":
             p.add_argument("--colocated", action="store_true", help="also prefill (no P workers)")
-        p.set_defaults(func=_serve)
+        p.set_defaults(func=lambda args: _serve(args, env))
 
     gen = sub.add_parser("generate", help="stream a reply from a running gateway")
     gen.add_argument("prompt")

@@ -25,10 +25,22 @@ class ServiceSettings:
     port: int = 0
     worker_id: str = ""
     advertise_host: str = ""  # the host others use to reach this one (default: `host`)
+    model_name: str = ""  # the served model's name (default: the model directory's name)
+    metrics_port: int = 0  # Prometheus /metrics on this port (0: off)
+    drain_timeout_s: float = 30.0  # on SIGTERM: how long to wait for requests in flight
+
+    def __post_init__(self) -> None:
+        if self.metrics_port < 0 or self.drain_timeout_s < 0:
+            raise ValueError("--metrics-port and --drain-timeout-s must not be negative")
 
     @property
     def public_host(self) -> str:
         return self.advertise_host or self.host
+
+    @property
+    def served_model_name(self) -> str:
+        """`gen_ai.request.model` in traces and the `model_name` label of every metric."""
+        return self.model_name or self.model.rstrip("/").rsplit("/", 1)[-1]
 
 
 @dataclass(frozen=True)
@@ -53,7 +65,62 @@ class GatewaySettings:
     routing_policy: str = "least-loaded-prefix"
     request_timeout_s: float = 600.0
     block_size: int = 16
-    model_name: str = ""
+
+
+TRACE_EXPORTERS = ("otlp", "console")
+
+
+@dataclass(frozen=True)
+class TracingSettings:
+    """OpenTelemetry tracing, from the standard OTEL_* variables (read once, in `from_env`).
+
+    Tracing is off unless OTEL_TRACES_EXPORTER names an exporter. Other OTEL_* variables the SDK
+    understands (OTEL_TRACES_SAMPLER, OTEL_RESOURCE_ATTRIBUTES, OTEL_EXPORTER_OTLP_HEADERS, …)
+    are left to it.
+    """
+
+    exporters: tuple[str, ...] = ()  # OTEL_TRACES_EXPORTER: otlp, console (comma-separated)
+    service_name: str = ""  # OTEL_SERVICE_NAME (default: splitserve-<service>)
+    endpoint: str = ""  # OTEL_EXPORTER_OTLP_TRACES_ENDPOINT or OTEL_EXPORTER_OTLP_ENDPOINT
+    insecure: bool | None = None  # OTEL_EXPORTER_OTLP_[TRACES_]INSECURE
+    schedule_delay_ms: float | None = None  # OTEL_BSP_SCHEDULE_DELAY
+
+    def __post_init__(self) -> None:
+        unknown = [name for name in self.exporters if name not in TRACE_EXPORTERS]
+        if unknown:
+            raise ValueError(
+                f"OTEL_TRACES_EXPORTER={','.join(self.exporters)}: unsupported {unknown}; "
+                f"use none or any of {', '.join(TRACE_EXPORTERS)}"
+            )
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.exporters)
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str]) -> TracingSettings:
+        if env.get("OTEL_SDK_DISABLED", "").strip().lower() == "true":
+            return cls()
+        names = env.get("OTEL_TRACES_EXPORTER", "none").lower().split(",")
+        exporters = tuple(n.strip() for n in names if n.strip() not in ("", "none"))
+        protocol = env.get(
+            "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", env.get("OTEL_EXPORTER_OTLP_PROTOCOL", "grpc")
+        )
+        if "otlp" in exporters and protocol != "grpc":
+            raise ValueError(f"OTEL_EXPORTER_OTLP_PROTOCOL={protocol}: only grpc is supported")
+        insecure = env.get(
+            "OTEL_EXPORTER_OTLP_TRACES_INSECURE", env.get("OTEL_EXPORTER_OTLP_INSECURE")
+        )
+        delay = env.get("OTEL_BSP_SCHEDULE_DELAY")
+        return cls(
+            exporters=exporters,
+            service_name=env.get("OTEL_SERVICE_NAME", ""),
+            endpoint=env.get(
+                "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", env.get("OTEL_EXPORTER_OTLP_ENDPOINT", "")
+            ),
+            insecure=None if insecure is None else insecure.strip().lower() == "true",
+            schedule_delay_ms=None if delay is None else float(delay),
+        )
 
 
 def add_flags(

@@ -1,8 +1,13 @@
 """`splitserve up`: Redis, prefill and decode workers and the gateway, as real processes.
 
-Starts its own `redis-server` on a free port unless given a URL, builds the tiny default model
+Starts its own `redis-server` on a free port unless given a URL (in a session of its own, like
+the services: see `redis_keeper`), builds the tiny default model
 if none is given, waits until every worker has registered and the gateway is serving, prints
-the address, and on Ctrl-C (or SIGTERM) stops everything it started.
+the address, and on Ctrl-C (or SIGTERM) stops everything it started: the gateway first (it
+drains: the requests in flight finish), then the workers (they drain too).
+
+Every service gets an explicit free port (and, with `metrics`, a free /metrics port), so that
+its health can be watched from the moment it starts.
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import cast
@@ -21,8 +27,8 @@ from typing import cast
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from kv_transfer.redis_server import RedisServer
 from kv_transfer.registry import Registry
+from splitserve.redis_keeper import RedisKeeper
 
 
 @dataclass(frozen=True)
@@ -36,6 +42,9 @@ class StackSettings:
     extra_worker_args: tuple[str, ...] = ()
     extra_gateway_args: tuple[str, ...] = ()
     startup_timeout_s: float = 180.0
+    metrics: bool = False  # each service serves /metrics on a free port (`Stack.metrics_ports`)
+    drain_timeout_s: float = 30.0
+    env: Mapping[str, str] = field(default_factory=dict)  # added to every service's environment
 
     def __post_init__(self) -> None:
         if self.prefill < 0 or self.decode < 1:
@@ -50,19 +59,31 @@ class Stack:
     redis_url: str
     model: str
     processes: list[subprocess.Popen] = field(default_factory=list)
-    redis: RedisServer | None = None
+    redis: RedisKeeper | None = None
+    ports: dict[str, int] = field(default_factory=dict)  # "decode-0", "gateway" … -> gRPC port
+    metrics_ports: dict[str, int] = field(default_factory=dict)  # the same names -> /metrics
+    stop_timeout_s: float = 35.0
 
-    def stop(self, timeout_s: float = 15.0) -> None:
-        for proc in reversed(self.processes):
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + timeout_s
-        for proc in self.processes:
-            try:
-                proc.wait(max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+    def process(self, name: str) -> subprocess.Popen:
+        """The process of service `name` ("gateway", "decode-0", "prefill-1", …)."""
+        return next(p for p in self.processes if _service_id(p) == name)
+
+    def stop(self, timeout_s: float | None = None) -> None:
+        """SIGTERM the gateway and wait for it to drain, then the workers; kill what is still
+        running after `timeout_s`."""
+        deadline = time.monotonic() + (timeout_s or self.stop_timeout_s)
+        gateways = [p for p in self.processes if _name(p) == "gateway"]
+        workers = [p for p in self.processes if _name(p) != "gateway"]
+        for group in (gateways, workers):
+            for proc in group:
+                if proc.poll() is None:
+                    proc.send_signal(signal.SIGTERM)
+            for proc in group:
+                try:
+                    proc.wait(max(0.1, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait()
         if self.redis is not None:
             self.redis.stop()
 
@@ -70,6 +91,11 @@ class Stack:
 def _name(proc: subprocess.Popen) -> str:
     """The service a child runs: `python -m splitserve.cli <service> …`."""
     return str(cast(list[str], proc.args)[3])
+
+
+def _service_id(proc: subprocess.Popen) -> str:
+    args = cast(list[str], proc.args)
+    return args[args.index("--worker-id") + 1] if "--worker-id" in args else _name(proc)
 
 
 def default_model_dir() -> Path:
@@ -93,59 +119,74 @@ def free_port(host: str) -> int:
         return int(sock.getsockname()[1])
 
 
-def start_stack(settings: StackSettings) -> Stack:
+def _new_port(host: str, taken: set[int]) -> int:
+    """A free port not yet handed to another service of this stack."""
+    while (port := free_port(host)) in taken:
+        pass
+    taken.add(port)
+    return port
+
+
+def start_stack(settings: StackSettings, wait: bool = True) -> Stack:
+    """Start the stack; with `wait`, return once it is ready (else call `wait_ready`)."""
     model = settings.model or ensure_default_model()
     redis = None
     redis_url = settings.redis_url
     if redis_url is None:
-        redis = RedisServer()
+        redis = RedisKeeper()
         redis_url = redis.url
     port = settings.port or free_port(settings.host)
-    stack = Stack(f"{settings.host}:{port}", redis_url, model, redis=redis)
-    cli = [sys.executable, "-m", "splitserve.cli"]
-    common = ["--model", model, "--redis-url", redis_url, "--host", settings.host]
+    stack = Stack(
+        f"{settings.host}:{port}",
+        redis_url,
+        model,
+        redis=redis,
+        stop_timeout_s=settings.drain_timeout_s + 5.0,
+    )
+    env = {**os.environ, **settings.env}
+    common = [
+        "--model", model, "--redis-url", redis_url, "--host", settings.host,
+        "--drain-timeout-s", str(settings.drain_timeout_s),
+    ]  # fmt: skip
+    decode_kind = ["--colocated"] if settings.prefill == 0 else []
+    services = [
+        ("decode", f"decode-{i}", [*decode_kind, *settings.extra_worker_args])
+        for i in range(settings.decode)
+    ]
+    services += [
+        ("prefill", f"prefill-{i}", list(settings.extra_worker_args))
+        for i in range(settings.prefill)
+    ]
+    services.append(("gateway", "gateway", list(settings.extra_gateway_args)))
     try:
-        decode_kind = ["--colocated"] if settings.prefill == 0 else []
-        for i in range(settings.decode):
+        taken = {port}
+        for kind, name, extra in services:
+            stack.ports[name] = port if kind == "gateway" else _new_port(settings.host, taken)
+            args = [kind, *common, "--port", str(stack.ports[name])]
+            if kind != "gateway":
+                args += ["--worker-id", name]
+            if settings.metrics:
+                stack.metrics_ports[name] = _new_port(settings.host, taken)
+                args += ["--metrics-port", str(stack.metrics_ports[name])]
+            # NOTE: a session of their own, so that a Ctrl-C at the terminal reaches only
+            # `splitserve up`, which stops the gateway before the workers.
             stack.processes.append(
                 subprocess.Popen(
-                    [
-                        *cli,
-                        "decode",
-                        *common,
-                        "--worker-id",
-                        f"decode-{i}",
-                        *decode_kind,
-                        *settings.extra_worker_args,
-                    ]
+                    [sys.executable, "-m", "splitserve.cli", *args, *extra],
+                    env=env,
+                    start_new_session=True,
                 )
             )
-        for i in range(settings.prefill):
-            stack.processes.append(
-                subprocess.Popen(
-                    [
-                        *cli,
-                        "prefill",
-                        *common,
-                        "--worker-id",
-                        f"prefill-{i}",
-                        *settings.extra_worker_args,
-                    ]
-                )
-            )
-        stack.processes.append(
-            subprocess.Popen(
-                [*cli, "gateway", *common, "--port", str(port), *settings.extra_gateway_args]
-            )
-        )
-        _wait_ready(stack, settings)
+        if wait:
+            wait_ready(stack, settings)
     except BaseException:
         stack.stop()
         raise
     return stack
 
 
-def _wait_ready(stack: Stack, settings: StackSettings) -> None:
+def wait_ready(stack: Stack, settings: StackSettings) -> None:
+    """Until every worker has registered and the gateway is SERVING."""
     registry = Registry(stack.redis_url)
     deadline = time.monotonic() + settings.startup_timeout_s
     decode_kind = "colocated" if settings.prefill == 0 else "decode"
@@ -189,6 +230,8 @@ def run_until_interrupted(settings: StackSettings) -> int:
     print(
         f"splitserve is serving on {stack.address} (model {stack.model}, redis {stack.redis_url})"
     )
+    for name, port in stack.metrics_ports.items():
+        print(f"  {name} metrics: http://{settings.host}:{port}/metrics")
     print("press Ctrl-C to stop", flush=True)
     try:
         while not stop.wait(0.5):

@@ -1,0 +1,79 @@
+"""A `KVTransport` that records each push: a `kv.push` span and the KV transfer metrics.
+
+NOTE: the span is made current only for the duration of the (synchronous) send on the sender
+thread, which is how the inner transport finds the context to put in the push's metadata.
+"""
+
+from __future__ import annotations
+
+import time
+
+from opentelemetry import trace
+from opentelemetry.trace import SpanKind
+
+from kv_transfer.transport import KVTransport, PushResult, TransferError
+from kv_transfer.wire import Buffer
+from protos.v1 import kv_transfer_pb2
+from splitserve import genai
+from splitserve.metrics import KVTransferMetrics
+from splitserve.tracing import Tracing, record_error
+
+
+class ObservedTransport(KVTransport):
+    def __init__(self, inner: KVTransport, tracing: Tracing, metrics: KVTransferMetrics) -> None:
+        self.inner = inner
+        self.tracing = tracing
+        self.metrics = metrics
+
+    def send(
+        self,
+        address: str,
+        header: kv_transfer_pb2.KVTransferHeader,
+        payload: Buffer,
+        timeout_s: float,
+    ) -> PushResult:
+        if not self.tracing.enabled:
+            return self._send(address, header, payload, timeout_s)
+        parent = trace.get_current_span()
+        span = self.tracing.start("kv.push", parent, SpanKind.CLIENT)
+        try:
+            with trace.use_span(
+                span, end_on_exit=False, record_exception=False, set_status_on_exception=False
+            ):
+                start = time.perf_counter()
+                result = self._send(address, header, payload, timeout_s)
+            if span.is_recording():
+                span.set_attributes(
+                    {
+                        genai.REQUEST_ID: header.request_id,
+                        genai.KV_BYTES: result.num_bytes,
+                        genai.KV_NUM_BLOCKS: result.num_blocks,
+                        genai.KV_TRANSFER_SECONDS: time.perf_counter() - start,
+                        "server.address": address,
+                    }
+                )
+            return result
+        except BaseException as exc:
+            record_error(span, exc)
+            raise
+        finally:
+            span.end()
+
+    def _send(
+        self,
+        address: str,
+        header: kv_transfer_pb2.KVTransferHeader,
+        payload: Buffer,
+        timeout_s: float,
+    ) -> PushResult:
+        start = time.perf_counter()
+        try:
+            result = self.inner.send(address, header, payload, timeout_s)
+        except TransferError:
+            self.metrics.observe(0, 0.0, ok=False)
+            raise
+        self.metrics.observe(result.num_bytes, time.perf_counter() - start, ok=True)
+        return result
+
+    def close(self) -> None:
+        self.inner.close()

@@ -1,0 +1,143 @@
+"""A service's life: LOADING -> SERVING -> DRAINING, with grpc.health.v1 following it.
+
+    start gRPC server (health NOT_SERVING; every method answers UNAVAILABLE "loading")
+    load the engine, bind the real servicers, join the registry      -> SERVING
+    SIGTERM: leave the registry, refuse new work (UNAVAILABLE "draining"),
+             finish what is in flight (up to --drain-timeout-s)       -> NOT_SERVING, exit 0
+
+gRPC needs its servicers before the server starts, so each service is registered through a
+`GatedServicer` that stands in for the real one until `bind`, and that also counts the calls in
+flight so that draining knows when it is done.
+"""
+
+from __future__ import annotations
+
+import enum
+import inspect
+import logging
+import threading
+import time
+from collections.abc import Callable, Collection, Iterator
+from typing import Any
+
+import grpc
+
+from splitserve.grpc_server import Server, ServiceError
+
+log = logging.getLogger(__name__)
+
+
+class State(enum.Enum):
+    LOADING = "loading"
+    SERVING = "serving"
+    DRAINING = "draining"
+
+
+class Lifecycle:
+    """The state of one service process and its health; counts calls in flight."""
+
+    def __init__(self, service_names: Collection[str]) -> None:
+        self.server: Server | None = None  # attached once started (it needs the gates first)
+        self.service_names = ["", *service_names]
+        self.state = State.LOADING
+        self._inflight = 0
+        self._lock = threading.Lock()
+        self._pending: list[Callable[[], int]] = []
+
+    def gate(self, admitting: Collection[str] = ()) -> GatedServicer:
+        """A stand-in servicer; methods named in `admitting` take new work and are refused
+        while draining (the others, e.g. a decode stream already reserved, go on)."""
+        return GatedServicer(self, frozenset(admitting))
+
+    def also_wait_for(self, pending: Callable[[], int]) -> None:
+        """Work that is no call in flight but must finish before exit (e.g. reservations)."""
+        self._pending.append(pending)
+
+    def attach(self, server: Server) -> None:
+        self.server = server
+
+    def set_serving(self) -> None:
+        self.state = State.SERVING
+        if self.server is not None:
+            self.server.set_serving(True, self.service_names)
+
+    def start_draining(self) -> None:
+        self.state = State.DRAINING
+        if self.server is not None:
+            self.server.set_serving(False, self.service_names)
+
+    def check_admitting(self) -> None:
+        if self.state is not State.SERVING:
+            raise ServiceError(grpc.StatusCode.UNAVAILABLE, self.state.value)
+
+    def num_busy(self) -> int:
+        with self._lock:
+            inflight = self._inflight
+        return inflight + sum(pending() for pending in self._pending)
+
+    def wait_idle(self, timeout_s: float, interrupt: threading.Event | None = None) -> bool:
+        """Wait until nothing is in flight; False if `timeout_s` passed (or `interrupt` was set)
+        first."""
+        deadline = time.monotonic() + timeout_s
+        while (busy := self.num_busy()) > 0:
+            if time.monotonic() >= deadline or (interrupt is not None and interrupt.is_set()):
+                log.warning("stopping with %d call(s) or request(s) still in flight", busy)
+                return False
+            time.sleep(0.05)
+        return True
+
+    def enter(self) -> None:
+        with self._lock:
+            self._inflight += 1
+
+    def exit(self) -> None:
+        with self._lock:
+            self._inflight -= 1
+
+
+class GatedServicer:
+    """Forwards every RPC method to the servicer given to `bind`; until then each answers
+    UNAVAILABLE "loading". Registered in place of the real servicer."""
+
+    def __init__(self, lifecycle: Lifecycle, admitting: frozenset[str]) -> None:
+        self._lifecycle = lifecycle
+        self._admitting = admitting
+        self._target: Any = None
+
+    def bind(self, target: Any) -> None:
+        self._target = target
+
+    def __getattr__(self, method: str) -> Callable[[Any, grpc.ServicerContext], Any]:
+        if method.startswith("_"):
+            raise AttributeError(method)
+        admitting = method in self._admitting
+
+        def call(request: Any, context: grpc.ServicerContext) -> Any:
+            target = self._target
+            if target is None:
+                raise ServiceError(grpc.StatusCode.UNAVAILABLE, State.LOADING.value)
+            handler = getattr(target, method)
+            if inspect.isgeneratorfunction(handler):
+                return self._stream(handler, admitting, request, context)
+            self._lifecycle.enter()
+            try:
+                if admitting:
+                    self._lifecycle.check_admitting()
+                return handler(request, context)
+            finally:
+                self._lifecycle.exit()
+
+        return call
+
+    def _stream(
+        self, handler: Callable, admitting: bool, request: Any, context: grpc.ServicerContext
+    ) -> Iterator:
+        # NOTE: counted before the admission check, so that draining never misses a call that
+        # passed it; and only from the first message on: a stream never started counts nothing.
+        self._lifecycle.enter()
+        try:
+            if admitting:
+                self._lifecycle.check_admitting()
+            yield from handler(request, context)
+        finally:
+            self._lifecycle.exit()

@@ -1,0 +1,66 @@
+"""The `redis-server` of `splitserve up`, kept in a session of its own.
+
+A Ctrl-C at a terminal signals the whole foreground process group. The stack's services already
+run in sessions of their own so that `up` can stop them in order (gateway, then workers, both
+draining); Redis must outlive their drains too, so it is started by this small keeper process,
+itself in a new session, which stops it on SIGTERM, or when `up` goes away (its stdin closes).
+
+    splitserve up ──(stdin pipe)──▶ python -m splitserve.redis_keeper ──▶ redis-server
+"""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import threading
+
+from kv_transfer.redis_server import RedisServer
+
+
+class RedisKeeper:
+    """A `RedisServer` in a keeper process; `url` once started, `stop()` to end both."""
+
+    def __init__(self, startup_timeout_s: float = 30.0) -> None:
+        self._proc = subprocess.Popen(
+            [sys.executable, "-m", "splitserve.redis_keeper"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            start_new_session=True,
+        )
+        assert self._proc.stdout is not None
+        line = self._proc.stdout.readline().strip()
+        if not line.startswith("redis://"):
+            self.stop()
+            raise RuntimeError(f"the Redis keeper did not start: {line!r}")
+        self.url = line
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        if self._proc.poll() is None:
+            self._proc.send_signal(signal.SIGTERM)
+            try:
+                self._proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                self._proc.kill()
+                self._proc.wait()
+
+
+def main() -> int:
+    done = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: done.set())
+
+    def watch_parent() -> None:
+        sys.stdin.read()  # NOTE: EOF when `up` exits for any reason, SIGKILL included
+        done.set()
+
+    threading.Thread(target=watch_parent, daemon=True).start()
+    with RedisServer() as server:
+        print(server.url, flush=True)
+        done.wait()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

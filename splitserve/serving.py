@@ -1,0 +1,85 @@
+"""The scaffolding of a service process: its gRPC server up before anything is loaded (health
+NOT_SERVING, every method answering UNAVAILABLE "loading" through a `GatedServicer`), its
+/metrics endpoint, and the handle of the running service (`Running`: drain, then stop)."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+
+from splitserve.grpc_server import Server, start_server
+from splitserve.lifecycle import GatedServicer, Lifecycle
+from splitserve.metrics import Metrics
+from splitserve.settings import ServiceSettings
+
+
+@dataclass(frozen=True)
+class ServiceSpec:
+    """A gRPC service to serve: its name, its generated `add_*_to_server`, and the methods
+    that take new work (refused while draining)."""
+
+    name: str
+    add: Callable[[Any, grpc.Server], None]
+    admitting: tuple[str, ...] = ()
+
+
+@dataclass
+class Running:
+    """A started service: where it listens, how to drain it and how to stop it."""
+
+    server: Server
+    address: str
+    lifecycle: Lifecycle
+    metrics: Metrics
+    stop: Callable[[], None]
+    leave: Callable[[], None] = lambda: None  # leave the registry (workers)
+    worker: object = None
+
+    def drain(self, timeout_s: float, interrupt: threading.Event | None = None) -> bool:
+        """Refuse new work (health NOT_SERVING), leave the registry, wait for what is in
+        flight; False if `timeout_s` ran out (or `interrupt` was set) first."""
+        self.lifecycle.start_draining()
+        self.leave()
+        return self.lifecycle.wait_idle(timeout_s, interrupt)
+
+
+@dataclass
+class Opened:
+    """A service's server, up (health NOT_SERVING) before anything is loaded."""
+
+    server: Server
+    lifecycle: Lifecycle
+    gates: list[GatedServicer]
+    metrics: Metrics
+    address: str
+
+    def close(self) -> None:
+        self.server.stop(0)
+        self.metrics.close()
+
+
+def open_service(
+    service: ServiceSettings, specs: Sequence[ServiceSpec], max_workers: int = 64
+) -> Opened:
+    lifecycle = Lifecycle([spec.name for spec in specs])
+    gates = [lifecycle.gate(spec.admitting) for spec in specs]
+
+    def register(server: grpc.Server) -> None:
+        for spec, gate in zip(specs, gates, strict=True):
+            spec.add(gate, server)
+
+    server = start_server(
+        register, [s.name for s in specs], service.host, service.port, max_workers=max_workers
+    )
+    lifecycle.attach(server)
+    metrics = Metrics(service.served_model_name)
+    try:
+        metrics.serve(service.host, service.metrics_port)
+    except BaseException:
+        server.stop(0)
+        raise
+    return Opened(server, lifecycle, gates, metrics, f"{service.public_host}:{server.port}")
