@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 
-from engine.block_pool import BlockIntegrityError, BlockPool, chain_hash
+from engine.block_pool import BlockIntegrityError, BlockPool, chain_hash, prefix_block_hashes
 
 SeqId = Hashable
 
@@ -83,30 +83,23 @@ class BlockManager:
         return seq_id in self._tables
 
     def find_prefix_hit(self, token_ids: Sequence[int]) -> PrefixHit | None:
-        """The longest run of cached full blocks at the start of `token_ids`.
-
-        NOTE: the last token is never served from cache: its logits are needed, so at most
-        (len - 1) // block_size blocks can hit.
-        """
+        """The longest run of cached full blocks at the start of `token_ids` (never the block
+        holding the last token: its logits are needed)."""
         if not self.pool.enable_caching:
             return None
         bs = self.block_size
         self.prefix_cache_queries += len(token_ids)
         ids: list[int] = []
-        hashes: list[bytes] = []
-        parent: bytes | None = None
-        for i in range((len(token_ids) - 1) // bs):
-            chunk = token_ids[i * bs : (i + 1) * bs]
-            parent = chain_hash(parent, chunk)
-            block_id = self.pool.lookup(parent, chunk)
+        hashes = prefix_block_hashes(token_ids, bs)
+        for i, block_hash in enumerate(hashes):
+            block_id = self.pool.lookup(block_hash, token_ids[i * bs : (i + 1) * bs])
             if block_id is None:
                 break
             ids.append(block_id)
-            hashes.append(parent)
         if not ids:
             return None
         self.prefix_cache_hits += len(ids) * bs
-        return PrefixHit(tuple(ids), tuple(hashes))
+        return PrefixHit(tuple(ids), tuple(hashes[: len(ids)]))
 
     def can_allocate(
         self, seq_id: SeqId, num_total_tokens: int, prefix_hit: PrefixHit | None = None

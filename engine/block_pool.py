@@ -44,6 +44,19 @@ def chain_hash(parent: bytes | None, token_ids: Sequence[int]) -> bytes:
     return h.digest()
 
 
+def prefix_block_hashes(token_ids: Sequence[int], block_size: int) -> list[bytes]:
+    """Chained hashes of the full blocks a prefix-cache lookup may match.
+
+    NOTE: the last token is never served from cache (its logits are needed), so only
+    (len - 1) // block_size blocks count. Decode workers and the gateway's router both use this.
+    """
+    hashes: list[bytes] = []
+    for i in range((len(token_ids) - 1) // block_size):
+        block = token_ids[i * block_size : (i + 1) * block_size]
+        hashes.append(chain_hash(hashes[-1] if hashes else None, block))
+    return hashes
+
+
 class BlockPool:
     """Physical blocks with reference counts and an LRU prefix cache of released blocks."""
 

@@ -21,7 +21,7 @@ from typing import Any
 
 import grpc
 
-from engine.block_pool import chain_hash
+from engine.block_pool import prefix_block_hashes
 from gateway.observability import DECODE, PREFILL, RESERVE, RequestObservation
 from gateway.router import NoWorkerError, RoutingPolicy
 from gateway.validation import Job
@@ -85,18 +85,6 @@ class Stubs:
             self._channels.clear()
 
 
-def prompt_block_hashes(prompt: list[int], block_size: int) -> list[bytes]:
-    """Chained hashes of the prompt's full blocks, as decode workers index their caches."""
-    hashes: list[bytes] = []
-    for i in range((len(prompt) - 1) // block_size):
-        hashes.append(
-            chain_hash(
-                hashes[-1] if hashes else None, prompt[i * block_size : (i + 1) * block_size]
-            )
-        )
-    return hashes
-
-
 class Orchestrator:
     def __init__(
         self, registry: Registry, policy: RoutingPolicy, settings: OrchestratorSettings
@@ -155,7 +143,7 @@ class Orchestrator:
             for w in self.registry.live_workers(kind)
             if w.worker_id not in exclude
         ]
-        hashes = prompt_block_hashes(job.prompt_token_ids, self.settings.block_size)
+        hashes = prefix_block_hashes(job.prompt_token_ids, self.settings.block_size)
         prefix = self.registry.prefix_match(hashes) if hashes else {}
         with self._lock:
             inflight = dict(self._inflight)

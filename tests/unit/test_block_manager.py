@@ -8,6 +8,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from engine import block_manager as block_manager_module
+from engine import block_pool as block_pool_module
 from engine.block_manager import BlockManager
 
 
@@ -258,8 +259,12 @@ def test_last_token_is_never_served_from_cache() -> None:
 
 
 def test_hash_collision_between_different_tokens_serves_no_block(monkeypatch) -> None:
-    # Every block hashes alike; the manager calls the name it imported, so patch it there.
-    monkeypatch.setattr(block_manager_module, "chain_hash", lambda parent, tokens: b"\0" * 16)
+    # Every block hashes alike, where blocks are cached (block_manager) and looked up (block_pool).
+    def collide(parent, tokens):
+        return b"\0" * 16
+
+    monkeypatch.setattr(block_manager_module, "chain_hash", collide)
+    monkeypatch.setattr(block_pool_module, "chain_hash", collide)
     bm = BlockManager(num_blocks=8, block_size=2)
     admit(bm, "a", [1, 2, 3, 4, 5])
     head = bm.block_table("a")[0]
