@@ -32,7 +32,6 @@ class DecodeSettings:
     worker_id: str
     address: str  # where prefill workers push KV (this worker's gRPC address)
     lease_s: float = 10.0
-    housekeeping_interval_s: float = 0.5
 
 
 class DecodeWorker:

@@ -89,7 +89,7 @@ class EngineLoop:
             while not self._stop.is_set():
                 self._run_commands(block=not self.engine.has_unfinished_requests())
                 if self.engine.has_unfinished_requests():
-                    self._publish(self.engine.step())
+                    self.publish(self.engine.step())
                     with self._lock:
                         hooks = list(self._hooks)
                     for hook in hooks:
@@ -121,16 +121,14 @@ class EngineLoop:
             except queue.Empty:
                 return
 
-    def _publish(self, outputs: list[RequestOutput]) -> None:
+    def publish(self, outputs: list[RequestOutput]) -> None:
+        """Deliver outputs to their subscribers (after a step, or from a command that produced
+        some, e.g. a request finished on admission)."""
         with self._lock:
             for out in outputs:
                 q = self._subscribers.get(out.request_id)
                 if q is not None:
                     q.put(out)
-
-    def publish(self, outputs: list[RequestOutput]) -> None:
-        """Deliver outputs produced by a command (e.g. a request finished on admission)."""
-        self._publish(outputs)
 
     def _fail_pending_commands(self) -> None:
         while True:

@@ -130,6 +130,22 @@ class LLMEngine:
         self.scheduler.add(root)
         return request_id
 
+    def _new_sequence(
+        self, request_id: str, token_ids: list[int], params: SamplingParams, priority: int = 0
+    ) -> Sequence:
+        """A request's first sequence, after checking its id is free and its input is valid."""
+        if request_id in self.outputs.requests or request_id in self._reserved:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        self._validate(token_ids, params)
+        return Sequence(
+            seq_id=f"{request_id}#0",
+            request_id=request_id,
+            prompt_token_ids=list(token_ids),
+            params=params,
+            arrival=time.monotonic(),
+            priority=priority,
+        )
+
     def _new_request(
         self,
         request_id: str,
@@ -138,17 +154,7 @@ class LLMEngine:
         params: SamplingParams,
         priority: int,
     ) -> Sequence:
-        if request_id in self.outputs.requests or request_id in self._reserved:
-            raise ValueError(f"request id {request_id!r} is already in use")
-        self._validate(token_ids, params)
-        root = Sequence(
-            seq_id=f"{request_id}#0",
-            request_id=request_id,
-            prompt_token_ids=token_ids,
-            params=params,
-            arrival=time.monotonic(),
-            priority=priority,
-        )
+        root = self._new_sequence(request_id, token_ids, params, priority)
         root.pending_children = [root.make_child(i) for i in range(1, params.n)]
         self.outputs.add(RequestState(request_id, text, token_ids, [root, *root.pending_children]))
         return root
@@ -161,16 +167,7 @@ class LLMEngine:
         Blocks this worker already caches for the prompt's prefix are reused; only the rest
         need to be sent. Raises ValueError on bad input, CapacityError when the pool is full.
         """
-        if request_id in self.outputs.requests or request_id in self._reserved:
-            raise ValueError(f"request id {request_id!r} is already in use")
-        self._validate(prompt_token_ids, params)
-        seq = Sequence(
-            seq_id=f"{request_id}#0",
-            request_id=request_id,
-            prompt_token_ids=list(prompt_token_ids),
-            params=params,
-            arrival=time.monotonic(),
-        )
+        seq = self._new_sequence(request_id, prompt_token_ids, params)
         bm = self.block_manager
         hit = bm.find_prefix_hit(seq.prompt_token_ids)
         if bm.allocate(seq.seq_id, seq.num_tokens, hit) is None:

@@ -96,8 +96,6 @@ class Orchestrator:
         self._routes: dict[str, Route] = {}
         self._inflight: dict[str, int] = {}
         self._lock = threading.Lock()
-        self.num_prefix_routed = 0
-        self.num_prefill_retries = 0
 
     def run(
         self,
@@ -149,7 +147,6 @@ class Orchestrator:
             inflight = dict(self._inflight)
         chosen = self.policy.pick_decode(workers, inflight, prefix)
         hit = bool(prefix.get(chosen.worker_id))
-        self.num_prefix_routed += hit
         obs.routed("decode", chosen.worker_id, "prefix_hit" if hit else "least_loaded")
         return chosen
 
@@ -239,7 +236,6 @@ class Orchestrator:
                         prefill.worker_id,
                         err.code(),
                     )
-                    self.num_prefill_retries += 1
                 finally:
                     self._count(prefill.worker_id, -1)
         raise AssertionError("unreachable")  # pragma: no cover
