@@ -5,12 +5,14 @@
 For batch 1 and 8 (Llama-3-8B shape, bf16, random weights), the median wall time of a whole
 engine step while every sequence decodes, against (weights read + KV read) / the copy bandwidth
 measured in the same run. Weights read per step: every parameter except the embedding table
-(a decode step reads only B of its rows).
+(a decode step reads only B of its rows). By default each batch runs twice, with the kernels'
+programmatic dependent launch off and on (kernels/pdl.py), each on a freshly captured engine.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import statistics
 import tempfile
 import time
@@ -70,6 +72,52 @@ def profile_steps(engine, batch: int, context: int, steps: int = 10) -> str:
     return f"batch {batch}: wall {wall * 1e3:.2f} ms/step, GPU kernels {gpu:.2f} ms/step\n{top}"
 
 
+@torch.inference_mode()
+def breakdown(engine, batch: int, context: int, steps: int = 50) -> dict:
+    """A decode step split into its graph replay (model + LM head) and the host rest; prints
+    the host's profile."""
+    import cProfile
+    import io
+    import pstats
+
+    from engine import SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=3 * steps + 20, ignore_eos=True)
+    for i in range(batch):
+        engine.add_request([10 + (i + j) % 5000 for j in range(context)], params)
+    for _ in range(5):
+        engine.step()
+    sync()
+    start = time.perf_counter()
+    for _ in range(steps):
+        engine.step()
+    sync()
+    back_to_back = (time.perf_counter() - start) / steps
+    host = cProfile.Profile()
+    host.runcall(lambda: [engine.step() for _ in range(steps)])
+    text = io.StringIO()
+    pstats.Stats(host, stream=text).sort_stats("tottime").print_stats(18)
+    print(f"batch {batch}: host profile of {steps} steps\n{text.getvalue()[-4000:]}")
+    graphs = engine.runner.graphs
+    bucket = next(b for b in graphs.buckets if b >= batch)
+    graph = graphs._graphs[bucket]
+    begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    begin.record()
+    for _ in range(steps):
+        graph.graph.replay()
+    end.record()
+    sync()
+    replay = begin.elapsed_time(end) / 1e3 / steps
+    for seq in list(engine.scheduler.running):
+        engine.abort_request(seq.request_id)
+    return {
+        "batch": batch,
+        "step ms (back to back)": back_to_back * 1e3,
+        "graph replay ms": replay * 1e3,
+        "host rest ms": (back_to_back - replay) * 1e3,
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shape", choices=sorted(SHAPES), default="llama-3-8b")
@@ -77,46 +125,65 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=50)
     parser.add_argument("--out", default="bench/results/decode_roofline.json")
     parser.add_argument("--profile", action="store_true", help="also profile batch-1 steps")
+    parser.add_argument(
+        "--breakdown", action="store_true", help="also split steps into replay / host"
+    )
+    parser.add_argument(
+        "--pdl",
+        choices=["on", "off", "both"],
+        default="both",
+        help="programmatic dependent launch in the kernels (kernels/pdl.py); both = A/B",
+    )
     args = parser.parse_args()
     assert torch.cuda.is_available(), "this benchmark needs a GPU"
+    import kernels.pdl
     from engine import LLMEngine
     from engine.config import EngineConfig
 
     bandwidth = copy_bandwidth()
     rows = []
+    modes = {"on": [True], "off": [False], "both": [False, True]}[args.pdl]
     with tempfile.TemporaryDirectory() as tmp:
         path = model_dir(args.shape, Path(tmp))
-        engine = LLMEngine(
-            path,
-            EngineConfig(
-                dtype=torch.bfloat16,
-                device="cuda",
-                load_format="dummy",
-                max_num_seqs=8,
-                max_model_len=args.context + args.steps + 16,
-            ),
-        )
-        cfg = engine.model_config
-        params = sum(p.numel() for p in engine.model.parameters())
-        weight_bytes = 2 * (
-            params - cfg.vocab_size * cfg.hidden_size * (not cfg.tie_word_embeddings)
-        )
-        kv_per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 2
-        for batch in (1, 8):
-            times = decode_step_times(engine, batch, args.context, args.steps)
-            step = statistics.median(times)
-            kv_bytes = batch * (args.context + args.steps // 2) * kv_per_token
-            floor = (weight_bytes + kv_bytes) / bandwidth
-            rows.append(
-                {
-                    "batch": batch,
-                    "step ms": step * 1e3,
-                    "floor ms": floor * 1e3,
-                    "ratio": step / floor,
-                    "weights GB": weight_bytes / 1e9,
-                    "KV MB": kv_bytes / 1e6,
-                }
+        for pdl in modes:
+            kernels.pdl.ENABLED = pdl  # read when the decode graphs are captured
+            engine = None
+            gc.collect()
+            torch.cuda.empty_cache()
+            engine = LLMEngine(
+                path,
+                EngineConfig(
+                    dtype=torch.bfloat16,
+                    device="cuda",
+                    load_format="dummy",
+                    max_num_seqs=8,
+                    max_model_len=args.context + 4 * args.steps + 64,
+                ),
             )
+            cfg = engine.model_config
+            params = sum(p.numel() for p in engine.model.parameters())
+            weight_bytes = 2 * (
+                params - cfg.vocab_size * cfg.hidden_size * (not cfg.tie_word_embeddings)
+            )
+            kv_per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 2
+            for batch in (1, 8):
+                times = decode_step_times(engine, batch, args.context, args.steps)
+                kv_bytes = batch * (args.context + args.steps // 2) * kv_per_token
+                rows.append(
+                    {
+                        "batch": batch,
+                        "PDL": "on" if pdl else "off",
+                        "step ms": statistics.median(times) * 1e3,
+                        "bytes": weight_bytes + kv_bytes,
+                        "weights GB": weight_bytes / 1e9,
+                        "KV MB": kv_bytes / 1e6,
+                    }
+                )
+    # NOTE: the bandwidth is measured before and after; the higher one sets the (lower) floor.
+    bandwidth = max(bandwidth, copy_bandwidth())
+    for row in rows:
+        row["floor ms"] = row.pop("bytes") / bandwidth * 1e3
+        row["ratio"] = row["step ms"] / row["floor ms"]
     results = {
         "benchmark": "decode_roofline",
         "device": device_name(),
@@ -127,13 +194,18 @@ def main() -> None:
         "rows": rows,
     }
     write_results(args.out, results)
+    if args.breakdown:
+        parts = [breakdown(engine, batch, args.context) for batch in (1, 8)]
+        results["breakdown"] = parts
+        write_results(args.out, results)
+        print(table(parts, list(parts[0])))
     if args.profile:
         print(profile_steps(engine, 1, args.context))
     print(
         f"device: {device_name()}  shape: {args.shape}  bf16  context {args.context}  "
         f"copy bandwidth {bandwidth / 1e9:.0f} GB/s"
     )
-    print(table(rows, ["batch", "step ms", "floor ms", "ratio", "weights GB", "KV MB"]))
+    print(table(rows, ["batch", "PDL", "step ms", "floor ms", "ratio", "weights GB", "KV MB"]))
 
 
 if __name__ == "__main__":

@@ -11,8 +11,12 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from engine.rotary import RotaryEmbedding
 
 
 @dataclass(frozen=True)
@@ -78,6 +82,25 @@ class AttentionBackend(ABC):
         kv_cache: [2, num_blocks, block_size, num_kv_heads, head_dim]. Returns
         [num_tokens, num_heads, head_dim].
         """
+
+    def rotate_and_forward(
+        self,
+        positions: torch.Tensor,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        rotary: RotaryEmbedding,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        """Rotary embedding on q and k at `positions`, then `forward`; a backend may fuse them."""
+        if q.is_cuda:
+            from kernels.rotary import rotary_embedding  # GPU only: triton loads on first use
+
+            q, k = rotary_embedding(positions, q, k, rotary.cos, rotary.sin)
+        else:
+            q, k = rotary(positions, q, k)
+        return self.forward(q, k, v, kv_cache, meta)
 
 
 def _torch_backend() -> type[AttentionBackend]:

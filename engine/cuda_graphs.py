@@ -1,8 +1,9 @@
-"""CUDA graphs for decode steps: one captured forward per batch-size bucket.
+"""CUDA graphs for decode steps: one captured forward + LM head per batch-size bucket.
 
 A decode step launches a few hundred small kernels; replaying a captured graph removes the
 launch gaps and the Python in between. Inputs live in static buffers that each replay
-overwrites; a batch of B sequences runs the smallest bucket >= B, its extra rows padded:
+overwrites, filled from pinned host mirrors with two copies per step; a batch of B sequences
+runs the smallest bucket >= B, its extra rows padded:
 
     rows      [ 0 .. B-1 | B .. bucket-1 ]
     slot      [ real     | -1  (the KV write skips them)     ]
@@ -24,7 +25,8 @@ BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 @dataclass
 class _Graph:
     graph: torch.cuda.CUDAGraph
-    hidden: torch.Tensor  # the captured output, [bucket, hidden_size]
+    logits: torch.Tensor  # the captured output, [bucket, vocab_size]
+    argmax: torch.Tensor  # [bucket] int64, each row's argmax (the greedy token)
 
 
 class DecodeGraphs:
@@ -45,11 +47,20 @@ class DecodeGraphs:
         self.buckets = tuple(b for b in BUCKETS if b <= max_batch) or (1,)
         size = self.buckets[-1]
         device = kv_caches[0].device
-        self.input_ids = torch.zeros(size, dtype=torch.int64, device=device)
-        self.positions = torch.zeros(size, dtype=torch.int64, device=device)
-        self.slot_mapping = torch.full((size,), -1, dtype=torch.int64, device=device)
-        self.seq_lens = torch.zeros(size, dtype=torch.int32, device=device)
-        self.block_tables = torch.zeros(size, max_blocks_per_seq, dtype=torch.int32, device=device)
+        # Rows of one int64 buffer: input ids, positions, slots. One int32 buffer: seq lens,
+        # then the block tables, so a step's used part of it is one contiguous prefix.
+        self._ids_host = torch.zeros(3, size, dtype=torch.int64, pin_memory=True)
+        self._ids_host[2] = -1  # no slots: capture's warm-up run writes no KV
+        self._lens_host = torch.zeros(size * (1 + max_blocks_per_seq), dtype=torch.int32)
+        self._lens_host = self._lens_host.pin_memory()
+        self._ids_np = self._ids_host.numpy()
+        self._lens_np = self._lens_host.numpy()
+        self._ids = self._ids_host.to(device)
+        self._lens = torch.zeros_like(self._lens_host, device=device)
+        self.input_ids, self.positions, self.slot_mapping = self._ids
+        self.seq_lens = self._lens[:size]
+        self.block_tables = self._lens[size:].view(size, max_blocks_per_seq)
+        self._copied = torch.cuda.Event()  # the host mirrors may be rewritten once it is done
         self.cu_seqlens_q = torch.arange(size + 1, dtype=torch.int32, device=device)
         self.max_model_len = max_model_len
         self._graphs: dict[int, _Graph] = {}
@@ -73,6 +84,8 @@ class DecodeGraphs:
 
     @torch.inference_mode()
     def capture(self) -> None:
+        from kernels.argmax import argmax_rows  # GPU only: triton loads on first use
+
         pool = torch.cuda.graph_pool_handle()
         stream = torch.cuda.Stream()
         for bucket in reversed(self.buckets):  # largest first, so smaller ones reuse its pool
@@ -84,8 +97,9 @@ class DecodeGraphs:
             torch.cuda.current_stream().wait_stream(stream)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
-                hidden = self.model(*args)
-            self._graphs[bucket] = _Graph(graph, hidden)
+                logits = self.model.compute_logits(self.model(*args))
+                argmax = argmax_rows(logits)
+            self._graphs[bucket] = _Graph(graph, logits, argmax)
         torch.cuda.synchronize()
 
     def can_run(self, batch: int) -> bool:
@@ -99,19 +113,30 @@ class DecodeGraphs:
         slots: list[int],
         seq_lens: list[int],
         tables: list[list[int]],
-    ) -> torch.Tensor:
-        """One decode forward for len(input_ids) sequences; returns their hidden states."""
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One decode step for len(input_ids) sequences: their logits [batch, vocab] and the
+        argmax of each row [batch]."""
         batch = len(input_ids)
         bucket = next(b for b in self.buckets if b >= batch)
+        size = self.buckets[-1]
+        self._copied.synchronize()
+        ids = self._ids_np
+        ids[0, :batch], ids[1, :batch], ids[2, :batch] = input_ids, positions, slots
+        ids[:2, batch:bucket] = 0
+        ids[2, batch:bucket] = -1
+        lens = self._lens_np
+        lens[:batch] = seq_lens
+        lens[batch:bucket] = 0
         width = self.block_tables.shape[1]
-        padded = [t + [0] * (width - len(t)) for t in tables]
-        pad = bucket - batch
-        self.input_ids[:bucket].copy_(torch.tensor(input_ids + [0] * pad), non_blocking=True)
-        self.positions[:bucket].copy_(torch.tensor(positions + [0] * pad), non_blocking=True)
-        self.slot_mapping[:bucket].copy_(torch.tensor(slots + [-1] * pad), non_blocking=True)
-        self.seq_lens[:bucket].copy_(
-            torch.tensor(seq_lens + [0] * pad, dtype=torch.int32), non_blocking=True
-        )
-        self.block_tables[:batch].copy_(torch.tensor(padded, dtype=torch.int32), non_blocking=True)
-        self._graphs[bucket].graph.replay()
-        return self._graphs[bucket].hidden[:batch]
+        for row, table in enumerate(tables):
+            # NOTE: entries past a table's length keep older values; the kernels read only the
+            # blocks below each sequence's length.
+            start = size + row * width
+            lens[start : start + len(table)] = table
+        self._ids.copy_(self._ids_host, non_blocking=True)
+        used = size + bucket * width
+        self._lens[:used].copy_(self._lens_host[:used], non_blocking=True)
+        self._copied.record()
+        graph = self._graphs[bucket]
+        graph.graph.replay()
+        return graph.logits[:batch], graph.argmax[:batch]

@@ -46,6 +46,16 @@ class RMSNorm(nn.Module):
         return self(residual), residual
 
 
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear; on a GPU a single row (batch-1 decode) goes to the streaming GEMV kernel, which
+    beats cuBLAS there (bench/gemv.py)."""
+    if x.is_cuda and x.shape[0] == 1:
+        from kernels.gemv import gemv
+
+        return gemv(x, weight, bias)
+    return F.linear(x, weight, bias)
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, backend: AttentionBackend):
         super().__init__()
@@ -78,7 +88,7 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         cfg = self.cfg
         if self.qkv_weight is not None:  # merged projection on a GPU: one GEMM, not three
-            qkv = F.linear(x, self.qkv_weight, self.qkv_bias)
+            qkv = linear(x, self.qkv_weight, self.qkv_bias)
             q, k, v = qkv.split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
         else:
             q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
@@ -88,15 +98,9 @@ class Attention(nn.Module):
         if cfg.qk_norm:
             # The GPU norm kernel wants whole rows; q and k are strided views of the qkv GEMM.
             q, k = self.q_norm(q.contiguous()), self.k_norm(k.contiguous())
-        rotary = self._rotary[0]
-        if q.is_cuda:
-            from kernels.rotary import rotary_embedding
-
-            q, k = rotary_embedding(positions, q, k, rotary.cos, rotary.sin)
-        else:
-            q, k = rotary(positions, q, k)
-        out = self.backend.forward(q, k, v, kv_cache, meta)
-        return self.o_proj(out.reshape(-1, cfg.q_size))
+        out = self.backend.rotate_and_forward(positions, q, k, v, self._rotary[0], kv_cache, meta)
+        out = out.reshape(-1, cfg.q_size)
+        return linear(out, self.o_proj.weight)
 
 
 class MLP(nn.Module):
@@ -115,7 +119,7 @@ class MLP(nn.Module):
         if self.gate_up_weight is not None:
             from kernels.activation import silu_and_mul
 
-            return self.down_proj(silu_and_mul(F.linear(x, self.gate_up_weight)))
+            return linear(silu_and_mul(linear(x, self.gate_up_weight)), self.down_proj.weight)
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
@@ -216,4 +220,4 @@ class CausalLM(nn.Module):
             layer.mlp.merge_projections()
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden)
+        return linear(hidden, self.lm_head.weight)

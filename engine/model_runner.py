@@ -59,15 +59,21 @@ class ModelRunner:
         batch = _gather(out, block_tables, self.config.block_size)
         sampling = [s.seq for s in out.scheduled if s.samples]
         graphs = self.graphs
+        argmax: torch.Tensor | None = None
         if graphs is not None and batch.is_decode and graphs.can_run(len(batch.query_lens)):
-            hidden = graphs.run(
+            logits, argmax = graphs.run(
                 batch.input_ids, batch.positions, batch.slots, batch.seq_lens, batch.tables
             )
+            if len(batch.logits_indices) != len(batch.query_lens):
+                index = self._to_dev(batch.logits_indices)
+                logits, argmax = logits[index], argmax[index]
         else:
             hidden = self._forward_eager(batch)
+            if not sampling:
+                return {}
+            logits = self.model.compute_logits(hidden[self._to_dev(batch.logits_indices)])
         if not sampling:
             return {}
-        logits = self.model.compute_logits(hidden[self._to_dev(batch.logits_indices)])
         # A sequence about to fork samples once per sibling from the same logits row.
         row_ids: list[int] = []
         rows: list[SamplingRow] = []
@@ -76,8 +82,10 @@ class ModelRunner:
                 row_ids.append(i)
                 rows.append(self._sampling_row(member))
         if len(row_ids) != len(sampling):
-            logits = logits[torch.tensor(row_ids, device=logits.device)]
-        result = self.sampler(logits, rows)
+            index = torch.tensor(row_ids, device=logits.device)
+            logits = logits[index]
+            argmax = None if argmax is None else argmax[index]
+        result = self.sampler(logits, rows, argmax=argmax)
         sampled: dict[str, list[SampledToken]] = {seq.seq_id: [] for seq in sampling}
         for i, token_id, logprobs in zip(row_ids, result.token_ids, result.logprobs, strict=True):
             sampled[sampling[i].seq_id].append(SampledToken(token_id, logprobs))

@@ -149,6 +149,19 @@ def apply_top_k_top_p(
     return torch.empty_like(logits).scatter_(1, sorted_ids, sorted_logits)
 
 
+def _plain_greedy(row: SamplingRow) -> bool:
+    """Greedy with no logprobs, bans or penalties: the token is the raw logits' argmax."""
+    p = row.params
+    return (
+        p.is_greedy
+        and p.logprobs is None
+        and not row.banned_token_ids
+        and p.repetition_penalty == 1.0
+        and p.presence_penalty == 0.0
+        and p.frequency_penalty == 0.0
+    )
+
+
 class Sampler:
     """Picks one token per row of a [rows, vocab] logits tensor.
 
@@ -157,8 +170,17 @@ class Sampler:
     produces the same tokens whatever else shares its batch.
     """
 
-    def __call__(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> SamplerOutput:
-        """Sample one token per row; see the module docstring for the order of operations."""
+    def __call__(
+        self,
+        logits: torch.Tensor,
+        rows: Sequence[SamplingRow],
+        argmax: torch.Tensor | None = None,
+    ) -> SamplerOutput:
+        """Sample one token per row; see the module docstring for the order of operations.
+
+        `argmax` ([rows] int64), when given, is each row's argmax of `logits` already computed
+        (in the decode CUDA graph); plain greedy batches then only read it back.
+        """
         if logits.dim() != 2 or logits.shape[0] != len(rows):
             raise ValueError(
                 f"logits must be [len(rows)={len(rows)}, vocab], got {tuple(logits.shape)}"
@@ -167,6 +189,10 @@ class Sampler:
             raise ValueError(f"logits must be a float tensor, got {logits.dtype}")
         if not rows:
             return SamplerOutput(token_ids=[], logprobs=[])
+        if all(_plain_greedy(row) for row in rows):
+            # Nothing to adjust: argmax of the raw logits (exact in any float dtype), no copy.
+            tokens = logits.argmax(dim=-1) if argmax is None else argmax
+            return SamplerOutput(tokens.tolist(), [None] * len(rows))
         work = logits.to(dtype=torch.float32, copy=True)
 
         logprob_rows = [i for i, row in enumerate(rows) if row.params.logprobs is not None]

@@ -1,9 +1,10 @@
 """Triton paged attention: the GPU backend (it also runs on the CPU under TRITON_INTERPRET=1).
 
-Each layer's step is two or three launches: the KV-cache write, then either the split-K decode
-kernel (every sequence has exactly one query token) or the prefill/extend kernel for the whole
-batch (any mix of fresh prompts, prefill chunks over a cached prefix, and decodes). Nothing
-here reads device memory on the host, so the decode step can be captured in a CUDA graph.
+Each layer's step is two or three launches: rotary embedding fused with the KV-cache write
+(`rotate_and_forward`, on a GPU), then either the split-K decode kernel (every sequence has
+exactly one query token) or the prefill/extend kernel for the whole batch (any mix of fresh
+prompts, prefill chunks over a cached prefix, and decodes). Nothing here reads device memory on
+the host, so the decode step can be captured in a CUDA graph.
 """
 
 from __future__ import annotations
@@ -11,9 +12,11 @@ from __future__ import annotations
 import torch
 
 from engine.attention import AttentionBackend, AttentionMetadata
+from engine.rotary import RotaryEmbedding
 from kernels.decode_attention import decode_attention
 from kernels.kv_cache_write import write_kv_cache
 from kernels.prefill_attention import prefill_attention
+from kernels.rotary import rotary_embedding_write_kv
 
 
 class TritonPagedAttention(AttentionBackend):
@@ -29,6 +32,29 @@ class TritonPagedAttention(AttentionBackend):
     ) -> torch.Tensor:
         # NOTE: the write comes first: both kernels read this step's keys from the cache.
         write_kv_cache(k, v, kv_cache, meta.slot_mapping)
+        return self._attend(q, kv_cache, meta)
+
+    def rotate_and_forward(
+        self,
+        positions: torch.Tensor,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        rotary: RotaryEmbedding,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        if not q.is_cuda:  # the interpreter: torch's rotary, bit-identical to the CPU engine
+            return super().rotate_and_forward(positions, q, k, v, rotary, kv_cache, meta)
+        # One launch rotates q and k and writes the keys and values into the cache.
+        q = rotary_embedding_write_kv(
+            positions, q, k, v, rotary.cos, rotary.sin, kv_cache, meta.slot_mapping
+        )
+        return self._attend(q, kv_cache, meta)
+
+    def _attend(
+        self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
         if meta.max_query_len == 1:
             # NOTE: the split count comes from the block tables' width, not from seq_lens_cpu,
             # so a CUDA graph captured with padded tables still splits for the longest context

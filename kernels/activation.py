@@ -11,6 +11,7 @@ import triton
 import triton.language as tl
 
 from kernels._validate import FLOAT_DTYPES, check_devices, check_tensor
+from kernels.pdl import launch_options, pdl_start, use_pdl
 
 __all__ = ["silu_and_mul", "silu_and_mul_ref"]
 
@@ -23,7 +24,9 @@ def _silu_and_mul_kernel(
     stride_x,
     stride_o,
     BLOCK: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    pdl_start(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < intermediate_size
@@ -53,6 +56,7 @@ def silu_and_mul(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tens
         return out
     block = min(1024, triton.next_power_of_2(intermediate_size))
     grid = (num_tokens, triton.cdiv(intermediate_size, block))
+    pdl = use_pdl(_silu_and_mul_kernel, x.device)
     _silu_and_mul_kernel[grid](
         x,
         out,
@@ -60,7 +64,9 @@ def silu_and_mul(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tens
         x.stride(0),
         out.stride(0),
         BLOCK=block,
+        USE_PDL=pdl,
         num_warps=4 if block >= 512 else 1,
+        **launch_options(pdl),
     )
     return out
 

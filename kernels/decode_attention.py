@@ -32,6 +32,7 @@ from kernels._validate import (
     is_interpreted,
 )
 from kernels.attention_ref import decode_attention_ref
+from kernels.pdl import launch_options, pdl_start, use_pdl
 
 __all__ = ["choose_num_splits", "decode_attention", "decode_attention_ref"]
 
@@ -76,7 +77,9 @@ def _decode_split_kernel(
     USE_WINDOW: tl.constexpr,
     SINGLE_SPLIT: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    pdl_start(USE_PDL)
     seq = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -154,7 +157,9 @@ def _decode_merge_kernel(
     stride_ph,
     HEAD_DIM: tl.constexpr,
     BLOCK_S: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    pdl_start(USE_PDL)
     seq = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     splits = tl.arange(0, BLOCK_S)
@@ -264,6 +269,7 @@ def decode_attention(
     part_out = out if single else q.new_empty((*part_shape, head_dim), dtype=torch.float32)
     part_lse = out if single else q.new_empty(part_shape, dtype=torch.float32)
     k_cache, v_cache = kv_cache[0], kv_cache[1]
+    pdl = use_pdl(_decode_split_kernel, device)
     _decode_split_kernel[(batch, num_kv_heads, num_splits)](
         q,
         k_cache,
@@ -294,8 +300,10 @@ def decode_attention(
         USE_WINDOW=sliding_window is not None,
         SINGLE_SPLIT=single,
         DOT_PRECISION=dot_precision(q.dtype),
+        USE_PDL=pdl,
         num_warps=num_warps,
         num_stages=num_stages,
+        **launch_options(pdl),
     )
     if not single:
         _decode_merge_kernel[(batch, num_heads)](
@@ -309,6 +317,8 @@ def decode_attention(
             num_splits,
             HEAD_DIM=head_dim,
             BLOCK_S=triton.next_power_of_2(num_splits),
+            USE_PDL=pdl,
             num_warps=4 if head_dim >= 128 else 2,
+            **launch_options(pdl),
         )
     return out

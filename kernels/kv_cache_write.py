@@ -16,6 +16,7 @@ import triton
 import triton.language as tl
 
 from kernels._validate import FLOAT_DTYPES, check_devices, check_tensor
+from kernels.pdl import launch_options, pdl_start, use_pdl
 
 
 @triton.jit
@@ -35,7 +36,9 @@ def _write_kv_cache_kernel(
     NUM_KV_HEADS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_H: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    pdl_start(USE_PDL)
     token = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
     # NOTE: slots past the pool are skipped as well as negative ones, so a bad slot_mapping can
@@ -72,6 +75,7 @@ def write_kv_cache(
     if num_tokens == 0:
         return
     k_cache, v_cache = kv_cache[0], kv_cache[1]
+    pdl = use_pdl(_write_kv_cache_kernel, kv_cache.device)
     _write_kv_cache_kernel[(num_tokens,)](
         k,
         v,
@@ -88,7 +92,9 @@ def write_kv_cache(
         NUM_KV_HEADS=num_kv_heads,
         HEAD_DIM=head_dim,
         BLOCK_H=triton.next_power_of_2(num_kv_heads),
+        USE_PDL=pdl,
         num_warps=4 if num_kv_heads * head_dim >= 1024 else 1,
+        **launch_options(pdl),
     )
 
 

@@ -13,6 +13,7 @@ import triton
 import triton.language as tl
 
 from kernels._validate import FLOAT_DTYPES, check_devices, check_tensor
+from kernels.pdl import launch_options, pdl_start, use_pdl
 
 __all__ = ["fused_add_rms_norm", "fused_add_rms_norm_ref", "rms_norm", "rms_norm_ref"]
 
@@ -32,7 +33,9 @@ def _rms_norm_kernel(
     stride_ro,
     ADD_RESIDUAL: tl.constexpr,
     BLOCK: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    pdl_start(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < hidden_size
@@ -94,6 +97,7 @@ def _launch(
     if num_rows == 0 or hidden == 0:
         return out, residual_out
     block = triton.next_power_of_2(hidden)
+    pdl = use_pdl(_rms_norm_kernel, x.device)
     _rms_norm_kernel[(num_rows,)](
         x_rows,
         res_rows,
@@ -108,7 +112,9 @@ def _launch(
         res_out_rows.stride(0),
         ADD_RESIDUAL=residual is not None,
         BLOCK=block,
+        USE_PDL=pdl,
         num_warps=min(max(block // 512, 1), 16),
+        **launch_options(pdl),
     )
     return out, residual_out
 

@@ -15,8 +15,14 @@ import triton
 import triton.language as tl
 
 from kernels._validate import FLOAT_DTYPES, check_devices, check_tensor
+from kernels.pdl import launch_options, pdl_start, use_pdl
 
-__all__ = ["rotary_embedding", "rotary_embedding_ref"]
+__all__ = [
+    "rotary_embedding",
+    "rotary_embedding_ref",
+    "rotary_embedding_write_kv",
+    "rotary_embedding_write_kv_ref",
+]
 
 
 @triton.jit
@@ -72,7 +78,9 @@ def _rotary_kernel(
     HALF: tl.constexpr,
     BLOCK_HQ: tl.constexpr,
     BLOCK_HK: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    pdl_start(USE_PDL)
     token = tl.program_id(0).to(tl.int64)
     position = tl.load(positions_ptr + token).to(tl.int64)
     dtype = q_ptr.dtype.element_ty
@@ -111,6 +119,100 @@ def _rotary_kernel(
     )
 
 
+@triton.jit
+def _rotary_write_kv_kernel(
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    q_out_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    positions_ptr,
+    slot_mapping_ptr,
+    cos_ptr,
+    sin_ptr,
+    num_heads,
+    num_kv_heads,
+    num_slots,
+    stride_qt,
+    stride_qh,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    stride_qot,
+    stride_qoh,
+    stride_cslot,
+    stride_chead,
+    stride_table,
+    HALF: tl.constexpr,
+    BLOCK_HQ: tl.constexpr,
+    BLOCK_HK: tl.constexpr,
+    USE_PDL: tl.constexpr,
+):
+    pdl_start(USE_PDL)
+    token = tl.program_id(0).to(tl.int64)
+    position = tl.load(positions_ptr + token).to(tl.int64)
+    dtype = q_ptr.dtype.element_ty
+    dims = tl.arange(0, HALF)[None, :]
+    table = position * stride_table + dims
+    c1 = tl.load(cos_ptr + table).to(dtype).to(tl.float32)
+    c2 = tl.load(cos_ptr + table + HALF).to(dtype).to(tl.float32)
+    s1 = tl.load(sin_ptr + table).to(dtype).to(tl.float32)
+    s2 = tl.load(sin_ptr + table + HALF).to(dtype).to(tl.float32)
+    _rotate_heads(
+        q_ptr + token * stride_qt,
+        q_out_ptr + token * stride_qot,
+        stride_qh,
+        stride_qoh,
+        num_heads,
+        c1,
+        c2,
+        s1,
+        s2,
+        HALF,
+        BLOCK_HQ,
+    )
+    slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
+    # As kernels/kv_cache_write.py: negative slots (padding) and slots past the pool are skipped.
+    if (slot >= 0) & (slot < num_slots):
+        _rotate_heads(
+            k_ptr + token * stride_kt,
+            k_cache_ptr + slot * stride_cslot,
+            stride_kh,
+            stride_chead,
+            num_kv_heads,
+            c1,
+            c2,
+            s1,
+            s2,
+            HALF,
+            BLOCK_HK,
+        )
+        heads = tl.arange(0, BLOCK_HK)[:, None]
+        cols = tl.arange(0, 2 * HALF)[None, :]
+        mask = heads < num_kv_heads
+        v = tl.load(v_ptr + token * stride_vt + heads * stride_vh + cols, mask=mask)
+        tl.store(v_cache_ptr + slot * stride_cslot + heads * stride_chead + cols, v, mask=mask)
+
+
+def _check_rotary(
+    positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> tuple[int, int, int]:
+    """Validate rotary inputs; returns (num_tokens, num_heads, head_dim)."""
+    check_tensor("q", q, ndim=3, dtypes=FLOAT_DTYPES)
+    num_tokens, num_heads, head_dim = q.shape
+    check_tensor("k", k, ndim=3, dtypes=(q.dtype,), shape=(num_tokens, None, head_dim))
+    if head_dim % 2 or (head_dim // 2) & (head_dim // 2 - 1):
+        raise ValueError(f"head_dim must be twice a power of two, got {head_dim}")
+    check_tensor("positions", positions, dtypes=(torch.int64,), shape=(num_tokens,))
+    check_tensor("cos", cos, ndim=2, dtypes=(torch.float32,), contiguous=True)
+    check_tensor("sin", sin, dtypes=(torch.float32,), shape=tuple(cos.shape), contiguous=True)
+    if cos.shape[1] != head_dim:
+        raise ValueError(f"cos/sin must have head_dim ({head_dim}) columns, got {cos.shape[1]}")
+    return num_tokens, num_heads, head_dim
+
+
 def rotary_embedding(
     positions: torch.Tensor,
     q: torch.Tensor,
@@ -129,16 +231,7 @@ def rotary_embedding(
     `inplace`. Positions must be < max_len (they index the tables unchecked, as the engine's
     `cos[positions]` would on a GPU).
     """
-    check_tensor("q", q, ndim=3, dtypes=FLOAT_DTYPES)
-    num_tokens, num_heads, head_dim = q.shape
-    check_tensor("k", k, ndim=3, dtypes=(q.dtype,), shape=(num_tokens, None, head_dim))
-    if head_dim % 2 or (head_dim // 2) & (head_dim // 2 - 1):
-        raise ValueError(f"head_dim must be twice a power of two, got {head_dim}")
-    check_tensor("positions", positions, dtypes=(torch.int64,), shape=(num_tokens,))
-    check_tensor("cos", cos, ndim=2, dtypes=(torch.float32,), contiguous=True)
-    check_tensor("sin", sin, dtypes=(torch.float32,), shape=tuple(cos.shape), contiguous=True)
-    if cos.shape[1] != head_dim:
-        raise ValueError(f"cos/sin must have head_dim ({head_dim}) columns, got {cos.shape[1]}")
+    num_tokens, num_heads, head_dim = _check_rotary(positions, q, k, cos, sin)
     if inplace:
         if q_out is not None or k_out is not None:
             raise ValueError("pass either inplace=True or q_out/k_out, not both")
@@ -153,6 +246,7 @@ def rotary_embedding(
     if num_tokens == 0:
         return q_out, k_out
     num_kv_heads = k.shape[1]
+    pdl = use_pdl(_rotary_kernel, q.device)
     _rotary_kernel[(num_tokens,)](
         q,
         k,
@@ -175,7 +269,9 @@ def rotary_embedding(
         HALF=head_dim // 2,
         BLOCK_HQ=triton.next_power_of_2(num_heads),
         BLOCK_HK=triton.next_power_of_2(num_kv_heads),
+        USE_PDL=pdl,
         num_warps=4 if num_heads * head_dim >= 2048 else 1,
+        **launch_options(pdl),
     )
     return q_out, k_out
 
@@ -207,3 +303,98 @@ def rotary_embedding_ref(
     if k_out is not None:
         k_rot = k_out.copy_(k_rot)
     return q_rot, k_rot
+
+
+def rotary_embedding_write_kv(
+    positions: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    kv_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    *,
+    q_out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """`rotary_embedding` and `write_kv_cache` in one launch: returns the rotated q (in `q_out`
+    or a new tensor) and writes the rotated k and v into `kv_cache` at `slot_mapping`; k itself
+    is left as it was. Same arguments and rules as those two functions."""
+    num_tokens, num_heads, head_dim = _check_rotary(positions, q, k, cos, sin)
+    check_tensor("v", v, dtypes=(q.dtype,), shape=tuple(k.shape))
+    check_tensor("kv_cache", kv_cache, ndim=5, dtypes=(q.dtype,), contiguous=True)
+    _, num_blocks, block_size, num_kv_heads, _ = kv_cache.shape
+    if kv_cache.shape[0] != 2 or tuple(kv_cache.shape[3:]) != tuple(k.shape[1:]):
+        raise ValueError(f"kv_cache shape {tuple(kv_cache.shape)} does not fit k {tuple(k.shape)}")
+    check_tensor("slot_mapping", slot_mapping, dtypes=(torch.int64,), shape=(num_tokens,))
+    q_out = torch.empty_like(q) if q_out is None else q_out
+    check_tensor("q_out", q_out, dtypes=(q.dtype,), shape=tuple(q.shape))
+    check_devices(
+        _rotary_write_kv_kernel,
+        positions=positions,
+        q=q,
+        k=k,
+        v=v,
+        cos=cos,
+        sin=sin,
+        q_out=q_out,
+        kv_cache=kv_cache,
+        slot_mapping=slot_mapping,
+    )
+    if num_tokens == 0:
+        return q_out
+    k_cache, v_cache = kv_cache[0], kv_cache[1]
+    pdl = use_pdl(_rotary_write_kv_kernel, q.device)
+    _rotary_write_kv_kernel[(num_tokens,)](
+        q,
+        k,
+        v,
+        q_out,
+        k_cache,
+        v_cache,
+        positions,
+        slot_mapping,
+        cos,
+        sin,
+        num_heads,
+        num_kv_heads,
+        num_blocks * block_size,
+        q.stride(0),
+        q.stride(1),
+        k.stride(0),
+        k.stride(1),
+        v.stride(0),
+        v.stride(1),
+        q_out.stride(0),
+        q_out.stride(1),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        cos.stride(0),
+        HALF=head_dim // 2,
+        BLOCK_HQ=triton.next_power_of_2(num_heads),
+        BLOCK_HK=triton.next_power_of_2(num_kv_heads),
+        USE_PDL=pdl,
+        num_warps=4 if num_heads * head_dim >= 2048 else 1,
+        **launch_options(pdl),
+    )
+    return q_out
+
+
+def rotary_embedding_write_kv_ref(
+    positions: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    kv_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    *,
+    q_out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Plain-torch `rotary_embedding_write_kv`: the two references one after the other."""
+    from kernels.kv_cache_write import write_kv_cache_ref
+
+    q_rot, k_rot = rotary_embedding_ref(positions, q, k, cos, sin, q_out=q_out)
+    write_kv_cache_ref(k_rot, v, kv_cache, slot_mapping)
+    return q_rot

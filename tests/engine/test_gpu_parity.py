@@ -45,10 +45,13 @@ def _chosen_logprobs(model, prompt: list[int], tokens: list[int]) -> torch.Tenso
     return logprobs[torch.arange(len(tokens)), torch.tensor(tokens, device="cuda")].cpu()
 
 
-def test_gpu_bf16_logprobs_within_bf16_error_and_greedy_agreement_rate(model_dir):
+@pytest.mark.parametrize("max_num_seqs", [256, 1])
+def test_gpu_bf16_logprobs_within_bf16_error_and_greedy_agreement_rate(model_dir, max_num_seqs):
     """bf16 tolerance is measured, not assumed: HF's own bf16 error against HF float32 on the
-    same weights is the yardstick for ours."""
-    llm = LLM(model_dir, dtype="bfloat16", device="cuda")
+    same weights is the yardstick for ours. One sequence at a time runs the batch-1 GEMV path."""
+    llm = LLM(
+        model_dir, dtype="bfloat16", device="cuda", max_num_seqs=max_num_seqs, num_kv_blocks=1024
+    )
     assert llm.engine.config.attention_backend == "triton"
     assert llm.engine.runner.graphs is not None
     prompts = random_prompts(
@@ -83,17 +86,22 @@ def test_gpu_bf16_logprobs_within_bf16_error_and_greedy_agreement_rate(model_dir
     assert agree >= len(prompts) // 2, "greedy tokens must agree for most prompts"
 
 
-@pytest.mark.parametrize("backend", ["triton", "torch"])
-def test_gpu_float32_sliding_window_matches_hf(tmp_path, backend):
+@pytest.mark.parametrize(("backend", "max_num_seqs"), [("triton", 8), ("torch", 8), ("triton", 1)])
+def test_gpu_float32_sliding_window_matches_hf(tmp_path, backend, max_num_seqs):
     from tests.engine.hf_oracle import hf_greedy
 
     model_dir = make_tiny_model(tmp_path / "m", "mistral", config_overrides={"sliding_window": 12})
     llm = LLM(
-        model_dir, dtype="float32", device="cuda", attention_backend=backend, num_kv_blocks=256
+        model_dir,
+        dtype="float32",
+        device="cuda",
+        attention_backend=backend,
+        num_kv_blocks=256,
+        max_num_seqs=max_num_seqs,
     )
     prompts = random_prompts([5, 30, 70], llm.engine.model_config.vocab_size, seed=2)
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
     got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     want = [hf_greedy(model_dir, tuple(p), 16) for p in prompts]
-    print(f"\n{backend} window: {[g == w for g, w in zip(got, want, strict=True)]}")
+    print(f"\n{backend} x{max_num_seqs} window: {[g == w for g, w in zip(got, want, strict=True)]}")
     assert got == want

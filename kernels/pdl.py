@@ -1,0 +1,52 @@
+"""Programmatic dependent launch (PDL, Hopper and newer): the next kernel on the stream may be
+scheduled while the current one drains, and waits for it before touching its results.
+
+A batch-1 decode step is ~400 back-to-back kernels of a few µs each; without PDL every boundary
+pays the launch and ramp-up of the next grid behind the tail of the last. Each of our kernels
+starts with `pdl_start`:
+
+    gdc_launch_dependents()   the next kernel may be scheduled on free SM slots now
+    gdc_wait()                the previous kernel has finished and its writes are visible
+
+Every kernel launched this way waits before it reads or writes anything, so the chain stays
+ordered transitively (C waits for B, which waited for A). A kernel launched without PDL (torch,
+cuBLAS) orders as usual. `ENABLED` switches it off for A/B timing (bench/decode_roofline.py).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels._validate import is_interpreted
+
+ENABLED = True
+
+
+def use_pdl(kernel: Any, device: torch.device) -> bool:
+    """Whether to launch `kernel` on `device` with PDL: compute capability 9.0+, not interpreted."""
+    if not ENABLED or is_interpreted(kernel) or device.type != "cuda":
+        return False
+    return _capable(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.cache
+def _capable(index: int) -> bool:
+    return torch.cuda.get_device_capability(index)[0] >= 9
+
+
+def launch_options(enabled: bool) -> dict[str, bool]:
+    """Extra launch keywords: `launch_pdl` only when PDL is on (older launchers lack it)."""
+    return {"launch_pdl": True} if enabled else {}
+
+
+@triton.jit
+def pdl_start(USE_PDL: tl.constexpr):
+    """A kernel's first statement: let the next kernel launch, then wait for the previous one."""
+    if USE_PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
