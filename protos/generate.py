@@ -1,7 +1,7 @@
 """Generate the Python code for protos/v1/*.proto (messages, gRPC stubs, type stubs).
 
-python -m protos.generate           # write protos/v1/*_pb2*.py(i)
-python -m protos.generate --check   # exit 1 if the committed code is stale (CI runs this)
+    python -m protos.generate           # write protos/v1/*_pb2*.py(i)
+    python -m protos.generate --check   # exit 1 if the committed code is stale (CI runs this)
 """
 
 from __future__ import annotations
