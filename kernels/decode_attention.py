@@ -32,7 +32,13 @@ from kernels._validate import (
     is_interpreted,
 )
 from kernels.attention_ref import decode_attention_ref
-from kernels.pdl import launch_options, pdl_start, use_pdl
+from kernels.pdl import (
+    launch_options,
+    pdl_launch_dependents,
+    pdl_start,
+    pdl_wait,
+    use_pdl,
+)
 
 __all__ = ["choose_num_splits", "decode_attention", "decode_attention_ref"]
 
@@ -79,7 +85,7 @@ def _decode_split_kernel(
     DOT_PRECISION: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
-    pdl_start(USE_PDL)
+    pdl_wait(USE_PDL)
     seq = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -132,6 +138,7 @@ def _decode_split_kernel(
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
 
+    pdl_launch_dependents(USE_PDL)
     # An empty split (or a seq_len == 0 padding row) has l_i == 0: it writes zeros, not NaN.
     has_keys = l_i > 0
     acc = acc / tl.where(has_keys, l_i, 1.0)[:, None]

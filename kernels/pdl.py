@@ -8,6 +8,10 @@ starts with `pdl_start`:
     gdc_launch_dependents()   the next kernel may be scheduled on free SM slots now
     gdc_wait()                the previous kernel has finished and its writes are visible
 
+A long, bandwidth-bound kernel (paged decode attention) waits first but lets the next kernel
+launch only after its main loop: launched early, the next grid's waiting programs slowed it by up
+to 20% at batch 16 with long contexts (bench/kernels.py).
+
 Every kernel launched this way waits before it reads or writes anything, so the chain stays
 ordered transitively (C waits for B, which waited for A). A kernel launched without PDL (torch,
 cuBLAS) orders as usual. `ENABLED` switches it off for A/B timing (bench/decode_roofline.py).
@@ -50,3 +54,17 @@ def pdl_start(USE_PDL: tl.constexpr):
     if USE_PDL:
         tl.extra.cuda.gdc_launch_dependents()
         tl.extra.cuda.gdc_wait()
+
+
+@triton.jit
+def pdl_wait(USE_PDL: tl.constexpr):
+    """Wait for the previous kernel (for kernels that let the next one launch only later)."""
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+
+
+@triton.jit
+def pdl_launch_dependents(USE_PDL: tl.constexpr):
+    """Let the next kernel launch (after this kernel's main loop, in long kernels)."""
+    if USE_PDL:
+        tl.extra.cuda.gdc_launch_dependents()
