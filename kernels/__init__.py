@@ -14,8 +14,13 @@ Every module holds one kernel (or one kernel pair) with three layers:
 | `decode_attention` | `decode_attention`, `decode_attention_ref`, `choose_num_splits` |
 | `prefill_attention` | `prefill_attention`, `prefill_attention_ref` |
 | `rmsnorm` | `rms_norm`, `fused_add_rms_norm` (+ `_ref`) |
-| `rotary` | `rotary_embedding`, `rotary_embedding_ref` |
+| `rotary` | `rotary_embedding`, `rotary_embedding_write_kv` (+ `_ref`) |
 | `activation` | `silu_and_mul`, `silu_and_mul_ref` |
+| `gemv` | `gemv`, `gemv_ref`, `pick_config` |
+| `argmax` | `argmax_rows`, `argmax_rows_ref` |
+
+`pdl` is shared launch plumbing, not a kernel: on Hopper and newer every kernel here except the
+prefill attention is launched with programmatic dependent launch (see its docstring).
 
 On a machine without a GPU, set `TRITON_INTERPRET=1` before triton is first imported and pass
 CPU tensors: the kernels then run (slowly) in Triton's interpreter.
