@@ -14,12 +14,15 @@ to 20% at batch 16 with long contexts (bench/kernels.py).
 
 Every kernel launched this way waits before it reads or writes anything, so the chain stays
 ordered transitively (C waits for B, which waited for A). A kernel launched without PDL (torch,
-cuBLAS) orders as usual. `ENABLED` switches it off for A/B timing (bench/decode_roofline.py).
+cuBLAS) orders as usual. `ENABLED` (from `SPLITSERVE_PDL`, default on; `SPLITSERVE_PDL=0` turns it
+off, e.g. to rule it out on a new driver) is read at each launch; bench/decode_roofline.py flips
+it for A/B timing.
 """
 
 from __future__ import annotations
 
 import functools
+import os
 from typing import Any
 
 import torch
@@ -28,7 +31,7 @@ import triton.language as tl
 
 from kernels._validate import is_interpreted
 
-ENABLED = True
+ENABLED = os.environ.get("SPLITSERVE_PDL", "1").strip().lower() not in ("0", "false", "off", "no")
 
 
 def use_pdl(kernel: Any, device: torch.device) -> bool:
