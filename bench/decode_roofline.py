@@ -129,6 +129,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shape", choices=sorted(SHAPES), default="llama-3-8b")
     parser.add_argument("--context", type=int, default=1024)
+    parser.add_argument(
+        "--max-model-len",
+        type=int,
+        default=None,
+        help="engine max_model_len (default context + 4 * steps + 64); the decode graphs size "
+        "their attention splits for it",
+    )
     parser.add_argument("--steps", type=int, default=50)
     parser.add_argument("--out", default="bench/results/decode_roofline.json")
     parser.add_argument("--profile", action="store_true", help="also profile batch-1 steps")
@@ -147,6 +154,9 @@ def main() -> None:
     from engine import LLMEngine
     from engine.config import EngineConfig
 
+    max_model_len = args.max_model_len or args.context + 4 * args.steps + 64
+    if max_model_len < args.context + 4 * args.steps + 64:
+        parser.error(f"--max-model-len must be at least {args.context + 4 * args.steps + 64}")
     bandwidth = measure_copy_bandwidth()
     rows = []
     modes = {"on": [True], "off": [False], "both": [False, True]}[args.pdl]
@@ -164,7 +174,7 @@ def main() -> None:
                     device="cuda",
                     load_format="dummy",
                     max_num_seqs=8,
-                    max_model_len=args.context + 4 * args.steps + 64,
+                    max_model_len=max_model_len,
                 ),
             )
             cfg = engine.model_config
@@ -197,6 +207,7 @@ def main() -> None:
         "shape": args.shape,
         "dtype": "bfloat16",
         "context": args.context,
+        "max_model_len": max_model_len,
         "copy_bandwidth_GBps": bandwidth / 1e9,
         "rows": rows,
     }
@@ -210,6 +221,7 @@ def main() -> None:
         print(profile_steps(engine, 1, args.context))
     print(
         f"device: {device_name()}  shape: {args.shape}  bf16  context {args.context}  "
+        f"max_model_len {max_model_len}  "
         f"copy bandwidth {bandwidth / 1e9:.0f} GB/s"
     )
     print(table(rows, ["batch", "PDL", "step ms", "floor ms", "ratio", "weights GB", "KV MB"]))
