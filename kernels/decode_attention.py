@@ -43,8 +43,11 @@ from kernels.pdl import (
 __all__ = ["choose_num_splits", "decode_attention", "decode_attention_ref"]
 
 LOG2E = math.log2(math.e)
-# Each split reads at least this many keys: below it the merge pass costs more than it saves.
-MIN_SPLIT_LEN = 256
+# Each split reads at least this many keys (one 16-bit tile). A split's programs are a chain of
+# dependent loads (length, page, K, V) per tile, so at batch 1 the step is fastest with one tile
+# each: in the Llama-3-8B decode step on an H200, 16 one-tile splits per head beat 4 four-tile
+# ones by 0.25 ms (bench/decode_roofline.py; merging more partials costs little).
+MIN_SPLIT_LEN = 64
 MAX_SPLITS = 64
 # Programs wanted per SM: several resident programs hide the latency of the gathered loads.
 PROGRAMS_PER_SM = 4

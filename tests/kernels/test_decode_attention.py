@@ -82,7 +82,7 @@ def test_split_heuristic_splits_small_batches_of_long_contexts():
     assert choose_num_splits(1, 8, 32768, num_sms=132) == 64  # capped at MAX_SPLITS
     assert choose_num_splits(16, 8, 32768, num_sms=132) == 5
     assert choose_num_splits(256, 8, 32768, num_sms=132) == 1  # enough programs already
-    assert choose_num_splits(1, 8, 512, num_sms=132) == 2  # at least MIN_SPLIT_LEN keys each
+    assert choose_num_splits(1, 8, 512, num_sms=132) == 8  # at least MIN_SPLIT_LEN keys each
     assert choose_num_splits(1, 8, 100, num_sms=132) == 1
     assert choose_num_splits(4, 8, 0, num_sms=132) == 1
 
