@@ -59,17 +59,23 @@ def _rotate_heads(
 def _rotary_kernel(
     q_ptr,
     k_ptr,
+    v_ptr,
     q_out_ptr,
     k_out_ptr,
+    v_out_ptr,
     positions_ptr,
+    slot_mapping_ptr,
     cos_ptr,
     sin_ptr,
     num_heads,
     num_kv_heads,
+    num_slots,
     stride_qt,
     stride_qh,
     stride_kt,
     stride_kh,
+    stride_vt,
+    stride_vh,
     stride_qot,
     stride_qoh,
     stride_kot,
@@ -78,8 +84,12 @@ def _rotary_kernel(
     HALF: tl.constexpr,
     BLOCK_HQ: tl.constexpr,
     BLOCK_HK: tl.constexpr,
+    WRITE_KV: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
+    """Rotate one token's q into q_out, and its k into k_out at row `token`; with WRITE_KV,
+    k_out/v_out are the key/value cache planes and the row is the token's slot (its rotated k
+    and its v go there)."""
     pdl_start(USE_PDL)
     token = tl.program_id(0).to(tl.int64)
     position = tl.load(positions_ptr + token).to(tl.int64)
@@ -104,83 +114,20 @@ def _rotary_kernel(
         HALF,
         BLOCK_HQ,
     )
-    _rotate_heads(
-        k_ptr + token * stride_kt,
-        k_out_ptr + token * stride_kot,
-        stride_kh,
-        stride_koh,
-        num_kv_heads,
-        c1,
-        c2,
-        s1,
-        s2,
-        HALF,
-        BLOCK_HK,
-    )
-
-
-@triton.jit
-def _rotary_write_kv_kernel(
-    q_ptr,
-    k_ptr,
-    v_ptr,
-    q_out_ptr,
-    k_cache_ptr,
-    v_cache_ptr,
-    positions_ptr,
-    slot_mapping_ptr,
-    cos_ptr,
-    sin_ptr,
-    num_heads,
-    num_kv_heads,
-    num_slots,
-    stride_qt,
-    stride_qh,
-    stride_kt,
-    stride_kh,
-    stride_vt,
-    stride_vh,
-    stride_qot,
-    stride_qoh,
-    stride_cslot,
-    stride_chead,
-    stride_table,
-    HALF: tl.constexpr,
-    BLOCK_HQ: tl.constexpr,
-    BLOCK_HK: tl.constexpr,
-    USE_PDL: tl.constexpr,
-):
-    pdl_start(USE_PDL)
-    token = tl.program_id(0).to(tl.int64)
-    position = tl.load(positions_ptr + token).to(tl.int64)
-    dtype = q_ptr.dtype.element_ty
-    dims = tl.arange(0, HALF)[None, :]
-    table = position * stride_table + dims
-    c1 = tl.load(cos_ptr + table).to(dtype).to(tl.float32)
-    c2 = tl.load(cos_ptr + table + HALF).to(dtype).to(tl.float32)
-    s1 = tl.load(sin_ptr + table).to(dtype).to(tl.float32)
-    s2 = tl.load(sin_ptr + table + HALF).to(dtype).to(tl.float32)
-    _rotate_heads(
-        q_ptr + token * stride_qt,
-        q_out_ptr + token * stride_qot,
-        stride_qh,
-        stride_qoh,
-        num_heads,
-        c1,
-        c2,
-        s1,
-        s2,
-        HALF,
-        BLOCK_HQ,
-    )
-    slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
-    # As kernels/kv_cache_write.py: negative slots (padding) and slots past the pool are skipped.
-    if (slot >= 0) & (slot < num_slots):
+    if WRITE_KV:
+        row = tl.load(slot_mapping_ptr + token).to(tl.int64)
+        # As kernels/kv_cache_write.py: negative slots (padding) and slots past the pool are
+        # skipped.
+        keep = (row >= 0) & (row < num_slots)
+    else:
+        row = token
+        keep = True
+    if keep:
         _rotate_heads(
             k_ptr + token * stride_kt,
-            k_cache_ptr + slot * stride_cslot,
+            k_out_ptr + row * stride_kot,
             stride_kh,
-            stride_chead,
+            stride_koh,
             num_kv_heads,
             c1,
             c2,
@@ -189,11 +136,66 @@ def _rotary_write_kv_kernel(
             HALF,
             BLOCK_HK,
         )
-        heads = tl.arange(0, BLOCK_HK)[:, None]
-        cols = tl.arange(0, 2 * HALF)[None, :]
-        mask = heads < num_kv_heads
-        v = tl.load(v_ptr + token * stride_vt + heads * stride_vh + cols, mask=mask)
-        tl.store(v_cache_ptr + slot * stride_cslot + heads * stride_chead + cols, v, mask=mask)
+        if WRITE_KV:
+            heads = tl.arange(0, BLOCK_HK)[:, None]
+            cols = tl.arange(0, 2 * HALF)[None, :]
+            mask = heads < num_kv_heads
+            v = tl.load(v_ptr + token * stride_vt + heads * stride_vh + cols, mask=mask)
+            tl.store(v_out_ptr + row * stride_kot + heads * stride_koh + cols, v, mask=mask)
+
+
+def _launch(
+    positions: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    q_out: torch.Tensor,
+    k_rows: torch.Tensor,
+    v_rows: torch.Tensor,
+    slot_mapping: torch.Tensor | None,
+) -> None:
+    """Launch over q's tokens; k_rows/v_rows are [rows, num_kv_heads, head_dim] targets, indexed
+    by token, or by `slot_mapping` when given (then k_rows/v_rows are the cache planes)."""
+    num_tokens, num_heads, head_dim = q.shape
+    if num_tokens == 0:
+        return
+    num_kv_heads = k.shape[1]
+    pdl = use_pdl(_rotary_kernel, q.device)
+    _rotary_kernel[(num_tokens,)](
+        q,
+        k,
+        v,
+        q_out,
+        k_rows,
+        v_rows,
+        positions,
+        positions if slot_mapping is None else slot_mapping,
+        cos,
+        sin,
+        num_heads,
+        num_kv_heads,
+        k_rows.shape[0],
+        q.stride(0),
+        q.stride(1),
+        k.stride(0),
+        k.stride(1),
+        v.stride(0),
+        v.stride(1),
+        q_out.stride(0),
+        q_out.stride(1),
+        k_rows.stride(0),
+        k_rows.stride(1),
+        cos.stride(0),
+        HALF=head_dim // 2,
+        BLOCK_HQ=triton.next_power_of_2(num_heads),
+        BLOCK_HK=triton.next_power_of_2(num_kv_heads),
+        WRITE_KV=slot_mapping is not None,
+        USE_PDL=pdl,
+        num_warps=4 if num_heads * head_dim >= 2048 else 1,
+        **launch_options(pdl),
+    )
 
 
 def _check_rotary(
@@ -231,7 +233,7 @@ def rotary_embedding(
     `inplace`. Positions must be < max_len (they index the tables unchecked, as the engine's
     `cos[positions]` would on a GPU).
     """
-    num_tokens, num_heads, head_dim = _check_rotary(positions, q, k, cos, sin)
+    _check_rotary(positions, q, k, cos, sin)
     if inplace:
         if q_out is not None or k_out is not None:
             raise ValueError("pass either inplace=True or q_out/k_out, not both")
@@ -243,36 +245,7 @@ def rotary_embedding(
     check_devices(
         _rotary_kernel, positions=positions, q=q, k=k, cos=cos, sin=sin, q_out=q_out, k_out=k_out
     )
-    if num_tokens == 0:
-        return q_out, k_out
-    num_kv_heads = k.shape[1]
-    pdl = use_pdl(_rotary_kernel, q.device)
-    _rotary_kernel[(num_tokens,)](
-        q,
-        k,
-        q_out,
-        k_out,
-        positions,
-        cos,
-        sin,
-        num_heads,
-        num_kv_heads,
-        q.stride(0),
-        q.stride(1),
-        k.stride(0),
-        k.stride(1),
-        q_out.stride(0),
-        q_out.stride(1),
-        k_out.stride(0),
-        k_out.stride(1),
-        cos.stride(0),
-        HALF=head_dim // 2,
-        BLOCK_HQ=triton.next_power_of_2(num_heads),
-        BLOCK_HK=triton.next_power_of_2(num_kv_heads),
-        USE_PDL=pdl,
-        num_warps=4 if num_heads * head_dim >= 2048 else 1,
-        **launch_options(pdl),
-    )
+    _launch(positions, q, k, k, cos, sin, q_out, k_out, k_out, None)
     return q_out, k_out
 
 
@@ -320,7 +293,7 @@ def rotary_embedding_write_kv(
     """`rotary_embedding` and `write_kv_cache` in one launch: returns the rotated q (in `q_out`
     or a new tensor) and writes the rotated k and v into `kv_cache` at `slot_mapping`; k itself
     is left as it was. Same arguments and rules as those two functions."""
-    num_tokens, num_heads, head_dim = _check_rotary(positions, q, k, cos, sin)
+    num_tokens, _, head_dim = _check_rotary(positions, q, k, cos, sin)
     check_tensor("v", v, dtypes=(q.dtype,), shape=tuple(k.shape))
     check_tensor("kv_cache", kv_cache, ndim=5, dtypes=(q.dtype,), contiguous=True)
     _, num_blocks, block_size, num_kv_heads, _ = kv_cache.shape
@@ -330,7 +303,7 @@ def rotary_embedding_write_kv(
     q_out = torch.empty_like(q) if q_out is None else q_out
     check_tensor("q_out", q_out, dtypes=(q.dtype,), shape=tuple(q.shape))
     check_devices(
-        _rotary_write_kv_kernel,
+        _rotary_kernel,
         positions=positions,
         q=q,
         k=k,
@@ -341,42 +314,11 @@ def rotary_embedding_write_kv(
         kv_cache=kv_cache,
         slot_mapping=slot_mapping,
     )
-    if num_tokens == 0:
-        return q_out
-    k_cache, v_cache = kv_cache[0], kv_cache[1]
-    pdl = use_pdl(_rotary_write_kv_kernel, q.device)
-    _rotary_write_kv_kernel[(num_tokens,)](
-        q,
-        k,
-        v,
-        q_out,
-        k_cache,
-        v_cache,
-        positions,
-        slot_mapping,
-        cos,
-        sin,
-        num_heads,
-        num_kv_heads,
-        num_blocks * block_size,
-        q.stride(0),
-        q.stride(1),
-        k.stride(0),
-        k.stride(1),
-        v.stride(0),
-        v.stride(1),
-        q_out.stride(0),
-        q_out.stride(1),
-        k_cache.stride(1),
-        k_cache.stride(2),
-        cos.stride(0),
-        HALF=head_dim // 2,
-        BLOCK_HQ=triton.next_power_of_2(num_heads),
-        BLOCK_HK=triton.next_power_of_2(num_kv_heads),
-        USE_PDL=pdl,
-        num_warps=4 if num_heads * head_dim >= 2048 else 1,
-        **launch_options(pdl),
+    # The cache planes as [slots, num_kv_heads, head_dim] rows (views: kv_cache is contiguous).
+    k_rows, v_rows = (
+        plane.view(num_blocks * block_size, num_kv_heads, head_dim) for plane in kv_cache
     )
+    _launch(positions, q, k, v, cos, sin, q_out, k_rows, v_rows, slot_mapping)
     return q_out
 
 
