@@ -1,10 +1,6 @@
 #!/usr/bin/env bash
 # Second device call: re-checks after the fused GPU path, split sweep, roofline, throughput.
-set -uo pipefail
-export PYTHONUNBUFFERED=1 PYTHONPATH=.
-OUT=${OUT:-bench/results}
-mkdir -p "$OUT"
-step() { local name=$1; shift; echo "=== $name"; local t0=$SECONDS; "$@" > "$OUT/$name.log" 2>&1; local rc=$?; tail -n "${TAIL:-8}" "$OUT/$name.log"; echo "=== $name rc=$rc in $((SECONDS - t0)) s"; }
+source "$(dirname "$0")/device_common.sh"
 step kernel_tests python3 -m pytest tests/kernels -q -p no:cacheprovider
 step gpu_parity python3 -m pytest tests/engine/test_gpu_parity.py -q -s -p no:cacheprovider
 TAIL=40 step split_sweep python3 -m bench.decode_split_sweep

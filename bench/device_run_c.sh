@@ -1,10 +1,6 @@
 #!/usr/bin/env bash
 # Third device call: GPU tests after fixes, then offline throughput for both published shapes.
-set -uo pipefail
-export PYTHONUNBUFFERED=1 PYTHONPATH=.
-OUT=${OUT:-bench/results}
-mkdir -p "$OUT"
-step() { local name=$1; shift; echo "=== $name"; local t0=$SECONDS; "$@" > "$OUT/$name.log" 2>&1; local rc=$?; tail -n "${TAIL:-8}" "$OUT/$name.log"; echo "=== $name rc=$rc in $((SECONDS - t0)) s"; }
+source "$(dirname "$0")/device_common.sh"
 TAIL=4 step kernel_tests python3 -m pytest tests/kernels -q -p no:cacheprovider
 TAIL=12 step gpu_parity python3 -m pytest tests/engine/test_gpu_parity.py -q -s -p no:cacheprovider
 TAIL=10 step throughput_qwen3 python3 -m bench.offline_throughput --shape qwen3-0.6b --baseline-batches 2 --out "$OUT/throughput_qwen3.json"

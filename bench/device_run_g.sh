@@ -1,10 +1,6 @@
 #!/usr/bin/env bash
 # Session 2: GPU kernel tests (PDL on), GPU parity, decode roofline PDL off/on + breakdown, gemv.
-set -uo pipefail
-export PYTHONUNBUFFERED=1 PYTHONPATH=.
-OUT=${OUT:-bench/results}
-mkdir -p "$OUT"
-step() { local name=$1; shift; echo "=== $name"; local t0=$SECONDS; "$@" > "$OUT/$name.log" 2>&1; local rc=$?; tail -n "${TAIL:-8}" "$OUT/$name.log"; echo "=== $name rc=$rc in $((SECONDS - t0)) s"; }
+source "$(dirname "$0")/device_common.sh"
 TAIL=4 step kernel_tests python3 -m pytest tests/kernels -q -x -p no:cacheprovider
 TAIL=12 step parity python3 -m pytest tests/engine/test_gpu_parity.py -q -s -p no:cacheprovider
 TAIL=45 step roofline python3 -m bench.decode_roofline --breakdown --profile --out "$OUT/roofline.json"

@@ -51,8 +51,8 @@ class DecodeGraphs:
         # then the block tables, so a step's used part of it is one contiguous prefix.
         self._ids_host = torch.zeros(3, size, dtype=torch.int64, pin_memory=True)
         self._ids_host[2] = -1  # no slots: capture's warm-up run writes no KV
-        self._lens_host = torch.zeros(size * (1 + max_blocks_per_seq), dtype=torch.int32)
-        self._lens_host = self._lens_host.pin_memory()
+        width = 1 + max_blocks_per_seq
+        self._lens_host = torch.zeros(size * width, dtype=torch.int32, pin_memory=True)
         self._ids_np = self._ids_host.numpy()
         self._lens_np = self._lens_host.numpy()
         self._ids = self._ids_host.to(device)
