@@ -57,7 +57,7 @@ SHAPES: dict[str, dict[str, Any]] = {
 def model_dir(shape: str, root: Path) -> Path:
     """A model directory with `shape`'s config.json and a local tokenizer, and no weights (the
     engine runs it with load_format="dummy"; token-id prompts make the tokenizer irrelevant)."""
-    from engine.tiny_model import make_tiny_model
+    from splitserve.testing.tiny_model import make_tiny_model
 
     path = root / shape
     make_tiny_model(path, "llama")

@@ -31,7 +31,7 @@ def measure_copy_bandwidth() -> float:
 
 
 def decode_step_times(engine, batch: int, context: int, steps: int) -> list[float]:
-    from engine import SamplingParams
+    from splitserve.engine import SamplingParams
 
     params = SamplingParams(temperature=0, max_tokens=steps + 8, ignore_eos=True)
     for i in range(batch):
@@ -57,7 +57,7 @@ def profile_steps(engine, batch: int, context: int, steps: int = 10) -> str:
     """Where a decode step's time goes: GPU kernel time against the wall time of the step."""
     from torch.profiler import ProfilerActivity, profile
 
-    from engine import SamplingParams
+    from splitserve.engine import SamplingParams
 
     params = SamplingParams(temperature=0, max_tokens=steps + 20, ignore_eos=True)
     for i in range(batch):
@@ -87,7 +87,7 @@ def breakdown(engine, batch: int, context: int, steps: int = 50) -> dict:
     import io
     import pstats
 
-    from engine import SamplingParams
+    from splitserve.engine import SamplingParams
 
     params = SamplingParams(temperature=0, max_tokens=3 * steps + 20, ignore_eos=True)
     for i in range(batch):
@@ -150,9 +150,8 @@ def main() -> None:
     )
     args = parser.parse_args()
     assert torch.cuda.is_available(), "this benchmark needs a GPU"
-    import kernels.pdl
-    from engine import LLMEngine
-    from engine.config import EngineConfig
+    from splitserve.engine import LLMEngine
+    from splitserve.engine.config import EngineConfig
 
     max_model_len = args.max_model_len or args.context + 4 * args.steps + 64
     if max_model_len < args.context + 4 * args.steps + 64:
@@ -163,7 +162,6 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         path = model_dir(args.shape, Path(tmp))
         for pdl in modes:
-            kernels.pdl.ENABLED = pdl  # read when the decode graphs are captured
             engine = None
             gc.collect()
             torch.cuda.empty_cache()
@@ -175,6 +173,7 @@ def main() -> None:
                     load_format="dummy",
                     max_num_seqs=8,
                     max_model_len=max_model_len,
+                    enable_pdl=pdl,
                 ),
             )
             cfg = engine.model_config

@@ -9,7 +9,7 @@ import torch
 import triton
 
 from bench.common import copy_bandwidth, table
-from kernels.decode_attention import choose_num_splits, decode_attention
+from splitserve.kernels.decode_attention import choose_num_splits, decode_attention
 
 
 def main() -> None:
@@ -54,7 +54,7 @@ def main() -> None:
 
 def launch_config_rows(bandwidth: float, sms: int) -> list[dict]:
     """The same kernel under other (BLOCK_N, num_warps, num_stages), default splits."""
-    import kernels.decode_attention as mod
+    import splitserve.kernels.decode_attention as mod
 
     default = mod._launch_config
     rows = []

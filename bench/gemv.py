@@ -18,7 +18,6 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-import kernels.pdl
 from bench.common import SHAPES, device_name, table, write_results
 from bench.kernels import copies_beyond_l2, copy_bandwidth, time_graph_us
 
@@ -41,8 +40,8 @@ def projections(shape: str) -> list[tuple[str, int, int, str | None]]:
 
 
 def bench_one(n: int, k: int, activation: str | None, sweep: bool, device: torch.device) -> dict:
-    from kernels.activation import silu_and_mul
-    from kernels.gemv import gemv, pick_config
+    from splitserve.kernels.activation import silu_and_mul
+    from splitserve.kernels.gemv import gemv, pick_config
 
     dtype = torch.bfloat16
     copies = copies_beyond_l2(n * k * 2, device)
@@ -59,10 +58,14 @@ def bench_one(n: int, k: int, activation: str | None, sweep: bool, device: torch
             return lambda: torch.matmul(silu_and_mul(x, out=act), w.t(), out=out)
         return lambda: torch.matmul(x, w.t(), out=out)
 
-    def ours(w: torch.Tensor, config: tuple[int, int, int]) -> Callable[[], object]:
+    def ours(
+        w: torch.Tensor, config: tuple[int, int, int], pdl: bool = True
+    ) -> Callable[[], object]:
         if activation:
-            return lambda: gemv(silu_and_mul(x, out=act), w, out=out, config=config)
-        return lambda: gemv(x, w, out=out, config=config)
+            return lambda: gemv(
+                silu_and_mul(x, out=act, pdl=pdl), w, out=out, config=config, pdl=pdl
+            )
+        return lambda: gemv(x, w, out=out, config=config, pdl=pdl)
 
     want = F.linear(silu_and_mul(x) if activation else x, weights[0]).float()
     ours(weights[0], pick_config(n, k))()
@@ -74,9 +77,7 @@ def bench_one(n: int, k: int, activation: str | None, sweep: bool, device: torch
         configs += [c for c in CANDIDATES if c not in configs]
     timed = [(time_graph_us([ours(w, c) for w in weights], device), c) for c in configs]
     picked_us = timed[0][0]
-    kernels.pdl.ENABLED = False
-    no_pdl_us = time_graph_us([ours(w, configs[0]) for w in weights], device)
-    kernels.pdl.ENABLED = True
+    no_pdl_us = time_graph_us([ours(w, configs[0], pdl=False) for w in weights], device)
     best_us, best = min(timed)
     return {
         "N": n,

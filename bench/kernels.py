@@ -34,13 +34,13 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 import triton  # noqa: E402
 
-from kernels.decode_attention import (  # noqa: E402
+from splitserve.kernels.decode_attention import (  # noqa: E402
     INTERPRETER_NUM_SMS,
     choose_num_splits,
     decode_attention,
     decode_attention_ref,
 )
-from kernels.prefill_attention import prefill_attention, prefill_attention_ref  # noqa: E402
+from splitserve.kernels.prefill_attention import prefill_attention, prefill_attention_ref  # noqa: E402
 
 
 @dataclass(frozen=True)

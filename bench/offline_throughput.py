@@ -32,7 +32,7 @@ def workload(num: int, seed: int, lo: int = 100, hi: int = 1024, vocab: int = 10
 
 
 def run_engine(path: Path, prompts, outputs, dtype: str) -> dict[str, Any]:
-    from engine import LLM, SamplingParams
+    from splitserve.engine import LLM, SamplingParams
 
     llm = LLM(
         path,

@@ -18,7 +18,7 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from bench.common import device_name, table, write_results
-from splitserve.tracing import Tracing
+from splitserve.runtime.tracing import Tracing
 
 
 def per_span_us(tracing: Tracing, reps: int = 20000) -> float:

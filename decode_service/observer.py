@@ -17,11 +17,11 @@ from contextlib import contextmanager
 import grpc
 from opentelemetry.trace import Span, SpanKind
 
-from engine.sampling_params import SamplingParams
-from protos.v1 import worker_pb2
-from splitserve import genai
-from splitserve.metrics import RequestMetrics
-from splitserve.tracing import Tracing, record_error
+from splitserve.engine.sampling_params import SamplingParams
+from splitserve.protos.v1 import worker_pb2
+from splitserve.runtime import genai
+from splitserve.runtime.metrics import RequestMetrics
+from splitserve.runtime.tracing import Tracing, record_error
 
 
 class DecodeObserver:

@@ -12,9 +12,9 @@ from collections.abc import Collection
 
 import grpc
 
-from decode_service.reservations import ReservationBook
-from kv_transfer.wire import Buffer, CacheLayout, PushRefused, unpack_into
-from protos.v1 import kv_transfer_pb2
+from splitserve.decode_service.reservations import ReservationBook
+from splitserve.kv_transfer.wire import Buffer, CacheLayout, PushRefused, unpack_into
+from splitserve.protos.v1 import kv_transfer_pb2
 
 
 class ReservationReceiver:

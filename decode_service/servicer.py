@@ -6,12 +6,11 @@ from collections.abc import Iterator
 
 import grpc
 
-from decode_service.observer import DecodeObserver
-from decode_service.receiver import ReservationReceiver
-from decode_service.worker import DecodeWorker
-from protos import convert
-from protos.stats import worker_stats
-from protos.v1 import common_pb2, worker_pb2, worker_pb2_grpc
+from splitserve.decode_service.observer import DecodeObserver
+from splitserve.decode_service.receiver import ReservationReceiver
+from splitserve.decode_service.worker import DecodeWorker
+from splitserve.protos import convert
+from splitserve.protos.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 
 
 class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
@@ -80,8 +79,8 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         self, request: worker_pb2.GetStatsRequest, context: grpc.ServicerContext
     ) -> worker_pb2.WorkerStats:
         worker = self.worker
-        return worker_stats(
-            worker.loop,
+        return convert.stats_to_proto(
+            worker.loop.call(lambda e: e.stats()),
             worker.settings.worker_id,
             num_reservations=len(worker.reservations),
             kv_bytes_received=self.receiver.num_bytes_received,

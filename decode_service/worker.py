@@ -13,16 +13,13 @@ import threading
 from collections.abc import Callable, Generator
 from dataclasses import dataclass
 
-import grpc
-
-from decode_service.reservations import LocalReservation, ReservationBook
-from engine.engine_loop import EngineLoop
-from engine.llm_engine import LLMEngine
-from engine.outputs import RequestOutput
-from engine.sampling_params import SamplingParams
-from engine.scheduler import SampledToken
-from kv_transfer.registry import Registry
-from splitserve.grpc_server import ServiceError
+from splitserve.decode_service.reservations import LocalReservation, ReservationBook
+from splitserve.engine.engine_loop import EngineLoop
+from splitserve.engine.errors import FailedPrecondition, NotFound
+from splitserve.engine.llm_engine import LLMEngine
+from splitserve.engine.outputs import RequestOutput, SampledToken
+from splitserve.engine.sampling_params import SamplingParams
+from splitserve.kv_transfer.registry import Registry
 
 log = logging.getLogger(__name__)
 
@@ -87,12 +84,9 @@ class DecodeWorker:
         """
         res = self.reservations.get(request_id)
         if res is None:
-            raise ServiceError(
-                grpc.StatusCode.NOT_FOUND, f"no reservation for request {request_id!r}"
-            )
+            raise NotFound(f"no reservation for request {request_id!r}")
         if first_tokens and not res.complete:
-            raise ServiceError(
-                grpc.StatusCode.FAILED_PRECONDITION,
+            raise FailedPrecondition(
                 f"KV for request {request_id!r} is incomplete: {res.progress()} received",
             )
         self.reservations.pop(request_id)

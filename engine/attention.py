@@ -11,12 +11,14 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
+from splitserve.engine.ops import TorchOps
+
 if TYPE_CHECKING:
-    from engine.rotary import RotaryEmbedding
+    from splitserve.engine.rotary import RotaryEmbedding
 
 
 @dataclass(frozen=True)
@@ -53,6 +55,10 @@ class AttentionMetadata:
 class AttentionBackend(ABC):
     """Paged attention for one layer. Subclasses register themselves in `BACKENDS` by name."""
 
+    # Whether a decode step through this backend can be captured in a CUDA graph (nothing in it
+    # reads device memory on the host).
+    graph_safe: ClassVar[bool] = False
+
     def __init__(
         self,
         num_heads: int,
@@ -60,7 +66,10 @@ class AttentionBackend(ABC):
         head_dim: int,
         scale: float,
         sliding_window: int | None = None,
+        *,
+        ops: TorchOps | None = None,
     ) -> None:
+        self.ops = ops or TorchOps()
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
@@ -94,23 +103,18 @@ class AttentionBackend(ABC):
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         """Rotary embedding on q and k at `positions`, then `forward`; a backend may fuse them."""
-        if q.is_cuda:
-            from kernels.rotary import rotary_embedding  # GPU only: triton loads on first use
-
-            q, k = rotary_embedding(positions, q, k, rotary.cos, rotary.sin)
-        else:
-            q, k = rotary(positions, q, k)
+        q, k = self.ops.rotary(positions, q, k, rotary)
         return self.forward(q, k, v, kv_cache, meta)
 
 
 def _torch_backend() -> type[AttentionBackend]:
-    from engine.torch_attention import TorchPagedAttention
+    from splitserve.engine.torch_attention import TorchPagedAttention
 
     return TorchPagedAttention
 
 
 def _triton_backend() -> type[AttentionBackend]:
-    from engine.triton_attention import TritonPagedAttention
+    from splitserve.engine.triton_attention import TritonPagedAttention
 
     return TritonPagedAttention
 

@@ -17,7 +17,11 @@ from __future__ import annotations
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 
-from engine.block_pool import BlockIntegrityError, BlockPool, chain_hash, prefix_block_hashes
+from splitserve.engine.block_pool import (
+    BlockIntegrityError,
+    BlockPool,
+)
+from splitserve.engine.prefix_hash import chain_hash, prefix_block_hashes
 
 SeqId = Hashable
 

@@ -16,8 +16,8 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.attention import AttentionMetadata
-from engine.model import CausalLM
+from splitserve.engine.attention import AttentionMetadata
+from splitserve.engine.model import CausalLM
 
 BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 
@@ -84,8 +84,6 @@ class DecodeGraphs:
 
     @torch.inference_mode()
     def capture(self) -> None:
-        from kernels.argmax import argmax_rows  # GPU only: triton loads on first use
-
         pool = torch.cuda.graph_pool_handle()
         stream = torch.cuda.Stream()
         for bucket in reversed(self.buckets):  # largest first, so smaller ones reuse its pool
@@ -98,7 +96,7 @@ class DecodeGraphs:
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
                 logits = self.model.compute_logits(self.model(*args))
-                argmax = argmax_rows(logits)
+                argmax = self.model.ops.argmax(logits)
             self._graphs[bucket] = _Graph(graph, logits, argmax)
         torch.cuda.synchronize()
 

@@ -17,15 +17,16 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any, TypeVar
 
-from engine.llm_engine import LLMEngine
-from engine.outputs import RequestOutput
+from splitserve.engine.errors import Unavailable
+from splitserve.engine.llm_engine import LLMEngine
+from splitserve.engine.outputs import RequestOutput
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 StepHook = Callable[[LLMEngine], None]
 
 
-class EngineStopped(RuntimeError):
+class EngineStopped(Unavailable):
     """The engine loop is not running (stopped, or it failed)."""
 
 

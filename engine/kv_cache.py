@@ -6,10 +6,8 @@ import dataclasses
 
 import torch
 
-from engine.config import EngineConfig, ModelConfig
-
-# Room kept on a GPU for activations and the sampler beyond the KV pool.
-_GPU_ACTIVATION_RESERVE = 512 * 1024 * 1024
+from splitserve.engine.config import EngineConfig
+from splitserve.engine.model_config import ModelConfig
 
 
 def bytes_per_block(model: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
@@ -18,21 +16,11 @@ def bytes_per_block(model: ModelConfig, block_size: int, dtype: torch.dtype) -> 
     return 2 * model.num_layers * block_size * model.num_kv_heads * model.head_dim * elem
 
 
-def size_kv_pool(model: ModelConfig, config: EngineConfig) -> EngineConfig:
-    """Return `config` with `num_kv_blocks` set from the memory budget (unless it is given).
-
-    GPU: `gpu_memory_utilization` of the card's memory minus what is already in use (weights
-    are loaded by now). CPU: `kv_cache_memory_bytes`.
-    """
+def size_kv_pool(model: ModelConfig, config: EngineConfig, budget: int) -> EngineConfig:
+    """Return `config` with `num_kv_blocks` set from `budget` bytes (unless it is given)."""
     if config.num_kv_blocks is not None:
         return config
     per_block = bytes_per_block(model, config.block_size, config.dtype)
-    if torch.device(config.device).type == "cuda":
-        free, total = torch.cuda.mem_get_info(torch.device(config.device))
-        used = total - free
-        budget = int(total * config.gpu_memory_utilization) - used - _GPU_ACTIVATION_RESERVE
-    else:
-        budget = config.kv_cache_memory_bytes
     num_blocks = budget // per_block
     if num_blocks < 1:
         raise ValueError(

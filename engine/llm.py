@@ -9,10 +9,11 @@ from typing import Any
 
 from tqdm import tqdm
 
-from engine.config import EngineConfig, parse_dtype, resolve_device
-from engine.llm_engine import LLMEngine, Prompt
-from engine.outputs import RequestOutput
-from engine.sampling_params import SamplingParams
+from splitserve.engine.config import EngineConfig
+from splitserve.engine.llm_engine import LLMEngine, Prompt
+from splitserve.engine.outputs import RequestOutput
+from splitserve.engine.platform import resolve_device, resolve_dtype
+from splitserve.engine.sampling_params import SamplingParams
 
 _ENGINE_OPTIONS = {f.name for f in dataclasses.fields(EngineConfig)}
 
@@ -33,7 +34,7 @@ class LLM:
             raise ValueError(f"unknown LLM option(s) {unknown}; valid: {sorted(_ENGINE_OPTIONS)}")
         device = resolve_device(device)
         options.setdefault("stream_text", False)  # nothing streams: decode text once, at the end
-        config = EngineConfig(dtype=parse_dtype(dtype, device), device=device, **options)
+        config = EngineConfig(dtype=resolve_dtype(dtype, device), device=device, **options)
         self.engine = LLMEngine(model, config)
 
     def generate(

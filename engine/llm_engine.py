@@ -16,23 +16,27 @@ from pathlib import Path
 
 import torch
 
-from engine.block_manager import BlockManager, KVUsage
-from engine.config import EngineConfig, ModelConfig
-from engine.kv_cache import allocate_kv_cache, size_kv_pool
-from engine.model import CausalLM
-from engine.model_runner import ModelRunner
-from engine.output_processor import OutputProcessor, RequestState
-from engine.outputs import RequestOutput
-from engine.sampling_params import SamplingParams
-from engine.scheduler import SampledToken, Scheduler
-from engine.sequence import FinishReason, Sequence
-from engine.tokenizer import load_tokenizer
-from engine.weights import fill_dummy_weights, load_weights
+from splitserve.engine.block_manager import BlockManager, KVUsage
+from splitserve.engine.config import EngineConfig
+from splitserve.engine.errors import AlreadyExists, InvalidRequest, NotFound, Overloaded
+from splitserve.engine.kv_cache import allocate_kv_cache, size_kv_pool
+from splitserve.engine.model import CausalLM
+from splitserve.engine.model_config import ModelConfig
+from splitserve.engine.model_runner import ModelRunner
+from splitserve.engine.output_processor import OutputProcessor, RequestState
+from splitserve.engine.outputs import RequestOutput, SampledToken
+from splitserve.engine.platform import Platform
+from splitserve.engine.sampling_params import SamplingParams
+from splitserve.engine.scheduler import Scheduler
+from splitserve.engine.sequence import FinishReason, Sequence
+from splitserve.engine.stats import EngineStats
+from splitserve.engine.tokenizer import load_tokenizer
+from splitserve.engine.weights import fill_dummy_weights, load_weights
 
 Prompt = str | SequenceABC[int]
 
 
-class CapacityError(RuntimeError):
+class CapacityError(Overloaded):
     """The KV pool can't take this request now (a retryable condition, not a bad request)."""
 
 
@@ -44,13 +48,18 @@ class Reservation:
     num_cached_tokens: int
 
 
-def load_model(model_dir: str | Path, model_cfg: ModelConfig, config: EngineConfig) -> CausalLM:
+def load_model(
+    model_dir: str | Path, model_cfg: ModelConfig, config: EngineConfig, platform: Platform
+) -> CausalLM:
     """Build the transformer for `model_cfg` and fill it from the checkpoint's safetensors."""
     # NOTE: built on the meta device and materialised once in the target dtype, so a large
     # model never holds a float32 copy or random initial weights.
     with torch.device("meta"):
         model = CausalLM(
-            model_cfg, config.max_model_len or model_cfg.max_model_len, config.attention_backend
+            model_cfg,
+            config.max_model_len or model_cfg.max_model_len,
+            platform.attention_backend,
+            platform.ops(),
         )
     model = model.to(dtype=config.dtype).to_empty(device=config.device)
     model.tie_weights()
@@ -59,7 +68,7 @@ def load_model(model_dir: str | Path, model_cfg: ModelConfig, config: EngineConf
         fill_dummy_weights(model, config.seed)
     else:
         load_weights(model, model_dir, tied_lm_head=model_cfg.tie_word_embeddings)
-    if torch.device(config.device).type == "cuda":
+    if platform.merge_projections:
         model.merge_projections()
     return model.eval()
 
@@ -75,13 +84,12 @@ class LLMEngine:
             raise ValueError(
                 f"max_model_len {max_len} exceeds the model's {self.model_config.max_model_len}"
             )
-        backend = config.attention_backend
-        if backend == "auto":
-            backend = "triton" if torch.device(config.device).type == "cuda" else "torch"
-        config = dataclasses.replace(config, max_model_len=max_len, attention_backend=backend)
+        self.platform = Platform.resolve(config)
+        config = self.platform.apply(dataclasses.replace(config, max_model_len=max_len))
         self.tokenizer = load_tokenizer(model_dir)
-        self.model = load_model(model_dir, self.model_config, config)
-        self.config = size_kv_pool(self.model_config, config)
+        self.model = load_model(model_dir, self.model_config, config, self.platform)
+        budget = self.platform.kv_cache_budget(config)
+        self.config = size_kv_pool(self.model_config, config, budget)
         assert self.config.num_kv_blocks is not None
         self.block_manager = BlockManager(
             self.config.num_kv_blocks,
@@ -94,8 +102,7 @@ class LLMEngine:
         )
         kv_caches = allocate_kv_cache(self.model_config, self.config)
         self.runner = ModelRunner(self.model, kv_caches, self.config)
-        cfg = self.config
-        if cfg.enable_cuda_graphs and cfg.attention_backend == "triton" and "cuda" in cfg.device:
+        if self.platform.cuda_graphs:
             self.runner.capture_cuda_graphs()
         self.outputs = OutputProcessor(self.tokenizer, self.config.stream_text)
         self._reserved: dict[str, Sequence] = {}
@@ -115,7 +122,7 @@ class LLMEngine:
         *,
         prefill_only: bool = False,
     ) -> str:
-        """Validate and queue a request; raise ValueError on bad input before any work is done.
+        """Validate and queue a request; raise InvalidRequest on bad input before any work is done.
 
         A `prefill_only` request (prefill workers) stops after its first token and keeps its
         blocks until `release_request`, so their KV can be sent while the engine goes on.
@@ -135,7 +142,7 @@ class LLMEngine:
     ) -> Sequence:
         """A request's first sequence, after checking its id is free and its input is valid."""
         if request_id in self.outputs.requests or request_id in self._reserved:
-            raise ValueError(f"request id {request_id!r} is already in use")
+            raise AlreadyExists(f"request id {request_id!r} is already in use")
         self._validate(token_ids, params)
         return Sequence(
             seq_id=f"{request_id}#0",
@@ -165,7 +172,7 @@ class LLMEngine:
         """Decode side of disaggregation: hold blocks for a prompt whose KV will be pushed here.
 
         Blocks this worker already caches for the prompt's prefix are reused; only the rest
-        need to be sent. Raises ValueError on bad input, CapacityError when the pool is full.
+        need to be sent. Raises InvalidRequest on bad input, CapacityError when the pool is full.
         """
         seq = self._new_sequence(request_id, prompt_token_ids, params)
         bm = self.block_manager
@@ -193,7 +200,7 @@ class LLMEngine:
         Returns the request's output if the first tokens already finish it."""
         seq = self._reserved.pop(request_id, None)
         if seq is None:
-            raise KeyError(f"no reservation for request {request_id!r}")
+            raise NotFound(f"no reservation for request {request_id!r}")
         seq.params, seq.priority = params, priority
         seq.pending_children = [seq.make_child(i) for i in range(1, params.n)]
         self.outputs.add(
@@ -221,23 +228,25 @@ class LLMEngine:
     def _tokenize(self, prompt: Prompt) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
             if not prompt:
-                raise ValueError("prompt is empty")
+                raise InvalidRequest("prompt is empty")
             return prompt, list(self.tokenizer.encode(prompt, add_special_tokens=False))
         token_ids = list(prompt)
         if any(isinstance(t, bool) or not isinstance(t, int) for t in token_ids):
-            raise ValueError("a token-id prompt must be a list of ints")
+            raise InvalidRequest("a token-id prompt must be a list of ints")
         return None, token_ids
 
     def _validate(self, token_ids: list[int], params: SamplingParams) -> None:
         if not token_ids:
-            raise ValueError("prompt is empty (no tokens)")
+            raise InvalidRequest("prompt is empty (no tokens)")
         vocab = self.model_config.vocab_size
         bad = [t for t in token_ids if not 0 <= t < vocab]
         if bad:
-            raise ValueError(f"prompt has token ids outside the vocabulary [0, {vocab}): {bad[:5]}")
+            raise InvalidRequest(
+                f"prompt has token ids outside the vocabulary [0, {vocab}): {bad[:5]}"
+            )
         params.check_token_ids(vocab)
         if len(token_ids) >= self.max_model_len:
-            raise ValueError(
+            raise InvalidRequest(
                 f"prompt has {len(token_ids)} tokens but the model's context is "
                 f"{self.max_model_len}, which leaves no room to generate"
             )
@@ -247,7 +256,7 @@ class LLMEngine:
         )
         assert self.config.num_kv_blocks is not None
         if need > self.config.num_kv_blocks:
-            raise ValueError(
+            raise InvalidRequest(
                 f"request needs {need} KV blocks but the pool holds {self.config.num_kv_blocks}"
             )
 
@@ -305,6 +314,25 @@ class LLMEngine:
 
     def kv_usage(self) -> KVUsage:
         return self.block_manager.usage()
+
+    def stats(self) -> EngineStats:
+        """The one snapshot of this engine's state that metrics, heartbeats and GetStats read."""
+        usage = self.block_manager.usage()
+        bm = self.block_manager
+        return EngineStats(
+            num_requests_running=len(self.scheduler.running),
+            num_requests_waiting=len(self.scheduler.waiting),
+            num_reserved=len(self._reserved),
+            num_requests=self.num_requests(),
+            num_total_blocks=usage.num_total_blocks,
+            num_free_blocks=usage.num_free_blocks + usage.num_cached_blocks,
+            num_cached_blocks=usage.num_cached_blocks,
+            num_pinned_blocks=0,
+            num_preemptions=self.scheduler.num_preemptions,
+            prefix_cache_queries=bm.prefix_cache_queries,
+            prefix_cache_hits=bm.prefix_cache_hits,
+            block_size=self.config.block_size,
+        )
 
     def check_integrity(self) -> None:
         self.block_manager.check_integrity()

@@ -11,62 +11,43 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.attention import AttentionBackend, AttentionMetadata, get_attention_backend
-from engine.config import ModelConfig
-from engine.rotary import RotaryEmbedding
+from splitserve.engine.attention import AttentionBackend, AttentionMetadata, get_attention_backend
+from splitserve.engine.model_config import ModelConfig
+from splitserve.engine.ops import TorchOps
+from splitserve.engine.rotary import RotaryEmbedding
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float) -> None:
+    def __init__(self, dim: int, eps: float, ops: TorchOps) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
+        self.ops = ops
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.is_cuda:
-            from kernels.rmsnorm import rms_norm  # GPU only: triton loads on first use
-
-            return rms_norm(x, self.weight, self.eps)
-        # NOTE: normalise in float32 and scale after casting back, exactly as HF does, so that
-        # float32 outputs agree token for token and bf16 outputs agree within rounding.
-        dtype = x.dtype
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(dtype)
+        return self.ops.rms_norm(x, self.weight, self.eps)
 
     def add_and_norm(
         self, x: torch.Tensor, residual: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(norm(x + residual), x + residual): one fused kernel on a GPU."""
-        if x.is_cuda:
-            from kernels.rmsnorm import fused_add_rms_norm
-
-            return fused_add_rms_norm(x, residual, self.weight, self.eps)
-        residual = residual + x
-        return self(residual), residual
-
-
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear; on a GPU a single row (batch-1 decode) goes to the streaming GEMV kernel, which
-    beats cuBLAS there (bench/gemv.py)."""
-    if x.is_cuda and x.shape[0] == 1:
-        from kernels.gemv import gemv
-
-        return gemv(x, weight, bias)
-    return F.linear(x, weight, bias)
+        """(norm(x + residual), x + residual): one fused kernel with Triton ops."""
+        return self.ops.add_rms_norm(x, residual, self.weight, self.eps)
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, backend: AttentionBackend):
+    def __init__(
+        self, cfg: ModelConfig, rotary: RotaryEmbedding, backend: AttentionBackend, ops: TorchOps
+    ):
         super().__init__()
         self.cfg = cfg
+        self.ops = ops
         self.q_proj = nn.Linear(cfg.hidden_size, cfg.q_size, bias=cfg.qkv_bias)
         self.k_proj = nn.Linear(cfg.hidden_size, cfg.kv_size, bias=cfg.qkv_bias)
         self.v_proj = nn.Linear(cfg.hidden_size, cfg.kv_size, bias=cfg.qkv_bias)
         self.o_proj = nn.Linear(cfg.q_size, cfg.hidden_size, bias=False)
         if cfg.qk_norm:
-            self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
-            self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+            self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, ops)
+            self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, ops)
         # Shared across layers; kept out of the module tree so it is not registered per layer.
         self._rotary = (rotary,)
         self.backend = backend
@@ -88,7 +69,7 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         cfg = self.cfg
         if self.qkv_weight is not None:  # merged projection on a GPU: one GEMM, not three
-            qkv = linear(x, self.qkv_weight, self.qkv_bias)
+            qkv = self.ops.linear(x, self.qkv_weight, self.qkv_bias)
             q, k, v = qkv.split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
         else:
             q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
@@ -100,12 +81,13 @@ class Attention(nn.Module):
             q, k = self.q_norm(q.contiguous()), self.k_norm(k.contiguous())
         out = self.backend.rotate_and_forward(positions, q, k, v, self._rotary[0], kv_cache, meta)
         out = out.reshape(-1, cfg.q_size)
-        return linear(out, self.o_proj.weight)
+        return self.ops.linear(out, self.o_proj.weight)
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, ops: TorchOps) -> None:
         super().__init__()
+        self.ops = ops
         self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
@@ -117,9 +99,9 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up_weight is not None:
-            from kernels.activation import silu_and_mul
-
-            return linear(silu_and_mul(linear(x, self.gate_up_weight)), self.down_proj.weight)
+            ops = self.ops
+            h = ops.silu_and_mul(ops.linear(x, self.gate_up_weight))
+            return ops.linear(h, self.down_proj.weight)
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
@@ -136,12 +118,14 @@ def _merge(a: nn.Linear, b: nn.Linear, c: nn.Linear | None, name: str) -> torch.
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, backend: AttentionBackend):
+    def __init__(
+        self, cfg: ModelConfig, rotary: RotaryEmbedding, backend: AttentionBackend, ops: TorchOps
+    ):
         super().__init__()
-        self.self_attn = Attention(cfg, rotary, backend)
-        self.mlp = MLP(cfg)
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg, rotary, backend, ops)
+        self.mlp = MLP(cfg, ops)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
 
     def forward(
         self,
@@ -153,8 +137,8 @@ class DecoderLayer(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns (this layer's output, the residual stream before it is added back).
 
-        NOTE: the residual addition is deferred into the next norm (fused on a GPU); on the
-        CPU the additions happen in HF's order, so float32 results stay identical.
+        NOTE: the residual addition is deferred into the next norm (one fused kernel with Triton
+        ops); torch ops add in HF's order, so float32 results stay identical.
         """
         if residual is None:
             residual, h = x, self.input_layernorm(x)
@@ -166,27 +150,39 @@ class DecoderLayer(nn.Module):
 
 
 class DecoderModel(nn.Module):
-    def __init__(self, cfg: ModelConfig, max_len: int, backend_name: str) -> None:
+    def __init__(self, cfg: ModelConfig, max_len: int, backend_name: str, ops: TorchOps) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.rotary = RotaryEmbedding(cfg.rope, cfg.head_dim, max_len)
         backend_cls = get_attention_backend(backend_name)
         backend = backend_cls(
-            cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.head_dim**-0.5, cfg.sliding_window
+            cfg.num_heads,
+            cfg.num_kv_heads,
+            cfg.head_dim,
+            cfg.head_dim**-0.5,
+            cfg.sliding_window,
+            ops=ops,
         )
         self.layers = nn.ModuleList(
-            DecoderLayer(cfg, self.rotary, backend) for _ in range(cfg.num_layers)
+            DecoderLayer(cfg, self.rotary, backend, ops) for _ in range(cfg.num_layers)
         )
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
 
 
 class CausalLM(nn.Module):
     """Decoder + LM head. `forward` returns final hidden states; `compute_logits` the logits."""
 
-    def __init__(self, cfg: ModelConfig, max_len: int, backend_name: str = "torch") -> None:
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        max_len: int,
+        backend_name: str = "torch",
+        ops: TorchOps | None = None,
+    ) -> None:
         super().__init__()
         self.cfg = cfg
-        self.model = DecoderModel(cfg, max_len, backend_name)
+        self.ops = ops or TorchOps()
+        self.model = DecoderModel(cfg, max_len, backend_name, self.ops)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.tie_weights()
 
@@ -213,11 +209,11 @@ class CausalLM(nn.Module):
         return self.model.norm.add_and_norm(x, residual)[0]
 
     def merge_projections(self) -> None:
-        """GPU layout: one GEMM for q/k/v and one for gate/up in every layer."""
+        """One GEMM for q/k/v and one for gate/up in every layer (the platform decides)."""
         for layer in self.model.layers:
             assert isinstance(layer, DecoderLayer)
             layer.self_attn.merge_projections()
             layer.mlp.merge_projections()
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return linear(hidden, self.lm_head.weight)
+        return self.ops.linear(hidden, self.lm_head.weight)

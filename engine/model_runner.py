@@ -10,14 +10,15 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine.attention import AttentionMetadata
-from engine.config import EngineConfig
-from engine.cuda_graphs import DecodeGraphs
-from engine.kv_cache import copy_blocks
-from engine.model import CausalLM
-from engine.sampler import Sampler, SamplingRow
-from engine.scheduler import SampledToken, SchedulerOutput
-from engine.sequence import Sequence, step_generator
+from splitserve.engine.attention import AttentionMetadata
+from splitserve.engine.config import EngineConfig
+from splitserve.engine.cuda_graphs import DecodeGraphs
+from splitserve.engine.kv_cache import copy_blocks
+from splitserve.engine.model import CausalLM
+from splitserve.engine.outputs import SampledToken
+from splitserve.engine.sampler import Sampler, SamplingRow
+from splitserve.engine.scheduler import SchedulerOutput
+from splitserve.engine.sequence import Sequence, step_generator
 
 
 class ModelRunner:

@@ -6,9 +6,9 @@ from dataclasses import dataclass, field
 
 from transformers import PreTrainedTokenizerBase
 
-from engine.outputs import CompletionOutput, RequestOutput
-from engine.sequence import Sequence
-from engine.tokenizer import IncrementalDetokenizer
+from splitserve.engine.outputs import CompletionOutput, RequestOutput
+from splitserve.engine.sequence import Sequence
+from splitserve.engine.tokenizer import IncrementalDetokenizer
 
 
 @dataclass

@@ -34,3 +34,11 @@ class RequestOutput:
     finished: bool
     # Prompt tokens whose KV came from the prefix cache instead of being computed.
     num_cached_tokens: int = 0
+
+
+@dataclass(frozen=True)
+class SampledToken:
+    """One sampled token (and its logprobs, when asked for)."""
+
+    token_id: int
+    logprobs: dict[int, float] | None = None

@@ -6,7 +6,7 @@ import math
 
 import torch
 
-from engine.config import RopeConfig
+from splitserve.engine.model_config import RopeConfig
 
 
 def inverse_frequencies(rope: RopeConfig, head_dim: int) -> torch.Tensor:

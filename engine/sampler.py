@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.sampling_params import SamplingParams
+from splitserve.engine.sampling_params import SamplingParams
 
 
 @dataclass(frozen=True)

@@ -7,6 +7,8 @@ import numbers
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from splitserve.engine.errors import InvalidRequest
+
 MAX_LOGPROBS = 20
 """Upper bound on ``SamplingParams.logprobs``; larger requests would make every step pay for a
 wide top-k over the vocabulary."""
@@ -17,22 +19,22 @@ _MAX_SEED = 2**64 - 1  # the widest value torch.Generator.manual_seed accepts
 def _as_int(name: str, value: object) -> int:
     # bool is an Integral, but True as a token count is almost always a caller bug.
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise ValueError(f"{name} must be an int, got {value!r}")
+        raise InvalidRequest(f"{name} must be an int, got {value!r}")
     return int(value)
 
 
 def _as_float(name: str, value: object) -> float:
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise ValueError(f"{name} must be a number, got {value!r}")
+        raise InvalidRequest(f"{name} must be a number, got {value!r}")
     result = float(value)
     if not math.isfinite(result):
-        raise ValueError(f"{name} must be finite, got {result!r}")
+        raise InvalidRequest(f"{name} must be finite, got {result!r}")
     return result
 
 
 def _check_range(name: str, value: float, low: float, high: float) -> None:
     if not low <= value <= high:
-        raise ValueError(f"{name} must be in [{low}, {high}], got {value!r}")
+        raise InvalidRequest(f"{name} must be in [{low}, {high}], got {value!r}")
 
 
 def _as_stop_strings(value: object) -> tuple[str, ...]:
@@ -43,13 +45,13 @@ def _as_stop_strings(value: object) -> tuple[str, ...]:
     elif isinstance(value, Iterable):
         items = tuple(value)
     else:
-        raise ValueError(f"stop must be a str or an iterable of str, got {value!r}")
+        raise InvalidRequest(f"stop must be a str or an iterable of str, got {value!r}")
     for item in items:
         if not isinstance(item, str):
-            raise ValueError(f"stop must contain only str, got {item!r} in {items!r}")
+            raise InvalidRequest(f"stop must contain only str, got {item!r} in {items!r}")
         if not item:
             # An empty stop string would match at every position and end generation at once.
-            raise ValueError(f"stop must not contain empty strings, got {items!r}")
+            raise InvalidRequest(f"stop must not contain empty strings, got {items!r}")
     return items  # type: ignore[return-value]
 
 
@@ -57,11 +59,11 @@ def _as_token_ids(name: str, value: object) -> tuple[int, ...]:
     if value is None:
         return ()
     if isinstance(value, (str, bytes)) or not isinstance(value, Iterable):
-        raise ValueError(f"{name} must be an iterable of int, got {value!r}")
+        raise InvalidRequest(f"{name} must be an iterable of int, got {value!r}")
     ids = tuple(_as_int(name, item) for item in value)
     for token_id in ids:
         if token_id < 0:
-            raise ValueError(f"{name} must be >= 0, got {token_id} in {ids!r}")
+            raise InvalidRequest(f"{name} must be >= 0, got {token_id} in {ids!r}")
     return ids
 
 
@@ -112,22 +114,22 @@ class SamplingParams:
 
         n = _as_int("n", self.n)
         if n < 1:
-            raise ValueError(f"n must be >= 1, got {n}")
+            raise InvalidRequest(f"n must be >= 1, got {n}")
         set_field(self, "n", n)
 
         temperature = _as_float("temperature", self.temperature)
         if temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {temperature!r}")
+            raise InvalidRequest(f"temperature must be >= 0, got {temperature!r}")
         set_field(self, "temperature", temperature)
 
         top_p = _as_float("top_p", self.top_p)
         if not 0 < top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {top_p!r}")
+            raise InvalidRequest(f"top_p must be in (0, 1], got {top_p!r}")
         set_field(self, "top_p", top_p)
 
         top_k = _as_int("top_k", self.top_k)
         if top_k < -1:
-            raise ValueError(f"top_k must be -1 or 0 (disabled) or >= 1, got {top_k}")
+            raise InvalidRequest(f"top_k must be -1 or 0 (disabled) or >= 1, got {top_k}")
         set_field(self, "top_k", max(top_k, 0))
 
         min_p = _as_float("min_p", self.min_p)
@@ -137,12 +139,12 @@ class SamplingParams:
         if self.seed is not None:
             seed = _as_int("seed", self.seed)
             if not 0 <= seed <= _MAX_SEED:
-                raise ValueError(f"seed must be None or in [0, 2**64 - 1], got {seed}")
+                raise InvalidRequest(f"seed must be None or in [0, 2**64 - 1], got {seed}")
             set_field(self, "seed", seed)
 
         repetition_penalty = _as_float("repetition_penalty", self.repetition_penalty)
         if repetition_penalty <= 0:
-            raise ValueError(f"repetition_penalty must be > 0, got {repetition_penalty!r}")
+            raise InvalidRequest(f"repetition_penalty must be > 0, got {repetition_penalty!r}")
         set_field(self, "repetition_penalty", repetition_penalty)
 
         for name in ("presence_penalty", "frequency_penalty"):
@@ -154,16 +156,16 @@ class SamplingParams:
         set_field(self, "stop_token_ids", _as_token_ids("stop_token_ids", self.stop_token_ids))
 
         if not isinstance(self.ignore_eos, bool):
-            raise ValueError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
+            raise InvalidRequest(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
 
         max_tokens = _as_int("max_tokens", self.max_tokens)
         if max_tokens < 1:
-            raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
+            raise InvalidRequest(f"max_tokens must be >= 1, got {max_tokens}")
         set_field(self, "max_tokens", max_tokens)
 
         min_tokens = _as_int("min_tokens", self.min_tokens)
         if not 0 <= min_tokens <= max_tokens:
-            raise ValueError(
+            raise InvalidRequest(
                 f"min_tokens must be in [0, max_tokens={max_tokens}], got {min_tokens}"
             )
         set_field(self, "min_tokens", min_tokens)
@@ -171,7 +173,9 @@ class SamplingParams:
         if self.logprobs is not None:
             logprobs = _as_int("logprobs", self.logprobs)
             if not 0 <= logprobs <= MAX_LOGPROBS:
-                raise ValueError(f"logprobs must be None or in [0, {MAX_LOGPROBS}], got {logprobs}")
+                raise InvalidRequest(
+                    f"logprobs must be None or in [0, {MAX_LOGPROBS}], got {logprobs}"
+                )
             set_field(self, "logprobs", logprobs)
 
     @property
@@ -186,9 +190,9 @@ class SamplingParams:
         """
         vocab_size = _as_int("vocab_size", vocab_size)
         if vocab_size < 1:
-            raise ValueError(f"vocab_size must be >= 1, got {vocab_size}")
+            raise InvalidRequest(f"vocab_size must be >= 1, got {vocab_size}")
         for token_id in self.stop_token_ids:
             if token_id >= vocab_size:
-                raise ValueError(
+                raise InvalidRequest(
                     f"stop_token_ids must be < vocab_size={vocab_size}, got {token_id}"
                 )

@@ -12,9 +12,10 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from engine.block_manager import BlockManager
-from engine.config import EngineConfig
-from engine.sequence import FinishReason, Sequence, SequenceStatus
+from splitserve.engine.block_manager import BlockManager
+from splitserve.engine.config import EngineConfig
+from splitserve.engine.outputs import SampledToken
+from splitserve.engine.sequence import FinishReason, Sequence, SequenceStatus
 
 
 @dataclass(frozen=True)
@@ -38,12 +39,6 @@ class SchedulerOutput:
     @property
     def is_empty(self) -> bool:
         return not self.scheduled
-
-
-@dataclass(frozen=True)
-class SampledToken:
-    token_id: int
-    logprobs: dict[int, float] | None = None
 
 
 class Scheduler:

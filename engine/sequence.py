@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine.sampling_params import SamplingParams
+from splitserve.engine.sampling_params import SamplingParams
 
 
 class SequenceStatus(enum.Enum):

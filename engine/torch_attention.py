@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from engine.attention import AttentionBackend, AttentionMetadata
+from splitserve.engine.attention import AttentionBackend, AttentionMetadata
 
 
 def write_kv_cache(

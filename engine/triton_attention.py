@@ -11,16 +11,22 @@ from __future__ import annotations
 
 import torch
 
-from engine.attention import AttentionBackend, AttentionMetadata
-from engine.rotary import RotaryEmbedding
-from kernels.decode_attention import decode_attention
-from kernels.kv_cache_write import write_kv_cache
-from kernels.prefill_attention import prefill_attention
-from kernels.rotary import rotary_embedding_write_kv
+from splitserve.engine.attention import AttentionBackend, AttentionMetadata
+from splitserve.engine.rotary import RotaryEmbedding
+from splitserve.kernels.decode_attention import decode_attention
+from splitserve.kernels.kv_cache_write import write_kv_cache
+from splitserve.kernels.prefill_attention import prefill_attention
+from splitserve.kernels.rotary import rotary_embedding_write_kv
 
 
 class TritonPagedAttention(AttentionBackend):
     """Paged attention with the kernels in `kernels/`."""
+
+    graph_safe = True
+
+    @property
+    def pdl(self) -> bool:
+        return bool(getattr(self.ops, "pdl", False))
 
     def forward(
         self,
@@ -31,7 +37,7 @@ class TritonPagedAttention(AttentionBackend):
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         # NOTE: the write comes first: both kernels read this step's keys from the cache.
-        write_kv_cache(k, v, kv_cache, meta.slot_mapping)
+        write_kv_cache(k, v, kv_cache, meta.slot_mapping, pdl=self.pdl)
         return self._attend(q, kv_cache, meta)
 
     def rotate_and_forward(
@@ -44,11 +50,11 @@ class TritonPagedAttention(AttentionBackend):
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
     ) -> torch.Tensor:
-        if not q.is_cuda:  # the interpreter: torch's rotary, bit-identical to the CPU engine
+        if not self.ops.triton:  # e.g. the interpreter: torch's rotary, as the CPU engine does
             return super().rotate_and_forward(positions, q, k, v, rotary, kv_cache, meta)
         # One launch rotates q and k and writes the keys and values into the cache.
         q = rotary_embedding_write_kv(
-            positions, q, k, v, rotary.cos, rotary.sin, kv_cache, meta.slot_mapping
+            positions, q, k, v, rotary.cos, rotary.sin, kv_cache, meta.slot_mapping, pdl=self.pdl
         )
         return self._attend(q, kv_cache, meta)
 
@@ -60,7 +66,13 @@ class TritonPagedAttention(AttentionBackend):
             # so a CUDA graph captured with padded tables still splits for the longest context
             # it can replay (seq_len 0 padding rows come out as zeros).
             return decode_attention(
-                q, kv_cache, meta.block_tables, meta.seq_lens, self.scale, self.sliding_window
+                q,
+                kv_cache,
+                meta.block_tables,
+                meta.seq_lens,
+                self.scale,
+                self.sliding_window,
+                pdl=self.pdl,
             )
         return prefill_attention(
             q,

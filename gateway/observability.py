@@ -19,12 +19,12 @@ from dataclasses import dataclass
 import grpc
 from opentelemetry.trace import Span, SpanKind
 
-from gateway.validation import Job
-from kv_transfer.registry import WorkerInfo
-from protos.v1 import gateway_pb2, worker_pb2
-from splitserve import genai
-from splitserve.metrics import RequestMetrics, RoutingMetrics
-from splitserve.tracing import Metadata, Tracing, record_error
+from splitserve.gateway.validation import Job
+from splitserve.kv_transfer.registry import WorkerInfo
+from splitserve.protos.v1 import gateway_pb2, worker_pb2
+from splitserve.runtime import genai
+from splitserve.runtime.metrics import RequestMetrics, RoutingMetrics
+from splitserve.runtime.tracing import Metadata, Tracing, record_error
 
 RESERVE = "splitserve.v1.DecodeWorker/Reserve"
 PREFILL = "splitserve.v1.PrefillWorker/Prefill"

@@ -21,13 +21,14 @@ from typing import Any
 
 import grpc
 
-from engine.block_pool import prefix_block_hashes
-from gateway.observability import DECODE, PREFILL, RESERVE, RequestObservation
-from gateway.router import NoWorkerError, RoutingPolicy
-from gateway.validation import Job
-from kv_transfer.registry import Registry, WorkerInfo
-from protos import convert
-from protos.v1 import common_pb2, worker_pb2, worker_pb2_grpc
+from splitserve.engine.errors import AlreadyExists, Cancelled, DeadlineExceeded
+from splitserve.engine.prefix_hash import prefix_block_hashes
+from splitserve.gateway.observability import DECODE, PREFILL, RESERVE, RequestObservation
+from splitserve.gateway.router import NoWorkerError, RoutingPolicy
+from splitserve.gateway.validation import Job
+from splitserve.kv_transfer.registry import Registry, WorkerInfo
+from splitserve.protos import convert
+from splitserve.protos.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 
 log = logging.getLogger(__name__)
 
@@ -109,7 +110,7 @@ class Orchestrator:
         route = Route(self._pick_decode(job, obs, exclude=()))
         with self._lock:
             if job.request_id in self._routes:
-                raise ValueError(f"request id {job.request_id!r} is already running")
+                raise AlreadyExists(f"request id {job.request_id!r} is already running")
             self._routes[job.request_id] = route
         self._count(route.decode.worker_id, +1)
         try:
@@ -222,6 +223,8 @@ class Orchestrator:
                     response = future.result()
                     obs.prefilled(response)
                     return list(response.first_tokens)
+                except grpc.FutureCancelledError:
+                    raise Cancelled(f"request {job.request_id!r} was cancelled") from None
                 except grpc.RpcError as err:
                     call.fail(err)
                     self._abort_reservation(route, job.request_id)
@@ -280,5 +283,5 @@ class Orchestrator:
 def _remaining(deadline: float) -> float:
     remaining = deadline - time.monotonic()
     if remaining <= 0:
-        raise TimeoutError("the request's deadline passed")
+        raise DeadlineExceeded("the request's deadline passed")
     return remaining

@@ -5,15 +5,12 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping, Sequence
 
-import grpc
+from splitserve.engine.errors import Unavailable
+from splitserve.kv_transfer.registry import WorkerInfo
 
-from kv_transfer.registry import WorkerInfo
 
-
-class NoWorkerError(RuntimeError):
+class NoWorkerError(Unavailable):
     """No live worker of the needed kind (the gateway answers UNAVAILABLE)."""
-
-    code = grpc.StatusCode.UNAVAILABLE
 
 
 class RoutingPolicy(ABC):

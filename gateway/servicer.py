@@ -8,12 +8,12 @@ from dataclasses import dataclass
 
 import grpc
 
-from engine.config import ModelConfig
-from gateway.observability import GatewayObserver
-from gateway.orchestrator import Orchestrator
-from gateway.validation import validate_request
-from protos.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
-from splitserve.grpc_server import ServiceError
+from splitserve.engine.errors import Overloaded
+from splitserve.engine.model_config import ModelConfig
+from splitserve.gateway.observability import GatewayObserver
+from splitserve.gateway.orchestrator import Orchestrator
+from splitserve.gateway.validation import validate_request
+from splitserve.protos.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 
 
 @dataclass(frozen=True)
@@ -45,8 +45,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
     ) -> Iterator[gateway_pb2.GenerateResponse]:
         job = validate_request(request, self.tokenizer, self.model.config, self.model.max_model_len)
         if not self._slots.acquire(blocking=False):
-            raise ServiceError(
-                grpc.StatusCode.RESOURCE_EXHAUSTED,
+            raise Overloaded(
                 f"the gateway is at its limit of {self.max_inflight} requests in flight",
             )
         obs = self.observer.start(job, context)

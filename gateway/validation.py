@@ -1,14 +1,15 @@
-"""Turning a GenerateRequest into a validated job, or a ValueError that names what is wrong."""
+"""Turning a GenerateRequest into a validated job, or an InvalidRequest that names what is wrong."""
 
 from __future__ import annotations
 
 import uuid
 from dataclasses import dataclass
 
-from engine.config import ModelConfig
-from engine.sampling_params import SamplingParams
-from protos import convert
-from protos.v1 import gateway_pb2
+from splitserve.engine.errors import InvalidRequest
+from splitserve.engine.model_config import ModelConfig
+from splitserve.engine.sampling_params import SamplingParams
+from splitserve.protos import convert
+from splitserve.protos.v1 import gateway_pb2
 
 
 @dataclass(frozen=True)
@@ -28,21 +29,21 @@ def validate_request(
     kind = request.WhichOneof("prompt")
     if kind == "text":
         if not request.text:
-            raise ValueError("prompt is empty")
+            raise InvalidRequest("prompt is empty")
         prompt = list(tokenizer.encode(request.text, add_special_tokens=False))
     elif kind == "token_ids":
         prompt = list(request.token_ids.ids)
         bad = [t for t in prompt if t >= model.vocab_size]
         if bad:
-            raise ValueError(
+            raise InvalidRequest(
                 f"prompt has token ids outside the vocabulary [0, {model.vocab_size}): {bad[:5]}"
             )
     else:
-        raise ValueError("prompt is missing: set `text` or `token_ids`")
+        raise InvalidRequest("prompt is missing: set `text` or `token_ids`")
     if not prompt:
-        raise ValueError("prompt is empty (no tokens)")
+        raise InvalidRequest("prompt is empty (no tokens)")
     if len(prompt) + params.max_tokens > max_model_len:
-        raise ValueError(
+        raise InvalidRequest(
             f"prompt ({len(prompt)} tokens) plus max_tokens ({params.max_tokens}) exceeds the "
             f"model's context of {max_model_len} tokens"
         )

@@ -10,8 +10,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._validate import FLOAT_DTYPES, check_devices, check_tensor
-from kernels.pdl import launch_options, pdl_start, use_pdl
+from splitserve.kernels._validate import FLOAT_DTYPES, check_devices, check_tensor
+from splitserve.kernels.pdl import launch_options, pdl_start, use_pdl
 
 __all__ = ["silu_and_mul", "silu_and_mul_ref"]
 
@@ -41,7 +41,9 @@ def _silu_and_mul_kernel(
     )
 
 
-def silu_and_mul(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+def silu_and_mul(
+    x: torch.Tensor, out: torch.Tensor | None = None, *, pdl: bool = False
+) -> torch.Tensor:
     """x: [T, 2 * I] (gate | up) -> out [T, I] = silu(gate) * up, in x's dtype."""
     check_tensor("x", x, ndim=2, dtypes=FLOAT_DTYPES)
     num_tokens, width = x.shape
@@ -56,7 +58,7 @@ def silu_and_mul(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tens
         return out
     block = min(1024, triton.next_power_of_2(intermediate_size))
     grid = (num_tokens, triton.cdiv(intermediate_size, block))
-    pdl = use_pdl(_silu_and_mul_kernel, x.device)
+    pdl = use_pdl(_silu_and_mul_kernel, x.device, pdl)
     _silu_and_mul_kernel[grid](
         x,
         out,

@@ -12,8 +12,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._validate import FLOAT_DTYPES, check_devices, check_tensor
-from kernels.pdl import launch_options, pdl_start, use_pdl
+from splitserve.kernels._validate import FLOAT_DTYPES, check_devices, check_tensor
+from splitserve.kernels.pdl import launch_options, pdl_start, use_pdl
 
 __all__ = ["argmax_rows", "argmax_rows_ref"]
 
@@ -61,7 +61,9 @@ def _pick_chunk_kernel(
     tl.store(out_ptr + row, index.to(tl.int64))
 
 
-def argmax_rows(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+def argmax_rows(
+    x: torch.Tensor, out: torch.Tensor | None = None, *, pdl: bool = False
+) -> torch.Tensor:
     """x [rows, vocab] float -> out [rows] int64, the first index of each row's maximum."""
     check_tensor("x", x, ndim=2, dtypes=FLOAT_DTYPES)
     rows, vocab = x.shape
@@ -77,7 +79,7 @@ def argmax_rows(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tenso
     num_chunks = triton.cdiv(vocab, block)
     part_val = torch.empty(rows, num_chunks, dtype=torch.float32, device=x.device)
     part_idx = torch.empty(rows, num_chunks, dtype=torch.int32, device=x.device)
-    pdl = use_pdl(_chunk_max_kernel, x.device)
+    pdl = use_pdl(_chunk_max_kernel, x.device, pdl)
     _chunk_max_kernel[(rows, num_chunks)](
         x,
         part_val,

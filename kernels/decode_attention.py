@@ -24,15 +24,15 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._validate import (
+from splitserve.kernels._validate import (
     check_attention,
     check_devices,
     check_tensor,
     dot_precision,
     is_interpreted,
 )
-from kernels.attention_ref import decode_attention_ref
-from kernels.pdl import (
+from splitserve.kernels.attention_ref import decode_attention_ref
+from splitserve.kernels.pdl import (
     launch_options,
     pdl_launch_dependents,
     pdl_start,
@@ -230,6 +230,7 @@ def decode_attention(
     *,
     max_seq_len: int | None = None,
     num_splits: int | None = None,
+    pdl: bool = False,
 ) -> torch.Tensor:
     """Attend each sequence's single query to its paged context; returns out [B, H, D].
 
@@ -279,7 +280,7 @@ def decode_attention(
     part_out = out if single else q.new_empty((*part_shape, head_dim), dtype=torch.float32)
     part_lse = out if single else q.new_empty(part_shape, dtype=torch.float32)
     k_cache, v_cache = kv_cache[0], kv_cache[1]
-    pdl = use_pdl(_decode_split_kernel, device)
+    pdl = use_pdl(_decode_split_kernel, device, pdl)
     _decode_split_kernel[(batch, num_kv_heads, num_splits)](
         q,
         k_cache,

@@ -18,8 +18,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._validate import FLOAT_DTYPES, check_devices, check_tensor
-from kernels.pdl import launch_options, pdl_start, use_pdl
+from splitserve.kernels._validate import FLOAT_DTYPES, check_devices, check_tensor
+from splitserve.kernels.pdl import launch_options, pdl_start, use_pdl
 
 __all__ = ["gemv", "gemv_ref", "pick_config"]
 
@@ -78,6 +78,7 @@ def gemv(
     *,
     out: torch.Tensor | None = None,
     config: tuple[int, int, int] | None = None,
+    pdl: bool = False,
 ) -> torch.Tensor:
     """x [1, K], weight [N, K], bias [N] -> out [1, N] in x's dtype. `config` overrides
     `pick_config`."""
@@ -98,7 +99,7 @@ def gemv(
     if n == 0:
         return out
     block_n, block_k, num_warps = config or pick_config(n, k)
-    pdl = use_pdl(_gemv_kernel, x.device)
+    pdl = use_pdl(_gemv_kernel, x.device, pdl)
     _gemv_kernel[(triton.cdiv(n, block_n),)](
         x,
         weight,
@@ -124,6 +125,7 @@ def gemv_ref(
     *,
     out: torch.Tensor | None = None,
     config: tuple[int, int, int] | None = None,
+    pdl: bool = False,
 ) -> torch.Tensor:
     """Plain-torch `gemv`: F.linear (`config` is ignored)."""
     del config

@@ -15,8 +15,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._validate import FLOAT_DTYPES, check_devices, check_tensor
-from kernels.pdl import launch_options, pdl_start, use_pdl
+from splitserve.kernels._validate import FLOAT_DTYPES, check_devices, check_tensor
+from splitserve.kernels.pdl import launch_options, pdl_start, use_pdl
 
 
 @triton.jit
@@ -56,7 +56,12 @@ def _write_kv_cache_kernel(
 
 
 def write_kv_cache(
-    k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
+    k: torch.Tensor,
+    v: torch.Tensor,
+    kv_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    *,
+    pdl: bool = False,
 ) -> None:
     """Write k, v ([num_tokens, num_kv_heads, head_dim]) into `kv_cache`
     ([2, num_blocks, block_size, num_kv_heads, head_dim], same dtype, contiguous) at
@@ -75,7 +80,7 @@ def write_kv_cache(
     if num_tokens == 0:
         return
     k_cache, v_cache = kv_cache[0], kv_cache[1]
-    pdl = use_pdl(_write_kv_cache_kernel, kv_cache.device)
+    pdl = use_pdl(_write_kv_cache_kernel, kv_cache.device, pdl)
     _write_kv_cache_kernel[(num_tokens,)](
         k,
         v,

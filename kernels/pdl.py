@@ -14,29 +14,27 @@ to 20% at batch 16 with long contexts (bench/kernels.py).
 
 Every kernel launched this way waits before it reads or writes anything, so the chain stays
 ordered transitively (C waits for B, which waited for A). A kernel launched without PDL (torch,
-cuBLAS) orders as usual. `ENABLED` (from `SPLITSERVE_PDL`, default on; `SPLITSERVE_PDL=0` turns it
-off, e.g. to rule it out on a new driver) is read at each launch; bench/decode_roofline.py flips
-it for A/B timing.
+cuBLAS) orders as usual. Each kernel wrapper takes `pdl=` from its caller: the engine's platform
+decides it once (on by default; `SPLITSERVE_PDL=0` turns it off, e.g. to rule it out on a new
+driver), and bench/decode_roofline.py passes both for A/B timing.
 """
 
 from __future__ import annotations
 
 import functools
-import os
 from typing import Any
 
 import torch
 import triton
 import triton.language as tl
 
-from kernels._validate import is_interpreted
-
-ENABLED = os.environ.get("SPLITSERVE_PDL", "1").strip().lower() not in ("0", "false", "off", "no")
+from splitserve.kernels._validate import is_interpreted
 
 
-def use_pdl(kernel: Any, device: torch.device) -> bool:
-    """Whether to launch `kernel` on `device` with PDL: compute capability 9.0+, not interpreted."""
-    if not ENABLED or is_interpreted(kernel) or device.type != "cuda":
+def use_pdl(kernel: Any, device: torch.device, enabled: bool) -> bool:
+    """Whether to launch `kernel` on `device` with PDL: asked for, compute capability 9.0+, and
+    not interpreted."""
+    if not enabled or is_interpreted(kernel) or device.type != "cuda":
         return False
     return _capable(device.index if device.index is not None else torch.cuda.current_device())
 

@@ -24,13 +24,13 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._validate import (
+from splitserve.kernels._validate import (
     check_attention,
     check_devices,
     check_tensor,
     dot_precision,
 )
-from kernels.attention_ref import prefill_attention_ref
+from splitserve.kernels.attention_ref import prefill_attention_ref
 
 __all__ = ["prefill_attention", "prefill_attention_ref"]
 

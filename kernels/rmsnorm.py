@@ -12,8 +12,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._validate import FLOAT_DTYPES, check_devices, check_tensor
-from kernels.pdl import launch_options, pdl_start, use_pdl
+from splitserve.kernels._validate import FLOAT_DTYPES, check_devices, check_tensor
+from splitserve.kernels.pdl import launch_options, pdl_start, use_pdl
 
 __all__ = ["fused_add_rms_norm", "fused_add_rms_norm_ref", "rms_norm", "rms_norm_ref"]
 
@@ -71,6 +71,7 @@ def _launch(
     eps: float,
     out: torch.Tensor | None,
     residual_out: torch.Tensor | None,
+    pdl: bool,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     hidden = x.shape[-1] if isinstance(x, torch.Tensor) and x.dim() else 0
     x_rows = _as_rows("x", x)
@@ -97,7 +98,7 @@ def _launch(
     if num_rows == 0 or hidden == 0:
         return out, residual_out
     block = triton.next_power_of_2(hidden)
-    pdl = use_pdl(_rms_norm_kernel, x.device)
+    pdl = use_pdl(_rms_norm_kernel, x.device, pdl)
     _rms_norm_kernel[(num_rows,)](
         x_rows,
         res_rows,
@@ -120,10 +121,15 @@ def _launch(
 
 
 def rms_norm(
-    x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor | None = None
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    out: torch.Tensor | None = None,
+    *,
+    pdl: bool = False,
 ) -> torch.Tensor:
     """weight * (x / sqrt(mean(x^2) + eps)) over the last dimension; x: [..., hidden]."""
-    normed, _ = _launch(x, None, weight, eps, out, None)
+    normed, _ = _launch(x, None, weight, eps, out, None, pdl)
     return normed
 
 
@@ -134,10 +140,12 @@ def fused_add_rms_norm(
     eps: float,
     out: torch.Tensor | None = None,
     residual_out: torch.Tensor | None = None,
+    *,
+    pdl: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(rms_norm(x + residual), x + residual) in one pass. Outputs may alias the inputs (each
     row is read whole before it is written), e.g. `residual_out=residual` updates in place."""
-    normed, new_residual = _launch(x, residual, weight, eps, out, residual_out)
+    normed, new_residual = _launch(x, residual, weight, eps, out, residual_out, pdl)
     assert new_residual is not None
     return normed, new_residual
 

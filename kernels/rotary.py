@@ -14,8 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._validate import FLOAT_DTYPES, check_devices, check_tensor
-from kernels.pdl import launch_options, pdl_start, use_pdl
+from splitserve.kernels._validate import FLOAT_DTYPES, check_devices, check_tensor
+from splitserve.kernels.pdl import launch_options, pdl_start, use_pdl
 
 __all__ = [
     "rotary_embedding",
@@ -155,6 +155,7 @@ def _launch(
     k_rows: torch.Tensor,
     v_rows: torch.Tensor,
     slot_mapping: torch.Tensor | None,
+    pdl: bool,
 ) -> None:
     """Launch over q's tokens; k_rows/v_rows are [rows, num_kv_heads, head_dim] targets, indexed
     by token, or by `slot_mapping` when given (then k_rows/v_rows are the cache planes)."""
@@ -162,7 +163,7 @@ def _launch(
     if num_tokens == 0:
         return
     num_kv_heads = k.shape[1]
-    pdl = use_pdl(_rotary_kernel, q.device)
+    pdl = use_pdl(_rotary_kernel, q.device, pdl)
     _rotary_kernel[(num_tokens,)](
         q,
         k,
@@ -225,6 +226,7 @@ def rotary_embedding(
     inplace: bool = False,
     q_out: torch.Tensor | None = None,
     k_out: torch.Tensor | None = None,
+    pdl: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotate q [T, num_heads, head_dim] and k [T, num_kv_heads, head_dim] (same dtype) by the
     rows `positions` ([T] int64) of cos/sin ([max_len, head_dim] float32, contiguous).
@@ -245,7 +247,7 @@ def rotary_embedding(
     check_devices(
         _rotary_kernel, positions=positions, q=q, k=k, cos=cos, sin=sin, q_out=q_out, k_out=k_out
     )
-    _launch(positions, q, k, k, cos, sin, q_out, k_out, k_out, None)
+    _launch(positions, q, k, k, cos, sin, q_out, k_out, k_out, None, pdl)
     return q_out, k_out
 
 
@@ -289,6 +291,7 @@ def rotary_embedding_write_kv(
     slot_mapping: torch.Tensor,
     *,
     q_out: torch.Tensor | None = None,
+    pdl: bool = False,
 ) -> torch.Tensor:
     """`rotary_embedding` and `write_kv_cache` in one launch: returns the rotated q (in `q_out`
     or a new tensor) and writes the rotated k and v into `kv_cache` at `slot_mapping`; k itself
@@ -318,7 +321,7 @@ def rotary_embedding_write_kv(
     k_rows, v_rows = (
         plane.view(num_blocks * block_size, num_kv_heads, head_dim) for plane in kv_cache
     )
-    _launch(positions, q, k, v, cos, sin, q_out, k_rows, v_rows, slot_mapping)
+    _launch(positions, q, k, v, cos, sin, q_out, k_rows, v_rows, slot_mapping, pdl)
     return q_out
 
 
@@ -335,7 +338,7 @@ def rotary_embedding_write_kv_ref(
     q_out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Plain-torch `rotary_embedding_write_kv`: the two references one after the other."""
-    from kernels.kv_cache_write import write_kv_cache_ref
+    from splitserve.kernels.kv_cache_write import write_kv_cache_ref
 
     q_rot, k_rot = rotary_embedding_ref(positions, q, k, cos, sin, q_out=q_out)
     write_kv_cache_ref(k_rot, v, kv_cache, slot_mapping)

@@ -22,8 +22,8 @@ from opentelemetry import trace
 from opentelemetry.trace import Span, SpanKind, Status, StatusCode
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
-from kv_transfer.transport import KVReceiver, KVTransport, PushResult, TransferError
-from kv_transfer.wire import (
+from splitserve.kv_transfer.transport import KVReceiver, KVTransport, PushResult, TransferError
+from splitserve.kv_transfer.wire import (
     MAX_CHUNK_BYTES,
     Buffer,
     KVTransferError,
@@ -32,7 +32,7 @@ from kv_transfer.wire import (
     validate_header,
     verify_payload,
 )
-from protos.v1 import kv_transfer_pb2, kv_transfer_pb2_grpc
+from splitserve.protos.v1 import kv_transfer_pb2, kv_transfer_pb2_grpc
 
 log = logging.getLogger(__name__)
 

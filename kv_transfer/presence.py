@@ -11,7 +11,7 @@ import logging
 import threading
 from collections.abc import Callable
 
-from kv_transfer.registry import Registry, WorkerInfo
+from splitserve.kv_transfer.registry import Registry, WorkerInfo
 
 log = logging.getLogger(__name__)
 
@@ -33,12 +33,15 @@ class Presence:
         self.interval_s = interval_s
         self.on_tick = on_tick
         self._stop = threading.Event()
+        self._kind = self._worker_id = ""
         self._left = False
         self._lock = threading.Lock()  # NOTE: a heartbeat never re-registers after `leave`
         self._thread = threading.Thread(target=self._run, name="presence", daemon=True)
 
     def start(self) -> Presence:
-        self.registry.register_worker(self.info(), self.ttl_s)
+        first = self.info()
+        self._kind, self._worker_id = first.kind, first.worker_id
+        self.registry.register_worker(first, self.ttl_s)
         self._thread.start()
         return self
 
@@ -48,11 +51,12 @@ class Presence:
             if self._left:
                 return
             self._left = True
-            info = self.info()
+            if not self._worker_id:
+                return  # never registered
             try:
-                self.registry.deregister_worker(info.kind, info.worker_id)
+                self.registry.deregister_worker(self._kind, self._worker_id)
             except Exception:  # noqa: BLE001 - Redis may already be gone at shutdown
-                log.warning("could not deregister %s", info.worker_id)
+                log.warning("could not deregister %s", self._worker_id)
 
     def stop(self) -> None:
         """Leave the registry (if not yet done) and stop the background thread."""

@@ -30,14 +30,19 @@ from typing import Any
 
 import redis
 
-from kv_transfer import registry_lua as lua
+from splitserve.engine.errors import FailedPrecondition
+from splitserve.kv_transfer import registry_lua as lua
 
 WORKER_KINDS = ("prefill", "decode", "colocated")
 RECORD_STATES = ("reserved", "writing", "owned")
 
 
-class RegistryError(Exception):
+class RegistryError(FailedPrecondition):
     """A registry operation was refused (e.g. a request id that already has a record)."""
+
+
+class BlockSizeMismatch(RegistryError):
+    """A worker whose KV block size differs from the deployment's."""
 
 
 class StaleFenceError(RegistryError):
@@ -61,13 +66,14 @@ class WorkerInfo:
     load: int = 0
     num_free_blocks: int = 0
     num_total_blocks: int = 0
+    block_size: int = 0  # tokens per KV block (0: not a KV-holding worker)
 
     def __post_init__(self) -> None:
         if not self.worker_id or not self.address:
             raise ValueError("worker_id and address must be non-empty")
         if self.kind not in WORKER_KINDS:
             raise ValueError(f"kind must be one of {WORKER_KINDS}, got {self.kind!r}")
-        for name in ("load", "num_free_blocks", "num_total_blocks"):
+        for name in ("load", "num_free_blocks", "num_total_blocks", "block_size"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"{name} must be an int >= 0, got {value!r}")
@@ -169,7 +175,23 @@ class Registry:
     # -- workers ------------------------------------------------------------------------------
 
     def register_worker(self, info: WorkerInfo, ttl_s: float) -> None:
-        """Advertise `info` for `ttl_s` seconds; the worker must heartbeat before it lapses."""
+        """Join: check that `info` agrees with the live workers, then advertise it.
+
+        Raises BlockSizeMismatch if a live worker uses another block size: KV blocks move
+        between workers whole, and the gateway's prefix hashes are per block.
+        """
+        if info.block_size:
+            for kind in WORKER_KINDS:
+                for other in self.live_workers(kind):
+                    if other.block_size and other.block_size != info.block_size:
+                        raise BlockSizeMismatch(
+                            f"worker {info.worker_id} uses block_size {info.block_size}, but live "
+                            f"worker {other.worker_id} uses {other.block_size}; every worker and "
+                            "the gateway of a deployment must use one block size"
+                        )
+        self._advertise(info, ttl_s)
+
+    def _advertise(self, info: WorkerInfo, ttl_s: float) -> None:
         ttl_ms = _ms(ttl_s, "ttl_s")
         key = self._worker_key(info.kind, info.worker_id)
         mapping: dict[Any, str] = {f.name: str(getattr(info, f.name)) for f in fields(info)}
@@ -181,7 +203,7 @@ class Registry:
 
     def heartbeat(self, info: WorkerInfo, ttl_s: float) -> None:
         """Refresh the worker's advertisement (load, free blocks) and extend its TTL."""
-        self.register_worker(info, ttl_s)
+        self._advertise(info, ttl_s)
 
     def deregister_worker(self, kind: str, worker_id: str) -> None:
         """Withdraw a worker at once (a clean shutdown); its prefix index is left to the caller."""
@@ -392,6 +414,7 @@ def _worker_from_hash(raw: dict[str, str]) -> WorkerInfo:
         load=int(raw["load"]),
         num_free_blocks=int(raw["num_free_blocks"]),
         num_total_blocks=int(raw["num_total_blocks"]),
+        block_size=int(raw.get("block_size", 0)),
     )
 
 

@@ -15,8 +15,9 @@ from typing import Protocol
 
 import grpc
 
-from kv_transfer.wire import Buffer, CacheLayout
-from protos.v1 import kv_transfer_pb2
+from splitserve.engine.errors import SplitserveError
+from splitserve.kv_transfer.wire import Buffer, CacheLayout
+from splitserve.protos.v1 import kv_transfer_pb2
 
 
 @dataclass(frozen=True)
@@ -27,8 +28,9 @@ class PushResult:
     num_bytes: int
 
 
-class TransferError(RuntimeError):
-    """A push that did not land. `code` is the receiver's gRPC status (None if unknown)."""
+class TransferError(SplitserveError):
+    """A push that did not land. `code` is the receiver's gRPC status (None if unknown); the
+    request fails with it (UNAVAILABLE when unknown), so the gateway can retry elsewhere."""
 
     def __init__(
         self, message: str, code: grpc.StatusCode | None = None, details: str = ""
@@ -36,6 +38,7 @@ class TransferError(RuntimeError):
         super().__init__(message)
         self.code = code
         self.details = details
+        self.status = code.name if code is not None else "UNAVAILABLE"
 
 
 class KVTransport(ABC):
@@ -95,7 +98,7 @@ class KVReceiver(Protocol):
 
 def _grpc_transport() -> type[KVTransport]:
     # Imported on demand so that choosing another transport never loads this one.
-    from kv_transfer.grpc_transport import GrpcKVTransport
+    from splitserve.kv_transfer.grpc_transport import GrpcKVTransport
 
     return GrpcKVTransport
 

@@ -19,8 +19,9 @@ from types import MappingProxyType
 import grpc
 import torch
 
-from kv_transfer.crc32c import crc32c
-from protos.v1 import kv_transfer_pb2
+from splitserve.engine.errors import InvalidRequest, SplitserveError
+from splitserve.kv_transfer.crc32c import crc32c
+from splitserve.protos.v1 import kv_transfer_pb2
 
 LAYOUT = "layer,kv,block,slot,head,dim"
 MAX_CHUNK_BYTES = 1 << 20
@@ -34,7 +35,7 @@ DTYPES = MappingProxyType(
 _DTYPE_NAMES = MappingProxyType({v: k for k, v in DTYPES.items()})
 
 
-class KVTransferError(ValueError):
+class KVTransferError(InvalidRequest):
     """A header or payload that the receiver must refuse (INVALID_ARGUMENT)."""
 
 
@@ -58,16 +59,17 @@ class ChecksumError(KVTransferError):
     """The payload's CRC-32C differs from the header's."""
 
 
-class PushRefused(Exception):
+class PushRefused(SplitserveError):
     """The receiver refuses a push for a reason that is not the sender's bad input.
 
-    `code` is the gRPC status the servicer answers with: FAILED_PRECONDITION for a stale
-    fencing token, NOT_FOUND for a request it holds no reservation for.
+    `code` is the status the receiver answers with: FAILED_PRECONDITION for a stale fencing
+    token, NOT_FOUND for a request it holds no reservation for.
     """
 
     def __init__(self, code: grpc.StatusCode, message: str) -> None:
         super().__init__(message)
         self.code = code
+        self.status = code.name
 
 
 @dataclass(frozen=True)

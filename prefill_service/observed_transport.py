@@ -11,12 +11,12 @@ import time
 from opentelemetry import trace
 from opentelemetry.trace import SpanKind
 
-from kv_transfer.transport import KVTransport, PushResult, TransferError
-from kv_transfer.wire import Buffer
-from protos.v1 import kv_transfer_pb2
-from splitserve import genai
-from splitserve.metrics import KVTransferMetrics
-from splitserve.tracing import Tracing, record_error
+from splitserve.kv_transfer.transport import KVTransport, PushResult, TransferError
+from splitserve.kv_transfer.wire import Buffer
+from splitserve.protos.v1 import kv_transfer_pb2
+from splitserve.runtime import genai
+from splitserve.runtime.metrics import KVTransferMetrics
+from splitserve.runtime.tracing import Tracing, record_error
 
 
 class ObservedTransport(KVTransport):

@@ -18,11 +18,11 @@ import time
 from opentelemetry.context import Context
 from opentelemetry.trace import Span, SpanKind, set_span_in_context
 
-from engine.llm_engine import LLMEngine
-from engine.sampling_params import SamplingParams
-from splitserve import genai
-from splitserve.metrics import RequestMetrics
-from splitserve.tracing import Tracing, record_error
+from splitserve.engine.llm_engine import LLMEngine
+from splitserve.engine.sampling_params import SamplingParams
+from splitserve.runtime import genai
+from splitserve.runtime.metrics import RequestMetrics
+from splitserve.runtime.tracing import Tracing, record_error
 
 
 class PrefillObserver:

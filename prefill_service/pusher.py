@@ -18,10 +18,10 @@ from concurrent.futures import Executor, Future
 
 from opentelemetry import context as otel_context
 
-from engine.llm_engine import LLMEngine
-from kv_transfer.transport import KVTransport, PushResult
-from kv_transfer.wire import CacheLayout, make_header, pack_blocks
-from protos.v1 import worker_pb2
+from splitserve.engine.llm_engine import LLMEngine
+from splitserve.kv_transfer.transport import KVTransport, PushResult
+from splitserve.kv_transfer.wire import CacheLayout, make_header, pack_blocks
+from splitserve.protos.v1 import worker_pb2
 
 
 class BlockPusher:

@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import grpc
 
-from prefill_service.worker import PrefillWorker
-from protos import convert
-from protos.stats import worker_stats
-from protos.v1 import common_pb2, worker_pb2, worker_pb2_grpc
-from splitserve.tracing import Tracing
+from splitserve.prefill_service.worker import PrefillWorker
+from splitserve.protos import convert
+from splitserve.protos.v1 import common_pb2, worker_pb2, worker_pb2_grpc
+from splitserve.runtime.tracing import Tracing
 
 
 class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
@@ -44,6 +43,8 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
         self, request: worker_pb2.GetStatsRequest, context: grpc.ServicerContext
     ) -> worker_pb2.WorkerStats:
         worker = self.worker
-        return worker_stats(
-            worker.loop, worker.settings.worker_id, kv_bytes_sent=worker.num_bytes_sent
+        return convert.stats_to_proto(
+            worker.loop.call(lambda e: e.stats()),
+            worker.settings.worker_id,
+            kv_bytes_sent=worker.num_bytes_sent,
         )

@@ -8,17 +8,17 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-import grpc
 from opentelemetry.context import Context
 
-from engine.engine_loop import EngineLoop
-from engine.outputs import RequestOutput
-from engine.sampling_params import SamplingParams
-from kv_transfer.registry import Registry
-from kv_transfer.transport import KVTransport
-from prefill_service.observer import PrefillObservation, PrefillObserver
-from prefill_service.pusher import BlockPusher
-from protos.v1 import worker_pb2
+from splitserve.engine.engine_loop import EngineLoop
+from splitserve.engine.errors import Cancelled
+from splitserve.engine.outputs import RequestOutput
+from splitserve.engine.sampling_params import SamplingParams
+from splitserve.kv_transfer.registry import Registry
+from splitserve.kv_transfer.transport import KVTransport
+from splitserve.prefill_service.observer import PrefillObservation, PrefillObserver
+from splitserve.prefill_service.pusher import BlockPusher
+from splitserve.protos.v1 import worker_pb2
 
 
 @dataclass(frozen=True)
@@ -34,12 +34,6 @@ class PrefillResult:
     output: RequestOutput  # holds the first token of each sample
     num_blocks_sent: int
     num_bytes_sent: int
-
-
-class Cancelled(Exception):
-    """The caller went away."""
-
-    code = grpc.StatusCode.CANCELLED
 
 
 class PrefillWorker:

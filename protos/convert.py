@@ -5,10 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine.outputs import RequestOutput
-from engine.sampling_params import SamplingParams
-from engine.scheduler import SampledToken
-from protos.v1 import common_pb2, worker_pb2
+from splitserve.engine.outputs import RequestOutput, SampledToken
+from splitserve.engine.sampling_params import SamplingParams
+from splitserve.engine.stats import EngineStats
+from splitserve.protos.v1 import common_pb2, worker_pb2
 
 _OPTIONAL_FIELDS = (
     "n",
@@ -147,4 +147,21 @@ def usage_to_proto(out: RequestOutput) -> common_pb2.Usage:
         prompt_tokens=len(out.prompt_token_ids),
         completion_tokens=sum(len(s.token_ids) for s in out.outputs),
         cached_prompt_tokens=out.num_cached_tokens,
+    )
+
+
+def stats_to_proto(stats: EngineStats, worker_id: str, **counters: int) -> worker_pb2.WorkerStats:
+    """GetStats' answer: the engine's snapshot plus the service's own counters."""
+    return worker_pb2.WorkerStats(
+        worker_id=worker_id,
+        num_total_blocks=stats.num_total_blocks,
+        num_free_blocks=stats.num_free_blocks,
+        num_cached_blocks=stats.num_cached_blocks,
+        num_running=stats.num_requests_running,
+        num_waiting=stats.num_requests_waiting,
+        prefix_cache_hit_tokens=stats.prefix_cache_hits,
+        num_requests=stats.num_requests,
+        num_pinned_blocks=stats.num_pinned_blocks,
+        block_size=stats.block_size,
+        **counters,
     )

@@ -1,7 +1,7 @@
 """Generate the Python code for protos/v1/*.proto (messages, gRPC stubs, type stubs).
 
-    python -m protos.generate           # write protos/v1/*_pb2*.py(i)
-    python -m protos.generate --check   # exit 1 if the committed code is stale (CI runs this)
+    python -m splitserve.protos.generate           # write protos/v1/*_pb2*.py(i)
+    python -m splitserve.protos.generate --check   # exit 1 if the committed code is stale (CI)
 """
 
 from __future__ import annotations
@@ -17,11 +17,14 @@ from grpc_tools import protoc
 
 ROOT = Path(__file__).resolve().parent.parent
 PROTO_DIR = Path("protos") / "v1"
+# NOTE: compiled through the `splitserve/protos` link, so that the generated modules import each
+# other as `splitserve.protos.v1.*`, the installed name.
+SOURCE_DIR = Path("splitserve") / PROTO_DIR
 
 
 def _generate(out_dir: Path) -> list[Path]:
     """Compile every .proto into out_dir, mirroring protos/v1; return the generated paths."""
-    sources = sorted((ROOT / PROTO_DIR).glob("*.proto"))
+    sources = sorted((ROOT / SOURCE_DIR).glob("*.proto"))
     include = Path(protoc.__file__).parent / "_proto"
     args = [
         "protoc",
@@ -34,7 +37,7 @@ def _generate(out_dir: Path) -> list[Path]:
     ]
     if protoc.main(args) != 0:
         raise SystemExit("protoc failed")
-    return sorted((out_dir / PROTO_DIR).glob("*_pb2*.py*"))
+    return sorted((out_dir / SOURCE_DIR).glob("*_pb2*.py*"))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -55,7 +58,10 @@ def main(argv: list[str] | None = None) -> int:
             ]
             stale += [p.name for p in committed if p.name not in names]
             if stale:
-                print(f"stale generated code: {sorted(stale)}; run python -m protos.generate")
+                print(
+                    f"stale generated code: {sorted(stale)}; "
+                    "run python -m splitserve.protos.generate"
+                )
                 return 1
             print(f"generated code is up to date ({len(generated)} files)")
             return 0

@@ -19,7 +19,7 @@ from collections.abc import Mapping, Sequence
 
 
 def _make_tiny_model(args: argparse.Namespace) -> int:
-    from engine.tiny_model import make_tiny_model
+    from splitserve.testing.tiny_model import make_tiny_model
 
     path = make_tiny_model(args.dir, args.arch, seed=args.seed, num_shards=args.shards)
     print(f"wrote a tiny random-weight {args.arch} checkpoint to {path}")
@@ -27,7 +27,7 @@ def _make_tiny_model(args: argparse.Namespace) -> int:
 
 
 def _offline(args: argparse.Namespace) -> int:
-    from engine import LLM, SamplingParams
+    from splitserve.engine import LLM, SamplingParams
 
     llm = LLM(args.model, dtype=args.dtype)
     params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens)
@@ -40,7 +40,7 @@ def _serve(args: argparse.Namespace, env: Mapping[str, str]) -> int:
     """One service until SIGTERM (or Ctrl-C): then drain, stop, and exit 0. A second signal
     cuts the drain short."""
     from splitserve import services
-    from splitserve.settings import (
+    from splitserve.runtime.settings import (
         GatewaySettings,
         ServiceSettings,
         TracingSettings,
@@ -48,7 +48,7 @@ def _serve(args: argparse.Namespace, env: Mapping[str, str]) -> int:
         default_worker_id,
         from_args,
     )
-    from splitserve.tracing import make_tracing
+    from splitserve.runtime.tracing import make_tracing
     from splitserve.up import ensure_default_model
 
     kind = "colocated" if getattr(args, "colocated", False) else args.command
@@ -99,8 +99,8 @@ def _up(args: argparse.Namespace) -> int:
 
 
 def _generate(args: argparse.Namespace) -> int:
-    from engine.sampling_params import SamplingParams
     from splitserve.client import connect, stream
+    from splitserve.engine.sampling_params import SamplingParams
 
     channel, stub = connect(args.address)
     params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens)
@@ -120,8 +120,13 @@ def _generate(args: argparse.Namespace) -> int:
 
 
 def build_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
-    from engine.tiny_model import SUPPORTED_TINY_ARCHS
-    from splitserve.settings import GatewaySettings, ServiceSettings, WorkerSettings, add_flags
+    from splitserve.runtime.settings import (
+        GatewaySettings,
+        ServiceSettings,
+        WorkerSettings,
+        add_flags,
+    )
+    from splitserve.testing.tiny_model import SUPPORTED_TINY_ARCHS
 
     parser = argparse.ArgumentParser(
         prog="splitserve", description=__doc__, formatter_class=argparse.RawTextHelpFormatter

@@ -7,9 +7,9 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from engine.sampling_params import SamplingParams
-from protos import convert
-from protos.v1 import gateway_pb2, gateway_pb2_grpc
+from splitserve.engine.sampling_params import SamplingParams
+from splitserve.protos import convert
+from splitserve.protos.v1 import gateway_pb2, gateway_pb2_grpc
 
 
 @dataclass

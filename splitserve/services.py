@@ -7,31 +7,31 @@ the registry and turns SERVING. `Running.drain` then `Running.stop` is the grace
 
 from __future__ import annotations
 
-from decode_service.observer import DecodeObserver
-from decode_service.receiver import ReservationReceiver
-from decode_service.servicer import DecodeServicer
-from decode_service.worker import DecodeSettings, DecodeWorker
-from engine.config import ModelConfig
-from engine.engine_loop import EngineLoop
-from engine.tokenizer import load_tokenizer
-from gateway.observability import GatewayObserver
-from gateway.orchestrator import Orchestrator, OrchestratorSettings
-from gateway.router import make_policy
-from gateway.servicer import GatewayServicer, ModelInfo
-from kv_transfer.grpc_transport import KVTransferServicer
-from kv_transfer.presence import Presence
-from kv_transfer.registry import Registry
-from kv_transfer.transport import get_transport
-from prefill_service.observed_transport import ObservedTransport
-from prefill_service.observer import PrefillObserver
-from prefill_service.servicer import PrefillServicer
-from prefill_service.worker import PrefillSettings, PrefillWorker
-from protos.v1 import gateway_pb2_grpc, kv_transfer_pb2_grpc, worker_pb2_grpc
-from splitserve.engine_metrics import EngineCollector
-from splitserve.metrics import KVTransferMetrics, RequestMetrics, RoutingMetrics
-from splitserve.serving import Running, ServiceSpec, open_service
-from splitserve.settings import GatewaySettings, ServiceSettings, WorkerSettings
-from splitserve.tracing import Tracing
+from splitserve.decode_service.observer import DecodeObserver
+from splitserve.decode_service.receiver import ReservationReceiver
+from splitserve.decode_service.servicer import DecodeServicer
+from splitserve.decode_service.worker import DecodeSettings, DecodeWorker
+from splitserve.engine.engine_loop import EngineLoop
+from splitserve.engine.model_config import ModelConfig
+from splitserve.engine.tokenizer import load_tokenizer
+from splitserve.gateway.observability import GatewayObserver
+from splitserve.gateway.orchestrator import Orchestrator, OrchestratorSettings
+from splitserve.gateway.router import make_policy
+from splitserve.gateway.servicer import GatewayServicer, ModelInfo
+from splitserve.kv_transfer.grpc_transport import KVTransferServicer
+from splitserve.kv_transfer.presence import Presence
+from splitserve.kv_transfer.registry import Registry
+from splitserve.kv_transfer.transport import get_transport
+from splitserve.prefill_service.observed_transport import ObservedTransport
+from splitserve.prefill_service.observer import PrefillObserver
+from splitserve.prefill_service.servicer import PrefillServicer
+from splitserve.prefill_service.worker import PrefillSettings, PrefillWorker
+from splitserve.protos.v1 import gateway_pb2_grpc, kv_transfer_pb2_grpc, worker_pb2_grpc
+from splitserve.runtime.engine_metrics import EngineCollector
+from splitserve.runtime.metrics import KVTransferMetrics, RequestMetrics, RoutingMetrics
+from splitserve.runtime.serving import Running, ServiceSpec, open_service
+from splitserve.runtime.settings import GatewaySettings, ServiceSettings, WorkerSettings
+from splitserve.runtime.tracing import Tracing
 from splitserve.workers import build_engine, worker_info
 
 GATEWAY_SERVICE = "splitserve.v1.Gateway"
@@ -81,7 +81,7 @@ def start_decode(
         )
         presence = Presence(
             registry,
-            lambda: worker_info(kind, service.worker_id, address, engine, len(decode.reservations)),
+            lambda: worker_info(kind, service.worker_id, address, loop.call(lambda e: e.stats())),
             ttl_s=worker.heartbeat_ttl_s,
             interval_s=worker.heartbeat_ttl_s / 6,
             on_tick=decode.housekeeping,
@@ -138,7 +138,9 @@ def start_prefill(
         opened.gates[0].bind(PrefillServicer(prefill, tracing))
         presence = Presence(
             registry,
-            lambda: worker_info("prefill", service.worker_id, address, engine, 0),
+            lambda: worker_info(
+                "prefill", service.worker_id, address, loop.call(lambda e: e.stats())
+            ),
             ttl_s=worker.heartbeat_ttl_s,
             interval_s=worker.heartbeat_ttl_s / 6,
         ).start()

@@ -27,8 +27,8 @@ from typing import cast
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from kv_transfer.registry import Registry
-from splitserve.redis_keeper import RedisKeeper
+from splitserve.kv_transfer.registry import Registry
+from splitserve.runtime.redis_keeper import RedisKeeper
 
 
 @dataclass(frozen=True)
@@ -105,7 +105,7 @@ def default_model_dir() -> Path:
 
 
 def ensure_default_model() -> str:
-    from engine.tiny_model import make_tiny_model
+    from splitserve.testing.tiny_model import make_tiny_model
 
     path = default_model_dir()
     if not (path / "config.json").is_file():

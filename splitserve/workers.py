@@ -3,40 +3,46 @@ registry about themselves."""
 
 from __future__ import annotations
 
-from engine.config import EngineConfig, parse_dtype, resolve_device
-from engine.llm_engine import LLMEngine
-from kv_transfer.registry import WorkerInfo
-from splitserve.settings import ServiceSettings, WorkerSettings
+from splitserve.engine.config import EngineConfig
+from splitserve.engine.llm_engine import LLMEngine
+from splitserve.engine.platform import resolve_device, resolve_dtype
+from splitserve.engine.stats import EngineStats
+from splitserve.kv_transfer.registry import WorkerInfo
+from splitserve.runtime.settings import ServiceSettings, WorkerSettings
+
+
+def engine_config(worker: WorkerSettings, record_prefix_events: bool = False) -> EngineConfig:
+    """The engine settings a worker's flags (or SPLITSERVE_* variables) ask for."""
+    device = resolve_device(worker.device)
+    return EngineConfig(
+        record_prefix_events=record_prefix_events,
+        dtype=resolve_dtype(worker.dtype, device),
+        device=device,
+        block_size=worker.block_size,
+        num_kv_blocks=worker.num_kv_blocks,
+        kv_cache_memory_bytes=worker.kv_cache_memory_bytes,
+        gpu_memory_utilization=worker.gpu_memory_utilization,
+        max_model_len=worker.max_model_len,
+        max_num_batched_tokens=worker.max_num_batched_tokens,
+        max_num_seqs=worker.max_num_seqs,
+        enable_pdl=worker.pdl,
+    )
 
 
 def build_engine(
     service: ServiceSettings, worker: WorkerSettings, record_prefix_events: bool = False
 ) -> LLMEngine:
-    device = resolve_device(worker.device)
-    config = EngineConfig(
-        record_prefix_events=record_prefix_events,
-        dtype=parse_dtype(worker.dtype, device),
-        device=device,
-        block_size=worker.block_size,
-        num_kv_blocks=worker.num_kv_blocks,
-        kv_cache_memory_bytes=worker.kv_cache_memory_bytes,
-        max_num_batched_tokens=worker.max_num_batched_tokens,
-        max_num_seqs=worker.max_num_seqs,
-    )
-    return LLMEngine(service.model, config)
+    return LLMEngine(service.model, engine_config(worker, record_prefix_events))
 
 
-def worker_info(
-    kind: str, worker_id: str, address: str, engine: LLMEngine, extra_load: int
-) -> WorkerInfo:
+def worker_info(kind: str, worker_id: str, address: str, stats: EngineStats) -> WorkerInfo:
     """What a worker's heartbeat tells the registry (its load and free blocks)."""
-    usage = engine.kv_usage()
-    load = len(engine.scheduler.running) + len(engine.scheduler.waiting) + extra_load
     return WorkerInfo(
         worker_id=worker_id,
         kind=kind,
         address=address,
-        load=load,
-        num_free_blocks=usage.num_free_blocks + usage.num_cached_blocks,
-        num_total_blocks=usage.num_total_blocks,
+        load=stats.load,
+        num_free_blocks=stats.num_free_blocks,
+        num_total_blocks=stats.num_total_blocks,
+        block_size=stats.block_size,
     )

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.tiny_model import SUPPORTED_TINY_ARCHS, make_tiny_model
+from splitserve.testing.tiny_model import SUPPORTED_TINY_ARCHS, make_tiny_model
 
 
 @pytest.fixture(scope="session")

@@ -3,8 +3,8 @@
 import grpc
 import warnings
 
-from protos.v1 import common_pb2 as protos_dot_v1_dot_common__pb2
-from protos.v1 import gateway_pb2 as protos_dot_v1_dot_gateway__pb2
+from splitserve.protos.v1 import common_pb2 as splitserve_dot_protos_dot_v1_dot_common__pb2
+from splitserve.protos.v1 import gateway_pb2 as splitserve_dot_protos_dot_v1_dot_gateway__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__
@@ -19,7 +19,7 @@ except ImportError:
 if _version_not_supported:
     raise RuntimeError(
         f'The grpc package installed is at version {GRPC_VERSION},'
-        + ' but the generated code in protos/v1/gateway_pb2_grpc.py depends on'
+        + ' but the generated code in splitserve/protos/v1/gateway_pb2_grpc.py depends on'
         + f' grpcio>={GRPC_GENERATED_VERSION}.'
         + f' Please upgrade your grpc module to grpcio>={GRPC_GENERATED_VERSION}'
         + f' or downgrade your generated code using grpcio-tools<={GRPC_VERSION}.'
@@ -38,18 +38,18 @@ class GatewayStub:
         """
         self.Generate = channel.unary_stream(
                 '/splitserve.v1.Gateway/Generate',
-                request_serializer=protos_dot_v1_dot_gateway__pb2.GenerateRequest.SerializeToString,
-                response_deserializer=protos_dot_v1_dot_gateway__pb2.GenerateResponse.FromString,
+                request_serializer=splitserve_dot_protos_dot_v1_dot_gateway__pb2.GenerateRequest.SerializeToString,
+                response_deserializer=splitserve_dot_protos_dot_v1_dot_gateway__pb2.GenerateResponse.FromString,
                 _registered_method=True)
         self.Abort = channel.unary_unary(
                 '/splitserve.v1.Gateway/Abort',
-                request_serializer=protos_dot_v1_dot_common__pb2.AbortRequest.SerializeToString,
-                response_deserializer=protos_dot_v1_dot_common__pb2.AbortResponse.FromString,
+                request_serializer=splitserve_dot_protos_dot_v1_dot_common__pb2.AbortRequest.SerializeToString,
+                response_deserializer=splitserve_dot_protos_dot_v1_dot_common__pb2.AbortResponse.FromString,
                 _registered_method=True)
         self.GetModelInfo = channel.unary_unary(
                 '/splitserve.v1.Gateway/GetModelInfo',
-                request_serializer=protos_dot_v1_dot_gateway__pb2.GetModelInfoRequest.SerializeToString,
-                response_deserializer=protos_dot_v1_dot_gateway__pb2.GetModelInfoResponse.FromString,
+                request_serializer=splitserve_dot_protos_dot_v1_dot_gateway__pb2.GetModelInfoRequest.SerializeToString,
+                response_deserializer=splitserve_dot_protos_dot_v1_dot_gateway__pb2.GetModelInfoResponse.FromString,
                 _registered_method=True)
 
 
@@ -85,18 +85,18 @@ def add_GatewayServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Generate': grpc.unary_stream_rpc_method_handler(
                     servicer.Generate,
-                    request_deserializer=protos_dot_v1_dot_gateway__pb2.GenerateRequest.FromString,
-                    response_serializer=protos_dot_v1_dot_gateway__pb2.GenerateResponse.SerializeToString,
+                    request_deserializer=splitserve_dot_protos_dot_v1_dot_gateway__pb2.GenerateRequest.FromString,
+                    response_serializer=splitserve_dot_protos_dot_v1_dot_gateway__pb2.GenerateResponse.SerializeToString,
             ),
             'Abort': grpc.unary_unary_rpc_method_handler(
                     servicer.Abort,
-                    request_deserializer=protos_dot_v1_dot_common__pb2.AbortRequest.FromString,
-                    response_serializer=protos_dot_v1_dot_common__pb2.AbortResponse.SerializeToString,
+                    request_deserializer=splitserve_dot_protos_dot_v1_dot_common__pb2.AbortRequest.FromString,
+                    response_serializer=splitserve_dot_protos_dot_v1_dot_common__pb2.AbortResponse.SerializeToString,
             ),
             'GetModelInfo': grpc.unary_unary_rpc_method_handler(
                     servicer.GetModelInfo,
-                    request_deserializer=protos_dot_v1_dot_gateway__pb2.GetModelInfoRequest.FromString,
-                    response_serializer=protos_dot_v1_dot_gateway__pb2.GetModelInfoResponse.SerializeToString,
+                    request_deserializer=splitserve_dot_protos_dot_v1_dot_gateway__pb2.GetModelInfoRequest.FromString,
+                    response_serializer=splitserve_dot_protos_dot_v1_dot_gateway__pb2.GetModelInfoResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -125,8 +125,8 @@ class Gateway:
             request,
             target,
             '/splitserve.v1.Gateway/Generate',
-            protos_dot_v1_dot_gateway__pb2.GenerateRequest.SerializeToString,
-            protos_dot_v1_dot_gateway__pb2.GenerateResponse.FromString,
+            splitserve_dot_protos_dot_v1_dot_gateway__pb2.GenerateRequest.SerializeToString,
+            splitserve_dot_protos_dot_v1_dot_gateway__pb2.GenerateResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -152,8 +152,8 @@ class Gateway:
             request,
             target,
             '/splitserve.v1.Gateway/Abort',
-            protos_dot_v1_dot_common__pb2.AbortRequest.SerializeToString,
-            protos_dot_v1_dot_common__pb2.AbortResponse.FromString,
+            splitserve_dot_protos_dot_v1_dot_common__pb2.AbortRequest.SerializeToString,
+            splitserve_dot_protos_dot_v1_dot_common__pb2.AbortResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -179,8 +179,8 @@ class Gateway:
             request,
             target,
             '/splitserve.v1.Gateway/GetModelInfo',
-            protos_dot_v1_dot_gateway__pb2.GetModelInfoRequest.SerializeToString,
-            protos_dot_v1_dot_gateway__pb2.GetModelInfoResponse.FromString,
+            splitserve_dot_protos_dot_v1_dot_gateway__pb2.GetModelInfoRequest.SerializeToString,
+            splitserve_dot_protos_dot_v1_dot_gateway__pb2.GetModelInfoResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -3,7 +3,7 @@
 import grpc
 import warnings
 
-from protos.v1 import kv_transfer_pb2 as protos_dot_v1_dot_kv__transfer__pb2
+from splitserve.protos.v1 import kv_transfer_pb2 as splitserve_dot_protos_dot_v1_dot_kv__transfer__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__
@@ -18,7 +18,7 @@ except ImportError:
 if _version_not_supported:
     raise RuntimeError(
         f'The grpc package installed is at version {GRPC_VERSION},'
-        + ' but the generated code in protos/v1/kv_transfer_pb2_grpc.py depends on'
+        + ' but the generated code in splitserve/protos/v1/kv_transfer_pb2_grpc.py depends on'
         + f' grpcio>={GRPC_GENERATED_VERSION}.'
         + f' Please upgrade your grpc module to grpcio>={GRPC_GENERATED_VERSION}'
         + f' or downgrade your generated code using grpcio-tools<={GRPC_VERSION}.'
@@ -37,8 +37,8 @@ class KVTransferStub:
         """
         self.PushBlocks = channel.stream_unary(
                 '/splitserve.v1.KVTransfer/PushBlocks',
-                request_serializer=protos_dot_v1_dot_kv__transfer__pb2.KVTransferMessage.SerializeToString,
-                response_deserializer=protos_dot_v1_dot_kv__transfer__pb2.PushBlocksResponse.FromString,
+                request_serializer=splitserve_dot_protos_dot_v1_dot_kv__transfer__pb2.KVTransferMessage.SerializeToString,
+                response_deserializer=splitserve_dot_protos_dot_v1_dot_kv__transfer__pb2.PushBlocksResponse.FromString,
                 _registered_method=True)
 
 
@@ -61,8 +61,8 @@ def add_KVTransferServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'PushBlocks': grpc.stream_unary_rpc_method_handler(
                     servicer.PushBlocks,
-                    request_deserializer=protos_dot_v1_dot_kv__transfer__pb2.KVTransferMessage.FromString,
-                    response_serializer=protos_dot_v1_dot_kv__transfer__pb2.PushBlocksResponse.SerializeToString,
+                    request_deserializer=splitserve_dot_protos_dot_v1_dot_kv__transfer__pb2.KVTransferMessage.FromString,
+                    response_serializer=splitserve_dot_protos_dot_v1_dot_kv__transfer__pb2.PushBlocksResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -91,8 +91,8 @@ class KVTransfer:
             request_iterator,
             target,
             '/splitserve.v1.KVTransfer/PushBlocks',
-            protos_dot_v1_dot_kv__transfer__pb2.KVTransferMessage.SerializeToString,
-            protos_dot_v1_dot_kv__transfer__pb2.PushBlocksResponse.FromString,
+            splitserve_dot_protos_dot_v1_dot_kv__transfer__pb2.KVTransferMessage.SerializeToString,
+            splitserve_dot_protos_dot_v1_dot_kv__transfer__pb2.PushBlocksResponse.FromString,
             options,
             channel_credentials,
             insecure,

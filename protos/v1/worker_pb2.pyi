@@ -1,4 +1,4 @@
-from protos.v1 import common_pb2 as _common_pb2
+from splitserve.protos.v1 import common_pb2 as _common_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
@@ -106,7 +106,7 @@ class GetStatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerStats(_message.Message):
-    __slots__ = ("worker_id", "num_total_blocks", "num_free_blocks", "num_cached_blocks", "num_running", "num_waiting", "num_reservations", "kv_bytes_received", "kv_blocks_received", "kv_bytes_sent", "prefix_cache_hit_tokens", "num_reclaimed", "num_requests")
+    __slots__ = ("worker_id", "num_total_blocks", "num_free_blocks", "num_cached_blocks", "num_running", "num_waiting", "num_reservations", "kv_bytes_received", "kv_blocks_received", "kv_bytes_sent", "prefix_cache_hit_tokens", "num_reclaimed", "num_requests", "num_pinned_blocks", "block_size")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_TOTAL_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     NUM_FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -120,6 +120,8 @@ class WorkerStats(_message.Message):
     PREFIX_CACHE_HIT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NUM_RECLAIMED_FIELD_NUMBER: _ClassVar[int]
     NUM_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    NUM_PINNED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     num_total_blocks: int
     num_free_blocks: int
@@ -133,4 +135,6 @@ class WorkerStats(_message.Message):
     prefix_cache_hit_tokens: int
     num_reclaimed: int
     num_requests: int
-    def __init__(self, worker_id: _Optional[str] = ..., num_total_blocks: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_cached_blocks: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_reservations: _Optional[int] = ..., kv_bytes_received: _Optional[int] = ..., kv_blocks_received: _Optional[int] = ..., kv_bytes_sent: _Optional[int] = ..., prefix_cache_hit_tokens: _Optional[int] = ..., num_reclaimed: _Optional[int] = ..., num_requests: _Optional[int] = ...) -> None: ...
+    num_pinned_blocks: int
+    block_size: int
+    def __init__(self, worker_id: _Optional[str] = ..., num_total_blocks: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_cached_blocks: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_reservations: _Optional[int] = ..., kv_bytes_received: _Optional[int] = ..., kv_blocks_received: _Optional[int] = ..., kv_bytes_sent: _Optional[int] = ..., prefix_cache_hit_tokens: _Optional[int] = ..., num_reclaimed: _Optional[int] = ..., num_requests: _Optional[int] = ..., num_pinned_blocks: _Optional[int] = ..., block_size: _Optional[int] = ...) -> None: ...

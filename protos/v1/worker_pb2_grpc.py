@@ -3,8 +3,8 @@
 import grpc
 import warnings
 
-from protos.v1 import common_pb2 as protos_dot_v1_dot_common__pb2
-from protos.v1 import worker_pb2 as protos_dot_v1_dot_worker__pb2
+from splitserve.protos.v1 import common_pb2 as splitserve_dot_protos_dot_v1_dot_common__pb2
+from splitserve.protos.v1 import worker_pb2 as splitserve_dot_protos_dot_v1_dot_worker__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__
@@ -19,7 +19,7 @@ except ImportError:
 if _version_not_supported:
     raise RuntimeError(
         f'The grpc package installed is at version {GRPC_VERSION},'
-        + ' but the generated code in protos/v1/worker_pb2_grpc.py depends on'
+        + ' but the generated code in splitserve/protos/v1/worker_pb2_grpc.py depends on'
         + f' grpcio>={GRPC_GENERATED_VERSION}.'
         + f' Please upgrade your grpc module to grpcio>={GRPC_GENERATED_VERSION}'
         + f' or downgrade your generated code using grpcio-tools<={GRPC_VERSION}.'
@@ -38,18 +38,18 @@ class PrefillWorkerStub:
         """
         self.Prefill = channel.unary_unary(
                 '/splitserve.v1.PrefillWorker/Prefill',
-                request_serializer=protos_dot_v1_dot_worker__pb2.PrefillRequest.SerializeToString,
-                response_deserializer=protos_dot_v1_dot_worker__pb2.PrefillResponse.FromString,
+                request_serializer=splitserve_dot_protos_dot_v1_dot_worker__pb2.PrefillRequest.SerializeToString,
+                response_deserializer=splitserve_dot_protos_dot_v1_dot_worker__pb2.PrefillResponse.FromString,
                 _registered_method=True)
         self.Abort = channel.unary_unary(
                 '/splitserve.v1.PrefillWorker/Abort',
-                request_serializer=protos_dot_v1_dot_common__pb2.AbortRequest.SerializeToString,
-                response_deserializer=protos_dot_v1_dot_common__pb2.AbortResponse.FromString,
+                request_serializer=splitserve_dot_protos_dot_v1_dot_common__pb2.AbortRequest.SerializeToString,
+                response_deserializer=splitserve_dot_protos_dot_v1_dot_common__pb2.AbortResponse.FromString,
                 _registered_method=True)
         self.GetStats = channel.unary_unary(
                 '/splitserve.v1.PrefillWorker/GetStats',
-                request_serializer=protos_dot_v1_dot_worker__pb2.GetStatsRequest.SerializeToString,
-                response_deserializer=protos_dot_v1_dot_worker__pb2.WorkerStats.FromString,
+                request_serializer=splitserve_dot_protos_dot_v1_dot_worker__pb2.GetStatsRequest.SerializeToString,
+                response_deserializer=splitserve_dot_protos_dot_v1_dot_worker__pb2.WorkerStats.FromString,
                 _registered_method=True)
 
 
@@ -84,18 +84,18 @@ def add_PrefillWorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Prefill': grpc.unary_unary_rpc_method_handler(
                     servicer.Prefill,
-                    request_deserializer=protos_dot_v1_dot_worker__pb2.PrefillRequest.FromString,
-                    response_serializer=protos_dot_v1_dot_worker__pb2.PrefillResponse.SerializeToString,
+                    request_deserializer=splitserve_dot_protos_dot_v1_dot_worker__pb2.PrefillRequest.FromString,
+                    response_serializer=splitserve_dot_protos_dot_v1_dot_worker__pb2.PrefillResponse.SerializeToString,
             ),
             'Abort': grpc.unary_unary_rpc_method_handler(
                     servicer.Abort,
-                    request_deserializer=protos_dot_v1_dot_common__pb2.AbortRequest.FromString,
-                    response_serializer=protos_dot_v1_dot_common__pb2.AbortResponse.SerializeToString,
+                    request_deserializer=splitserve_dot_protos_dot_v1_dot_common__pb2.AbortRequest.FromString,
+                    response_serializer=splitserve_dot_protos_dot_v1_dot_common__pb2.AbortResponse.SerializeToString,
             ),
             'GetStats': grpc.unary_unary_rpc_method_handler(
                     servicer.GetStats,
-                    request_deserializer=protos_dot_v1_dot_worker__pb2.GetStatsRequest.FromString,
-                    response_serializer=protos_dot_v1_dot_worker__pb2.WorkerStats.SerializeToString,
+                    request_deserializer=splitserve_dot_protos_dot_v1_dot_worker__pb2.GetStatsRequest.FromString,
+                    response_serializer=splitserve_dot_protos_dot_v1_dot_worker__pb2.WorkerStats.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -124,8 +124,8 @@ class PrefillWorker:
             request,
             target,
             '/splitserve.v1.PrefillWorker/Prefill',
-            protos_dot_v1_dot_worker__pb2.PrefillRequest.SerializeToString,
-            protos_dot_v1_dot_worker__pb2.PrefillResponse.FromString,
+            splitserve_dot_protos_dot_v1_dot_worker__pb2.PrefillRequest.SerializeToString,
+            splitserve_dot_protos_dot_v1_dot_worker__pb2.PrefillResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -151,8 +151,8 @@ class PrefillWorker:
             request,
             target,
             '/splitserve.v1.PrefillWorker/Abort',
-            protos_dot_v1_dot_common__pb2.AbortRequest.SerializeToString,
-            protos_dot_v1_dot_common__pb2.AbortResponse.FromString,
+            splitserve_dot_protos_dot_v1_dot_common__pb2.AbortRequest.SerializeToString,
+            splitserve_dot_protos_dot_v1_dot_common__pb2.AbortResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -178,8 +178,8 @@ class PrefillWorker:
             request,
             target,
             '/splitserve.v1.PrefillWorker/GetStats',
-            protos_dot_v1_dot_worker__pb2.GetStatsRequest.SerializeToString,
-            protos_dot_v1_dot_worker__pb2.WorkerStats.FromString,
+            splitserve_dot_protos_dot_v1_dot_worker__pb2.GetStatsRequest.SerializeToString,
+            splitserve_dot_protos_dot_v1_dot_worker__pb2.WorkerStats.FromString,
             options,
             channel_credentials,
             insecure,
@@ -203,23 +203,23 @@ class DecodeWorkerStub:
         """
         self.Reserve = channel.unary_unary(
                 '/splitserve.v1.DecodeWorker/Reserve',
-                request_serializer=protos_dot_v1_dot_worker__pb2.ReserveRequest.SerializeToString,
-                response_deserializer=protos_dot_v1_dot_worker__pb2.ReserveResponse.FromString,
+                request_serializer=splitserve_dot_protos_dot_v1_dot_worker__pb2.ReserveRequest.SerializeToString,
+                response_deserializer=splitserve_dot_protos_dot_v1_dot_worker__pb2.ReserveResponse.FromString,
                 _registered_method=True)
         self.Decode = channel.unary_stream(
                 '/splitserve.v1.DecodeWorker/Decode',
-                request_serializer=protos_dot_v1_dot_worker__pb2.DecodeRequest.SerializeToString,
-                response_deserializer=protos_dot_v1_dot_worker__pb2.DecodeResponse.FromString,
+                request_serializer=splitserve_dot_protos_dot_v1_dot_worker__pb2.DecodeRequest.SerializeToString,
+                response_deserializer=splitserve_dot_protos_dot_v1_dot_worker__pb2.DecodeResponse.FromString,
                 _registered_method=True)
         self.Abort = channel.unary_unary(
                 '/splitserve.v1.DecodeWorker/Abort',
-                request_serializer=protos_dot_v1_dot_common__pb2.AbortRequest.SerializeToString,
-                response_deserializer=protos_dot_v1_dot_common__pb2.AbortResponse.FromString,
+                request_serializer=splitserve_dot_protos_dot_v1_dot_common__pb2.AbortRequest.SerializeToString,
+                response_deserializer=splitserve_dot_protos_dot_v1_dot_common__pb2.AbortResponse.FromString,
                 _registered_method=True)
         self.GetStats = channel.unary_unary(
                 '/splitserve.v1.DecodeWorker/GetStats',
-                request_serializer=protos_dot_v1_dot_worker__pb2.GetStatsRequest.SerializeToString,
-                response_deserializer=protos_dot_v1_dot_worker__pb2.WorkerStats.FromString,
+                request_serializer=splitserve_dot_protos_dot_v1_dot_worker__pb2.GetStatsRequest.SerializeToString,
+                response_deserializer=splitserve_dot_protos_dot_v1_dot_worker__pb2.WorkerStats.FromString,
                 _registered_method=True)
 
 
@@ -260,23 +260,23 @@ def add_DecodeWorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Reserve': grpc.unary_unary_rpc_method_handler(
                     servicer.Reserve,
-                    request_deserializer=protos_dot_v1_dot_worker__pb2.ReserveRequest.FromString,
-                    response_serializer=protos_dot_v1_dot_worker__pb2.ReserveResponse.SerializeToString,
+                    request_deserializer=splitserve_dot_protos_dot_v1_dot_worker__pb2.ReserveRequest.FromString,
+                    response_serializer=splitserve_dot_protos_dot_v1_dot_worker__pb2.ReserveResponse.SerializeToString,
             ),
             'Decode': grpc.unary_stream_rpc_method_handler(
                     servicer.Decode,
-                    request_deserializer=protos_dot_v1_dot_worker__pb2.DecodeRequest.FromString,
-                    response_serializer=protos_dot_v1_dot_worker__pb2.DecodeResponse.SerializeToString,
+                    request_deserializer=splitserve_dot_protos_dot_v1_dot_worker__pb2.DecodeRequest.FromString,
+                    response_serializer=splitserve_dot_protos_dot_v1_dot_worker__pb2.DecodeResponse.SerializeToString,
             ),
             'Abort': grpc.unary_unary_rpc_method_handler(
                     servicer.Abort,
-                    request_deserializer=protos_dot_v1_dot_common__pb2.AbortRequest.FromString,
-                    response_serializer=protos_dot_v1_dot_common__pb2.AbortResponse.SerializeToString,
+                    request_deserializer=splitserve_dot_protos_dot_v1_dot_common__pb2.AbortRequest.FromString,
+                    response_serializer=splitserve_dot_protos_dot_v1_dot_common__pb2.AbortResponse.SerializeToString,
             ),
             'GetStats': grpc.unary_unary_rpc_method_handler(
                     servicer.GetStats,
-                    request_deserializer=protos_dot_v1_dot_worker__pb2.GetStatsRequest.FromString,
-                    response_serializer=protos_dot_v1_dot_worker__pb2.WorkerStats.SerializeToString,
+                    request_deserializer=splitserve_dot_protos_dot_v1_dot_worker__pb2.GetStatsRequest.FromString,
+                    response_serializer=splitserve_dot_protos_dot_v1_dot_worker__pb2.WorkerStats.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -305,8 +305,8 @@ class DecodeWorker:
             request,
             target,
             '/splitserve.v1.DecodeWorker/Reserve',
-            protos_dot_v1_dot_worker__pb2.ReserveRequest.SerializeToString,
-            protos_dot_v1_dot_worker__pb2.ReserveResponse.FromString,
+            splitserve_dot_protos_dot_v1_dot_worker__pb2.ReserveRequest.SerializeToString,
+            splitserve_dot_protos_dot_v1_dot_worker__pb2.ReserveResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -332,8 +332,8 @@ class DecodeWorker:
             request,
             target,
             '/splitserve.v1.DecodeWorker/Decode',
-            protos_dot_v1_dot_worker__pb2.DecodeRequest.SerializeToString,
-            protos_dot_v1_dot_worker__pb2.DecodeResponse.FromString,
+            splitserve_dot_protos_dot_v1_dot_worker__pb2.DecodeRequest.SerializeToString,
+            splitserve_dot_protos_dot_v1_dot_worker__pb2.DecodeResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -359,8 +359,8 @@ class DecodeWorker:
             request,
             target,
             '/splitserve.v1.DecodeWorker/Abort',
-            protos_dot_v1_dot_common__pb2.AbortRequest.SerializeToString,
-            protos_dot_v1_dot_common__pb2.AbortResponse.FromString,
+            splitserve_dot_protos_dot_v1_dot_common__pb2.AbortRequest.SerializeToString,
+            splitserve_dot_protos_dot_v1_dot_common__pb2.AbortResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -386,8 +386,8 @@ class DecodeWorker:
             request,
             target,
             '/splitserve.v1.DecodeWorker/GetStats',
-            protos_dot_v1_dot_worker__pb2.GetStatsRequest.SerializeToString,
-            protos_dot_v1_dot_worker__pb2.WorkerStats.FromString,
+            splitserve_dot_protos_dot_v1_dot_worker__pb2.GetStatsRequest.SerializeToString,
+            splitserve_dot_protos_dot_v1_dot_worker__pb2.WorkerStats.FromString,
             options,
             channel_credentials,
             insecure,

@@ -14,7 +14,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from splitserve.settings import GatewaySettings, ServiceSettings, WorkerSettings
+from splitserve.runtime.settings import GatewaySettings, ServiceSettings, WorkerSettings
 from tests.deploy.helpers import (
     COMPOSE_FILE,
     GRPC_PORTS,

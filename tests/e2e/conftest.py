@@ -7,8 +7,8 @@ from collections.abc import Iterator
 import pytest
 import redis
 
-from kv_transfer.redis_server import RedisServer
-from kv_transfer.registry import Registry
+from splitserve.kv_transfer.redis_server import RedisServer
+from splitserve.kv_transfer.registry import Registry
 
 
 @pytest.fixture(scope="session")

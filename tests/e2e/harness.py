@@ -10,8 +10,8 @@ from typing import Any
 
 import grpc
 
-from kv_transfer.registry import Registry, WorkerInfo
-from protos.v1 import gateway_pb2_grpc, worker_pb2, worker_pb2_grpc
+from splitserve.kv_transfer.registry import Registry, WorkerInfo
+from splitserve.protos.v1 import gateway_pb2_grpc, worker_pb2, worker_pb2_grpc
 from splitserve.up import Stack, StackSettings, start_stack
 
 # Short leases and heartbeats so that failure tests finish quickly.

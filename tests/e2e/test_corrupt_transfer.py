@@ -9,14 +9,14 @@ from dataclasses import replace
 import grpc
 import pytest
 
-from engine import SamplingParams
-from kv_transfer.redis_server import RedisServer
-from kv_transfer.registry import Registry
-from kv_transfer.transport import KVTransport, PushResult
-from protos.v1 import gateway_pb2_grpc, worker_pb2, worker_pb2_grpc
 from splitserve.client import collect, stream
+from splitserve.engine import SamplingParams
+from splitserve.kv_transfer.redis_server import RedisServer
+from splitserve.kv_transfer.registry import Registry
+from splitserve.kv_transfer.transport import KVTransport, PushResult
+from splitserve.protos.v1 import gateway_pb2_grpc, worker_pb2, worker_pb2_grpc
+from splitserve.runtime.settings import GatewaySettings, ServiceSettings, WorkerSettings
 from splitserve.services import start_decode, start_gateway, start_prefill
-from splitserve.settings import GatewaySettings, ServiceSettings, WorkerSettings
 
 
 class CorruptingTransport(KVTransport):

@@ -9,8 +9,8 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 import pytest
 
-from engine import LLM, SamplingParams
 from splitserve.client import collect, stream
+from splitserve.engine import LLM, SamplingParams
 from tests.e2e.harness import assert_nothing_leaks, gateway, running_stack, stats, workers
 from tests.engine.hf_oracle import random_prompts
 
@@ -95,7 +95,7 @@ BAD_REQUESTS = [
 
 
 def test_bad_inputs_get_invalid_argument_while_other_requests_keep_running(stack):
-    from protos.v1 import common_pb2, gateway_pb2
+    from splitserve.protos.v1 import common_pb2, gateway_pb2
 
     stub = gateway(stack)
     long_params = SamplingParams(temperature=0, max_tokens=150, ignore_eos=True)
@@ -141,7 +141,7 @@ def test_cancel_during_prefill_frees_blocks_everywhere(stack):
         time.sleep(0.05)
     else:
         pytest.fail("the prefill never started")
-    from protos.v1 import common_pb2
+    from splitserve.protos.v1 import common_pb2
 
     assert stub.Abort(common_pb2.AbortRequest(request_id="cancel-me"), timeout=10).aborted
     with pytest.raises(grpc.RpcError) as err:
@@ -151,7 +151,7 @@ def test_cancel_during_prefill_frees_blocks_everywhere(stack):
 
 
 def test_model_info_describes_the_model(stack):
-    from protos.v1 import gateway_pb2
+    from splitserve.protos.v1 import gateway_pb2
 
     info = gateway(stack).GetModelInfo(gateway_pb2.GetModelInfoRequest(), timeout=10)
     assert info.architecture == "LlamaForCausalLM"

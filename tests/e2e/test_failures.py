@@ -11,10 +11,10 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 import pytest
 
-from engine import LLM, SamplingParams
-from protos import convert
-from protos.v1 import worker_pb2, worker_pb2_grpc
 from splitserve.client import collect, stream
+from splitserve.engine import LLM, SamplingParams
+from splitserve.protos import convert
+from splitserve.protos.v1 import worker_pb2, worker_pb2_grpc
 from tests.e2e.harness import assert_nothing_leaks, gateway, running_stack, stats, workers
 from tests.engine.hf_oracle import random_prompts
 
@@ -95,9 +95,9 @@ def test_prefill_worker_killed_mid_request_strands_nothing(stack):
 
 
 def test_gateway_answers_unavailable_without_workers_and_resource_exhausted_when_full(stack):
-    from kv_transfer.redis_server import RedisServer
+    from splitserve.kv_transfer.redis_server import RedisServer
+    from splitserve.runtime.settings import GatewaySettings, ServiceSettings
     from splitserve.services import start_gateway
-    from splitserve.settings import GatewaySettings, ServiceSettings
 
     with RedisServer() as empty_redis:
         lonely = start_gateway(
@@ -105,7 +105,7 @@ def test_gateway_answers_unavailable_without_workers_and_resource_exhausted_when
         )
         try:
             with grpc.insecure_channel(lonely.address) as channel:
-                from protos.v1 import gateway_pb2_grpc
+                from splitserve.protos.v1 import gateway_pb2_grpc
 
                 with pytest.raises(grpc.RpcError) as err:
                     collect(
@@ -122,7 +122,7 @@ def test_gateway_answers_unavailable_without_workers_and_resource_exhausted_when
     )
     try:
         with grpc.insecure_channel(small.address) as channel:
-            from protos.v1 import gateway_pb2_grpc
+            from splitserve.protos.v1 import gateway_pb2_grpc
 
             stub = gateway_pb2_grpc.GatewayStub(channel)
             long = SamplingParams(temperature=0, max_tokens=300, ignore_eos=True)

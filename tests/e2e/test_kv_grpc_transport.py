@@ -12,11 +12,15 @@ import grpc
 import pytest
 import torch
 
-from kv_transfer import wire
-from kv_transfer.grpc_transport import CHANNEL_OPTIONS, GrpcKVTransport, KVTransferServicer
-from kv_transfer.transport import TRANSPORTS, KVTransport, TransferError, get_transport
-from kv_transfer.wire import Buffer, CacheLayout, PushRefused
-from protos.v1 import kv_transfer_pb2, kv_transfer_pb2_grpc
+from splitserve.kv_transfer import wire
+from splitserve.kv_transfer.grpc_transport import (
+    CHANNEL_OPTIONS,
+    GrpcKVTransport,
+    KVTransferServicer,
+)
+from splitserve.kv_transfer.transport import TRANSPORTS, KVTransport, TransferError, get_transport
+from splitserve.kv_transfer.wire import Buffer, CacheLayout, PushRefused
+from splitserve.protos.v1 import kv_transfer_pb2, kv_transfer_pb2_grpc
 
 # One block over all layers is 2 * 4 * 16 * 4 * 64 * 4 B = 128 KiB (float32).
 NUM_LAYERS, NUM_BLOCKS, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM = 4, 64, 16, 4, 64

@@ -9,8 +9,8 @@ import urllib.request
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from engine import SamplingParams
 from splitserve.client import collect, stream
+from splitserve.engine import SamplingParams
 from tests.e2e.harness import assert_nothing_leaks, gateway, running_stack
 from tests.engine.hf_oracle import random_prompts
 

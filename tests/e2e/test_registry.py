@@ -16,8 +16,8 @@ from hypothesis import strategies as st
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from kv_transfer.redis_server import RedisServer, find_redis_server
-from kv_transfer.registry import Registry, RegistryError, StaleFenceError, WorkerInfo
+from splitserve.kv_transfer.redis_server import RedisServer, find_redis_server
+from splitserve.kv_transfer.registry import Registry, RegistryError, StaleFenceError, WorkerInfo
 
 TTL_S = 0.3
 LEASE_S = 5.0

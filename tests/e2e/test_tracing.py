@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import time
 
-from engine import SamplingParams
 from splitserve.client import collect, stream
+from splitserve.engine import SamplingParams
 from tests.e2e.harness import gateway, running_stack
 from tests.e2e.otlp_receiver import OtlpReceiver, ReceivedSpan
 from tests.engine.hf_oracle import random_prompts

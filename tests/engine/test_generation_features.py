@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine import LLM, LLMEngine, SamplingParams
-from engine.config import EngineConfig
+from splitserve.engine import LLM, LLMEngine, SamplingParams
+from splitserve.engine.config import EngineConfig
 from tests.engine.hf_oracle import hf_greedy, hf_logprobs, random_prompts
 
 

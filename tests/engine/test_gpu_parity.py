@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine import LLM, SamplingParams
-from engine.tiny_model import make_tiny_model
+from splitserve.engine import LLM, SamplingParams
+from splitserve.testing.tiny_model import make_tiny_model
 from tests.engine.hf_oracle import random_prompts
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

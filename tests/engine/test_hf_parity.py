@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from engine import LLM, LLMEngine, SamplingParams
-from engine.config import EngineConfig
+from splitserve.engine import LLM, LLMEngine, SamplingParams
+from splitserve.engine.config import EngineConfig
 from tests.engine.hf_oracle import hf_greedy, random_prompts
 
 ARCHS = ["llama", "llama2", "mistral", "qwen2", "qwen3"]
@@ -109,7 +109,7 @@ def test_requests_added_while_others_decode(tiny_models, arch):
 
 
 def test_sliding_window_matches_hf(tmp_path):
-    from engine.tiny_model import make_tiny_model
+    from splitserve.testing.tiny_model import make_tiny_model
 
     model_dir = make_tiny_model(tmp_path / "m", "mistral", config_overrides={"sliding_window": 12})
     llm = LLM(model_dir, max_num_batched_tokens=32)

@@ -7,8 +7,8 @@ import shutil
 
 import pytest
 
-from engine import LLM, LLMEngine, SamplingParams
-from engine.config import EngineConfig
+from splitserve.engine import LLM, LLMEngine, SamplingParams
+from splitserve.engine.config import EngineConfig
 
 
 @pytest.fixture(scope="module")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.activation import silu_and_mul, silu_and_mul_ref
+from splitserve.kernels.activation import silu_and_mul, silu_and_mul_ref
 from tests.kernels.paged_inputs import DTYPES, GPU_DTYPES
 
 needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

@@ -8,9 +8,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.attention import AttentionMetadata
-from engine.torch_attention import TorchPagedAttention
-from kernels.decode_attention import choose_num_splits, decode_attention, decode_attention_ref
+from splitserve.engine.attention import AttentionMetadata
+from splitserve.engine.torch_attention import TorchPagedAttention
+from splitserve.kernels.decode_attention import (
+    choose_num_splits,
+    decode_attention,
+    decode_attention_ref,
+)
 from tests.kernels.paged_inputs import DTYPES, GPU_DTYPES, random_paged_kv, tolerance
 
 needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.kv_cache_write import write_kv_cache, write_kv_cache_ref
+from splitserve.kernels.kv_cache_write import write_kv_cache, write_kv_cache_ref
 from tests.kernels.paged_inputs import GPU_DTYPES
 
 needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

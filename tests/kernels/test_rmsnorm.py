@@ -5,8 +5,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.model import RMSNorm
-from kernels.rmsnorm import fused_add_rms_norm, fused_add_rms_norm_ref, rms_norm, rms_norm_ref
+from splitserve.engine.model import RMSNorm
+from splitserve.engine.ops import TorchOps
+from splitserve.kernels.rmsnorm import (
+    fused_add_rms_norm,
+    fused_add_rms_norm_ref,
+    rms_norm,
+    rms_norm_ref,
+)
 from tests.kernels.paged_inputs import DTYPES, GPU_DTYPES
 
 needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -48,9 +54,9 @@ def test_rms_norm_matches_reference(shape, dtype, device):
 
 
 def test_reference_is_the_model_rmsnorm():
-    # The model's own code path is the CPU one (on a GPU it calls the kernel under test).
+    # The model's torch ops are the reference (Triton ops call the kernel under test).
     x, _, weight = _inputs((4, 32), torch.float32, torch.device("cpu"), seed=1)
-    module = RMSNorm(32, 1e-5)
+    module = RMSNorm(32, 1e-5, TorchOps())
     module.weight.data.copy_(weight)
     torch.testing.assert_close(rms_norm_ref(x, weight, 1e-5), module(x), rtol=0, atol=0)
 

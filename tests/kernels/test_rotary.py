@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.config import RopeConfig
-from engine.rotary import RotaryEmbedding
-from kernels.rotary import rotary_embedding, rotary_embedding_ref
+from splitserve.engine.model_config import RopeConfig
+from splitserve.engine.rotary import RotaryEmbedding
+from splitserve.kernels.rotary import rotary_embedding, rotary_embedding_ref
 from tests.kernels.paged_inputs import DTYPES, GPU_DTYPES
 
 needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

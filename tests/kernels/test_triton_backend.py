@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from engine import LLM, SamplingParams
-from engine.tiny_model import make_tiny_model
+from splitserve.engine import LLM, SamplingParams
+from splitserve.testing.tiny_model import make_tiny_model
 from tests.engine.hf_oracle import random_prompts
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)

@@ -7,9 +7,9 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from engine import block_manager as block_manager_module
-from engine import block_pool as block_pool_module
-from engine.block_manager import BlockManager
+from splitserve.engine import block_manager as block_manager_module
+from splitserve.engine import prefix_hash as prefix_hash_module
+from splitserve.engine.block_manager import BlockManager
 
 
 def cdiv(a: int, b: int) -> int:
@@ -259,12 +259,12 @@ def test_last_token_is_never_served_from_cache() -> None:
 
 
 def test_hash_collision_between_different_tokens_serves_no_block(monkeypatch) -> None:
-    # Every block hashes alike, where blocks are cached (block_manager) and looked up (block_pool).
+    # Every block hashes alike, where blocks are cached (block_manager) and looked up (prefix_hash).
     def collide(parent, tokens):
         return b"\0" * 16
 
     monkeypatch.setattr(block_manager_module, "chain_hash", collide)
-    monkeypatch.setattr(block_pool_module, "chain_hash", collide)
+    monkeypatch.setattr(prefix_hash_module, "chain_hash", collide)
     bm = BlockManager(num_blocks=8, block_size=2)
     admit(bm, "a", [1, 2, 3, 4, 5])
     head = bm.block_table("a")[0]

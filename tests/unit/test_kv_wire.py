@@ -7,8 +7,8 @@ import random
 import pytest
 import torch
 
-from kv_transfer import wire
-from kv_transfer.wire import (
+from splitserve.kv_transfer import wire
+from splitserve.kv_transfer.wire import (
     LAYOUT,
     BlockNotAllowedError,
     CacheLayout,
@@ -18,7 +18,7 @@ from kv_transfer.wire import (
     LayoutMismatchError,
     PayloadSizeError,
 )
-from protos.v1 import kv_transfer_pb2
+from splitserve.protos.v1 import kv_transfer_pb2
 
 NUM_LAYERS, NUM_BLOCKS, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM = 3, 12, 4, 2, 8
 

@@ -5,11 +5,10 @@ from __future__ import annotations
 
 import threading
 
-import grpc
 import pytest
 
-from splitserve.grpc_server import ServiceError
-from splitserve.lifecycle import Lifecycle, State
+from splitserve.engine.errors import Unavailable
+from splitserve.runtime.lifecycle import Lifecycle, State
 
 
 class Worker:
@@ -23,9 +22,8 @@ class Worker:
 def test_methods_answer_unavailable_loading_until_the_servicer_is_bound():
     lifecycle = Lifecycle(["svc"])
     gate = lifecycle.gate(admitting=["Reserve"])
-    with pytest.raises(ServiceError) as err:
+    with pytest.raises(Unavailable, match="^loading$"):
         gate.Reserve("r", None)
-    assert (err.value.code, str(err.value)) == (grpc.StatusCode.UNAVAILABLE, "loading")
     gate.bind(Worker())
     lifecycle.set_serving()
     assert gate.Reserve("r", None) == "reserved r"
@@ -42,7 +40,7 @@ def test_draining_refuses_new_work_but_lets_running_streams_finish():
     assert lifecycle.num_busy() == 1
     lifecycle.start_draining()
     assert lifecycle.state is State.DRAINING
-    with pytest.raises(ServiceError, match="draining"):
+    with pytest.raises(Unavailable, match="draining"):
         gate.Reserve("late", None)
     assert not lifecycle.wait_idle(0.1)
     assert list(stream) == [1, 2]  # the running call is not cut

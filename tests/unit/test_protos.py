@@ -15,7 +15,7 @@ PROTOS = sorted((ROOT / "protos" / "v1").glob("*.proto"))
 
 def test_generated_code_is_up_to_date():
     run = subprocess.run(
-        [sys.executable, "-m", "protos.generate", "--check"],
+        [sys.executable, "-m", "splitserve.protos.generate", "--check"],
         capture_output=True,
         text=True,
         cwd=ROOT,

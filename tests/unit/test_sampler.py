@@ -7,13 +7,13 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine.sampler import (
+from splitserve.engine.sampler import (
     Sampler,
     SamplingRow,
     apply_penalties,
     make_generator,
 )
-from engine.sampling_params import SamplingParams
+from splitserve.engine.sampling_params import SamplingParams
 
 VOCAB = 50
 

@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from engine.sampling_params import MAX_LOGPROBS, SamplingParams
+from splitserve.engine.sampling_params import MAX_LOGPROBS, SamplingParams
 
 INVALID = [
     ("n", 0),

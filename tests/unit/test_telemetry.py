@@ -10,9 +10,9 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from opentelemetry.trace import INVALID_SPAN
 from prometheus_client import generate_latest
 
-from splitserve.metrics import KVTransferMetrics, Metrics, RequestMetrics
-from splitserve.settings import TracingSettings
-from splitserve.tracing import Tracing, make_tracing
+from splitserve.runtime.metrics import KVTransferMetrics, Metrics, RequestMetrics
+from splitserve.runtime.settings import TracingSettings
+from splitserve.runtime.tracing import Tracing, make_tracing
 
 
 class FakeContext:

@@ -1,4 +1,4 @@
-"""Tests for the offline tiny-checkpoint generator in engine.tiny_model."""
+"""Tests for the offline tiny-checkpoint generator in testing.tiny_model."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ from safetensors import safe_open
 from tokenizers import Tokenizer
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from engine.tiny_model import SUPPORTED_TINY_ARCHS, make_tiny_model
-from engine.tiny_tokenizer import SPECIAL_TOKENS, build_tokenizer
+from splitserve.testing.tiny_model import SUPPORTED_TINY_ARCHS, make_tiny_model
+from splitserve.testing.tiny_tokenizer import SPECIAL_TOKENS, build_tokenizer
 
 EXPECTED_FILES = {
     "config.json",

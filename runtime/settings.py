@@ -51,11 +51,15 @@ class WorkerSettings:
     device: str = "auto"  # the GPU when there is one
     block_size: int = 16
     num_kv_blocks: int | None = None
-    kv_cache_memory_bytes: int = 256 * 1024 * 1024
+    # The KV pool's bytes; unset: GPU by --gpu-memory-utilization, CPU 512 MiB.
+    kv_cache_memory_bytes: int | None = None
+    gpu_memory_utilization: float = 0.9
+    max_model_len: int | None = None  # unset: the model's own
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 256
     lease_s: float = 10.0
     heartbeat_ttl_s: float = 3.0
+    pdl: bool = True  # programmatic dependent launch in the GPU kernels (SPLITSERVE_PDL=0: off)
 
 
 @dataclass(frozen=True)
@@ -132,11 +136,16 @@ def add_flags(
         if name in skip:
             continue
         default = None if field.default is dataclasses.MISSING else field.default
-        env_value = env.get(f"SPLITSERVE_{name.upper()}")
+        env_name = f"SPLITSERVE_{name.upper()}"
+        env_value = env.get(env_name)
         kind = _field_type(field.type)
         if env_value is not None:
-            default = kind(env_value)
-        parser.add_argument(f"--{name.replace('_', '-')}", dest=name, type=kind, default=default)
+            try:
+                default = kind(env_value)
+            except ValueError as exc:
+                raise ValueError(f"{env_name}={env_value!r}: {exc}") from None
+        flag = f"--{name.replace('_', '-')}"
+        parser.add_argument(flag, dest=name, type=kind, default=default, metavar=name.upper())
 
 
 def from_args(cls: type, args: argparse.Namespace, **overrides: Any) -> Any:
@@ -146,8 +155,20 @@ def from_args(cls: type, args: argparse.Namespace, **overrides: Any) -> Any:
     return cls(**values)
 
 
-def _field_type(annotation: Any) -> type:
+def parse_bool(text: str) -> bool:
+    """Command-line and environment booleans: 1/true/yes/on and 0/false/no/off."""
+    value = text.strip().lower()
+    if value in ("1", "true", "yes", "on"):
+        return True
+    if value in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"expected a boolean (1/0, true/false, yes/no, on/off), got {text!r}")
+
+
+def _field_type(annotation: Any) -> Any:
     text = str(annotation)
+    if "bool" in text:
+        return parse_bool
     if "int" in text:
         return int
     if "float" in text:

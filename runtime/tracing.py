@@ -25,7 +25,7 @@ from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExport
 from opentelemetry.trace import INVALID_SPAN, Span, SpanKind, Status, StatusCode
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
-from splitserve.settings import TracingSettings
+from splitserve.runtime.settings import TracingSettings
 
 INSTRUMENTATION_NAME = "splitserve"
 Metadata = Sequence[tuple[str, str]]

@@ -11,10 +11,10 @@ from typing import Any
 
 import grpc
 
-from splitserve.grpc_server import Server, start_server
-from splitserve.lifecycle import GatedServicer, Lifecycle
-from splitserve.metrics import Metrics
-from splitserve.settings import ServiceSettings
+from splitserve.runtime.grpc_server import Server, start_server
+from splitserve.runtime.lifecycle import GatedServicer, Lifecycle
+from splitserve.runtime.metrics import Metrics
+from splitserve.runtime.settings import ServiceSettings
 
 
 @dataclass(frozen=True)

@@ -9,9 +9,9 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
-from engine.sampling_params import SamplingParams
-from protos import convert
-from protos.v1 import common_pb2
+from splitserve.engine.sampling_params import SamplingParams
+from splitserve.protos import convert
+from splitserve.protos.v1 import common_pb2
 
 OPERATION = "gen_ai.operation.name"
 PROVIDER = "gen_ai.provider.name"

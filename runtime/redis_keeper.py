@@ -5,7 +5,7 @@ run in sessions of their own so that `up` can stop them in order (gateway, then 
 draining); Redis must outlive their drains too, so it is started by this small keeper process,
 itself in a new session, which stops it on SIGTERM, or when `up` goes away (its stdin closes).
 
-    splitserve up ──(stdin pipe)──▶ python -m splitserve.redis_keeper ──▶ redis-server
+    splitserve up ──(stdin pipe)──▶ python -m splitserve.runtime.redis_keeper ──▶ redis-server
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import subprocess
 import sys
 import threading
 
-from kv_transfer.redis_server import RedisServer
+from splitserve.kv_transfer.redis_server import RedisServer
 
 
 class RedisKeeper:
@@ -23,7 +23,7 @@ class RedisKeeper:
 
     def __init__(self, startup_timeout_s: float = 30.0) -> None:
         self._proc = subprocess.Popen(
-            [sys.executable, "-m", "splitserve.redis_keeper"],
+            [sys.executable, "-m", "splitserve.runtime.redis_keeper"],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             text=True,

@@ -13,45 +13,23 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from splitserve.engine.errors import SplitserveError
+
 log = logging.getLogger(__name__)
 
 
-class ServiceError(Exception):
-    """An error with an explicit gRPC status code."""
-
-    def __init__(self, code: grpc.StatusCode, message: str) -> None:
-        super().__init__(message)
-        self.code = code
-
-
 def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
-    """The status code and message a client should see for `exc`."""
-    from engine.engine_loop import EngineStopped
-    from engine.llm_engine import CapacityError
-    from kv_transfer.registry import RegistryError
+    """The status code and message a client should see for `exc`.
 
-    if isinstance(exc, ServiceError):
-        return exc.code, str(exc)
-    code = getattr(exc, "code", None)
-    if isinstance(exc, grpc.RpcError) and callable(code):
+    Domain errors (`engine.errors`) carry their status; a worker's status met on a call the
+    handler made (a `grpc.RpcError`) is passed on as it came. Anything else is a bug here, not
+    the caller's fault: INTERNAL.
+    """
+    if isinstance(exc, SplitserveError):
+        return grpc.StatusCode[exc.status], str(exc)
+    if isinstance(exc, grpc.RpcError) and callable(getattr(exc, "code", None)):
         return exc.code(), exc.details() or str(exc)  # type: ignore[attr-defined]
-    if isinstance(code, grpc.StatusCode):
-        return code, str(exc)
-    table: list[tuple[type[BaseException], grpc.StatusCode]] = [
-        (ValueError, grpc.StatusCode.INVALID_ARGUMENT),
-        (CapacityError, grpc.StatusCode.RESOURCE_EXHAUSTED),
-        (KeyError, grpc.StatusCode.NOT_FOUND),
-        (grpc.FutureCancelledError, grpc.StatusCode.CANCELLED),
-        (RegistryError, grpc.StatusCode.FAILED_PRECONDITION),
-        (EngineStopped, grpc.StatusCode.UNAVAILABLE),
-        (TimeoutError, grpc.StatusCode.DEADLINE_EXCEEDED),
-        (concurrent.futures.TimeoutError, grpc.StatusCode.DEADLINE_EXCEEDED),
-    ]
-    for kind, status in table:
-        if isinstance(exc, kind):
-            message = exc.args[0] if isinstance(exc, KeyError) and exc.args else str(exc)
-            return status, str(message)
-    return grpc.StatusCode.INTERNAL, f"internal error: {exc!r}"
+    return grpc.StatusCode.INTERNAL, f"internal error ({type(exc).__name__}); see the server log"
 
 
 class StatusInterceptor(grpc.ServerInterceptor):

@@ -22,7 +22,8 @@ from typing import Any
 
 import grpc
 
-from splitserve.grpc_server import Server, ServiceError
+from splitserve.engine.errors import Unavailable
+from splitserve.runtime.grpc_server import Server
 
 log = logging.getLogger(__name__)
 
@@ -68,7 +69,7 @@ class Lifecycle:
 
     def check_admitting(self) -> None:
         if self.state is not State.SERVING:
-            raise ServiceError(grpc.StatusCode.UNAVAILABLE, self.state.value)
+            raise Unavailable(self.state.value)
 
     def num_busy(self) -> int:
         with self._lock:
@@ -115,7 +116,7 @@ class GatedServicer:
         def call(request: Any, context: grpc.ServicerContext) -> Any:
             target = self._target
             if target is None:
-                raise ServiceError(grpc.StatusCode.UNAVAILABLE, State.LOADING.value)
+                raise Unavailable(State.LOADING.value)
             handler = getattr(target, method)
             if inspect.isgeneratorfunction(handler):
                 return self._stream(handler, admitting, request, context)

@@ -17,7 +17,7 @@ import pathlib
 import torch
 from safetensors.torch import save_file
 
-from engine.tiny_tokenizer import (
+from splitserve.testing.tiny_tokenizer import (
     BOS_TOKEN,
     EOS_TOKEN,
     PAD_TOKEN,

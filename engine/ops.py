@@ -1,0 +1,102 @@
+"""The small kernels a model layer calls, behind one interface.
+
+`TorchOps` is plain torch, written to match HF transformers operation for operation (so float32
+outputs agree token for token); `TritonOps` runs the kernels in `kernels/` on a GPU. The
+`Platform` picks one; the model never chooses by itself.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from splitserve.engine.rotary import RotaryEmbedding
+
+
+class TorchOps:
+    """The reference: every op in plain torch, on any device. Subclasses replace what they
+    accelerate."""
+
+    triton = False
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        # NOTE: normalise in float32 and scale after casting back, exactly as HF does, so that
+        # float32 outputs agree token for token and bf16 outputs agree within rounding.
+        dtype = x.dtype
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+        return weight * h.to(dtype)
+
+    def add_rms_norm(
+        self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(rms_norm(x + residual), x + residual)."""
+        residual = residual + x
+        return self.rms_norm(residual, weight, eps), residual
+
+    def linear(
+        self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        return F.linear(x, weight, bias)
+
+    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+        """x: [T, 2 * I] (gate | up) -> silu(gate) * up."""
+        gate, up = x.chunk(2, dim=-1)
+        return F.silu(gate) * up
+
+    def rotary(
+        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, rotary: RotaryEmbedding
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return rotary(positions, q, k)
+
+    def argmax(self, logits: torch.Tensor) -> torch.Tensor:
+        return logits.argmax(dim=-1)
+
+
+class TritonOps(TorchOps):
+    """The kernels in `kernels/` (imported on first use, so the CPU never loads them)."""
+
+    triton = True
+
+    def __init__(self, pdl: bool) -> None:
+        self.pdl = pdl
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        from splitserve.kernels.rmsnorm import rms_norm
+
+        return rms_norm(x, weight, eps, pdl=self.pdl)
+
+    def add_rms_norm(
+        self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        from splitserve.kernels.rmsnorm import fused_add_rms_norm
+
+        return fused_add_rms_norm(x, residual, weight, eps, pdl=self.pdl)
+
+    def linear(
+        self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        # A single row (batch-1 decode) goes to the streaming GEMV kernel, which beats cuBLAS
+        # there (bench/gemv.py); cuBLAS keeps every larger batch.
+        if x.shape[0] == 1:
+            from splitserve.kernels.gemv import gemv
+
+            return gemv(x, weight, bias, pdl=self.pdl)
+        return F.linear(x, weight, bias)
+
+    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+        from splitserve.kernels.activation import silu_and_mul
+
+        return silu_and_mul(x, pdl=self.pdl)
+
+    def rotary(
+        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, rotary: RotaryEmbedding
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        from splitserve.kernels.rotary import rotary_embedding
+
+        return rotary_embedding(positions, q, k, rotary.cos, rotary.sin, pdl=self.pdl)
+
+    def argmax(self, logits: torch.Tensor) -> torch.Tensor:
+        from splitserve.kernels.argmax import argmax_rows
+
+        return argmax_rows(logits, pdl=self.pdl)

@@ -1,0 +1,32 @@
+"""Chained block hashes of a prompt's prefix: what the prefix cache keys its blocks by, and what
+the gateway's router looks up in the registry's prefix index. Pure Python: the gateway imports
+it without loading the engine."""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+
+
+def chain_hash(parent: bytes | None, token_ids: Sequence[int]) -> bytes:
+    """Hash of a full block: its tokens chained to the hash of the block before it.
+
+    Stable across processes (no Python `hash`), so a prefix index can be shared between workers.
+    """
+    h = hashlib.blake2b(digest_size=16)
+    h.update(parent or b"")
+    h.update(b"".join(t.to_bytes(4, "little") for t in token_ids))
+    return h.digest()
+
+
+def prefix_block_hashes(token_ids: Sequence[int], block_size: int) -> list[bytes]:
+    """Chained hashes of the full blocks a prefix-cache lookup may match.
+
+    NOTE: the last token is never served from cache (its logits are needed), so only
+    (len - 1) // block_size blocks count. Decode workers and the gateway's router both use this.
+    """
+    hashes: list[bytes] = []
+    for i in range((len(token_ids) - 1) // block_size):
+        block = token_ids[i * block_size : (i + 1) * block_size]
+        hashes.append(chain_hash(hashes[-1] if hashes else None, block))
+    return hashes

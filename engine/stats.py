@@ -1,0 +1,37 @@
+"""One snapshot of an engine's state: what metrics, the registry's heartbeats and GetStats read.
+
+`LLMEngine.stats()` builds it on the engine thread, so its numbers agree with each other; every
+reader (Prometheus collector, worker heartbeat, GetStats) converts this one object.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    num_requests_running: int
+    num_requests_waiting: int  # queued, not yet scheduled (decode workers: prefilled, not admitted)
+    num_reserved: int  # decode workers: reservations whose KV is still arriving
+    num_requests: int  # known in any state: reserved, queued, running, held for sending
+    num_total_blocks: int
+    num_free_blocks: int  # free or held only by the prefix cache (reusable)
+    num_cached_blocks: int  # held only by the prefix cache
+    num_pinned_blocks: int  # held for a KV transfer in flight
+    num_preemptions: int
+    prefix_cache_queries: int  # prompt tokens looked up
+    prefix_cache_hits: int  # prompt tokens found
+    block_size: int
+
+    @property
+    def kv_cache_usage_perc(self) -> float:
+        """Fraction of blocks in use (1 = full); prefix-cached blocks count as free."""
+        if not self.num_total_blocks:
+            return 0.0
+        return 1.0 - self.num_free_blocks / self.num_total_blocks
+
+    @property
+    def load(self) -> int:
+        """Requests this engine is working on or holding, for routing."""
+        return self.num_requests_running + self.num_requests_waiting + self.num_reserved

@@ -1,0 +1,3 @@
+"""The shared service runtime: settings, metrics, tracing, gRPC scaffolding, lifecycle.
+
+Every service builds on it; it imports no service."""

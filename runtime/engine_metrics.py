@@ -1,0 +1,64 @@
+"""Engine state as Prometheus metrics, read on scrape.
+
+NOTE: the engine belongs to its thread; `collect` reads `LLMEngine.stats()` there
+(`EngineLoop.call`), between two steps, so that the numbers of one scrape agree with each other.
+A scrape waits for at most one step; if the engine is gone or too slow the engine series are
+left out of that scrape.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from splitserve.engine.engine_loop import EngineLoop
+from splitserve.engine.stats import EngineStats
+
+log = logging.getLogger(__name__)
+
+GAUGES = (
+    ("num_requests_running", "Requests in the running batch."),
+    ("num_requests_waiting", "Requests waiting to be scheduled."),
+    ("kv_cache_usage_perc", "Fraction of KV blocks in use (1 = full)."),
+)
+COUNTERS = (
+    ("num_preemptions", "Sequences preempted (recomputed later)."),
+    ("prefix_cache_queries", "Prompt tokens looked up in the prefix cache."),
+    ("prefix_cache_hits", "Prompt tokens found in the prefix cache."),
+)
+
+
+class EngineCollector(Collector):
+    """vLLM's engine gauges and counters for the engine behind `loop`."""
+
+    def __init__(self, loop: EngineLoop, model_name: str, timeout_s: float = 2.0) -> None:
+        self.loop = loop
+        self.model_name = model_name
+        self.timeout_s = timeout_s
+
+    def describe(self) -> Iterator[Metric]:
+        return self._families(None)
+
+    def collect(self) -> Iterator[Metric]:
+        try:
+            stats = self.loop.call(lambda e: e.stats(), timeout_s=self.timeout_s)
+        except Exception as exc:  # noqa: BLE001 - a scrape must never fail for this
+            log.warning("engine metrics unavailable: %r", exc)
+            return iter(())
+        return self._families(stats)
+
+    def _families(self, s: EngineStats | None) -> Iterator[Metric]:
+        labels, values = ["model_name"], [self.model_name]
+        for name, doc in GAUGES:
+            gauge = GaugeMetricFamily(f"splitserve:{name}", doc, labels=labels)
+            if s is not None:
+                gauge.add_metric(values, getattr(s, name))
+            yield gauge
+        for name, doc in COUNTERS:
+            counter = CounterMetricFamily(f"splitserve:{name}", doc, labels=labels)
+            if s is not None:
+                counter.add_metric(values, getattr(s, name))
+            yield counter

@@ -1,0 +1,2 @@
+"""Test fixtures: tiny random-weight checkpoints and tokenizers, built locally (tests and
+`splitserve make-tiny-model`)."""
