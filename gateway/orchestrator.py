@@ -96,6 +96,7 @@ class Orchestrator:
         self.stubs = Stubs()
         self._routes: dict[str, Route] = {}
         self._inflight: dict[str, int] = {}
+        self._warned: set[str] = set()
         self._lock = threading.Lock()
 
     def run(
@@ -139,7 +140,7 @@ class Orchestrator:
         workers = [
             w
             for kind in ("decode", "colocated")
-            for w in self.registry.live_workers(kind)
+            for w in self._matching(self.registry.live_workers(kind))
             if w.worker_id not in exclude
         ]
         hashes = prefix_block_hashes(job.prompt_token_ids, self.settings.block_size)
@@ -195,7 +196,9 @@ class Orchestrator:
                 obs.routed("prefill", route.decode.worker_id, "local")
                 return []
             candidates = [
-                w for w in self.registry.live_workers("prefill") if w.worker_id not in tried
+                w
+                for w in self._matching(self.registry.live_workers("prefill"))
+                if w.worker_id not in tried
             ]
             try:
                 prefill = self.policy.pick_prefill(candidates, self._inflight_snapshot())
@@ -242,6 +245,21 @@ class Orchestrator:
                 finally:
                     self._count(prefill.worker_id, -1)
         raise AssertionError("unreachable")  # pragma: no cover
+
+    def _matching(self, workers: list[WorkerInfo]) -> list[WorkerInfo]:
+        """Workers whose KV block size is the gateway's; the others are logged and skipped."""
+        block_size = self.settings.block_size
+        odd = [w for w in workers if w.block_size and w.block_size != block_size]
+        for w in odd:
+            if w.worker_id not in self._warned:
+                self._warned.add(w.worker_id)
+                log.error(
+                    "not routing to %s: its block_size is %d, the gateway's %d",
+                    w.worker_id,
+                    w.block_size,
+                    block_size,
+                )
+        return [w for w in workers if w not in odd]
 
     def _count(self, worker_id: str, delta: int) -> None:
         with self._lock:

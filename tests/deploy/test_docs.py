@@ -50,3 +50,32 @@ def test_its_port_table_is_the_one_the_files_use():
         row = re.search(rf"^\| {name} \| (\d+)[^|]*\| (\d+) \|", DOC, flags=re.M)
         assert row, name
         assert (int(row[1]), int(row[2])) == (GRPC_PORTS[name], METRICS_PORTS[name])
+
+
+def _mentioned_paths(text: str) -> set[str]:
+    """Repository paths in backticks or links: anything with a slash or a known file suffix."""
+    found = set(re.findall(r"`([\w.\-]+(?:/[\w.\-*]*)+)`", text))
+    found |= set(re.findall(r"\]\(((?!https?:)[^)#\s]+)\)", text))
+    found |= set(re.findall(r"`([\w\-]+\.(?:md|py|sh|toml|yaml|proto))`", text))
+    return {p.rstrip("/") for p in found if not p.startswith(("http", "/", "~", "$"))}
+
+
+def test_every_path_the_readme_mentions_exists_in_the_repository():
+    text = (REPO / "README.md").read_text()
+    paths = _mentioned_paths(text)
+    assert "docs/design.md" in paths and "bench/device.sh" in paths
+    for path in sorted(paths):
+        if "*" in path:
+            assert list(REPO.glob(path)), path
+        else:
+            assert (REPO / path).exists(), path
+        assert not path.startswith(".."), path  # nothing outside the repository
+
+
+def test_docs_readme_and_bench_speak_of_the_project_only():
+    files = [REPO / "README.md", *(REPO / "docs").glob("*.md"), *(REPO / "bench").glob("*")]
+    words = re.compile(r"\bsessions?\s+\d|\bsession\s+(?:one|two)|`device`\s+tool|\blent\b", re.I)
+    for path in files:
+        if path.is_file():
+            hits = words.findall(path.read_text())
+            assert not hits, (path.name, hits)

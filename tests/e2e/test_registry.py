@@ -17,7 +17,13 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from splitserve.kv_transfer.redis_server import RedisServer, find_redis_server
-from splitserve.kv_transfer.registry import Registry, RegistryError, StaleFenceError, WorkerInfo
+from splitserve.kv_transfer.registry import (
+    BlockSizeMismatch,
+    Registry,
+    RegistryError,
+    StaleFenceError,
+    WorkerInfo,
+)
 
 TTL_S = 0.3
 LEASE_S = 5.0
@@ -53,6 +59,16 @@ def test_heartbeats_keep_a_worker_alive_and_update_its_load(registry: Registry) 
         time.sleep(0.1)
         registry.heartbeat(decode_worker(load=load), ttl_s=TTL_S)
     assert registry.live_workers("decode") == [decode_worker(load=6)]
+
+
+def test_a_worker_with_another_block_size_is_refused_at_registration(registry: Registry) -> None:
+    registry.register_worker(decode_worker("d0", block_size=16), ttl_s=LEASE_S)
+    prefill = WorkerInfo("p0", "prefill", "127.0.0.1:9", block_size=32)
+    with pytest.raises(BlockSizeMismatch, match="block_size 32.*d0 uses 16"):
+        registry.register_worker(prefill, ttl_s=LEASE_S)
+    assert registry.live_workers("prefill") == []
+    registry.register_worker(WorkerInfo("p1", "prefill", "127.0.0.1:9", block_size=16), LEASE_S)
+    assert [w.worker_id for w in registry.live_workers("prefill")] == ["p1"]
 
 
 def test_deregistered_worker_disappears_at_once(registry: Registry) -> None:

@@ -1,0 +1,60 @@
+#!/usr/bin/env bash
+# The GPU runner: named steps, each writing its log (and JSON) under $OUT and printing the log's
+# tail, its exit status and its seconds. Steps run in the order given; a failing step does not
+# stop the next.
+#
+#   bash bench/device.sh info kernel-tests parity kernels roofline
+#   OUT=/tmp/results bash bench/device.sh throughput
+#
+# Steps:
+#   info            versions, GPUs, clocks
+#   kernel-tests    tests/kernels on the GPU            parity       engine vs HF in bf16
+#   kernels         bench/kernels.py (decode/prefill attention against copy bandwidth)
+#   roofline        bench/decode_roofline.py (batch 1 and 8, PDL off and on)
+#   throughput      bench/offline_throughput.py (Qwen3-0.6B and Llama-3-8B shapes)
+#   gemv            bench/gemv.py against cuBLAS at M = 1
+#   kv-transfer     bench/kv_transfer.py between two worker processes (two GPUs)
+#   serving         bench/serving.py, disaggregated against colocated (two GPUs)
+set -uo pipefail
+cd "$(dirname "$0")/.."
+export PYTHONUNBUFFERED=1 PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH}
+# Never use NVLink multicast on a shared host (see docs/benchmarks.md).
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+OUT=${OUT:-bench/results}
+mkdir -p "$OUT"
+
+run() {  # run NAME TAIL CMD...: CMD's output to $OUT/NAME.log, then its last TAIL lines
+  local name=$1 tail=$2; shift 2
+  echo "=== $name"
+  local t0=$SECONDS
+  "$@" >"$OUT/$name.log" 2>&1
+  local rc=$?
+  tail -n "$tail" "$OUT/$name.log"
+  echo "=== $name rc=$rc in $((SECONDS - t0)) s"
+}
+
+pytest_q() { python3 -m pytest -q -p no:cacheprovider "$@"; }
+
+for step in "$@"; do
+  case "$step" in
+    info)
+      python3 -c 'import torch, triton, transformers; print("torch", torch.__version__,
+"triton", triton.__version__, "transformers", transformers.__version__,
+[torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())])'
+      nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.max.sm --format=csv,noheader
+      nvidia-smi topo -m 2>/dev/null | head -5 ;;
+    kernel-tests) run kernel_tests 4 pytest_q tests/kernels ;;
+    parity) run parity 12 pytest_q -s tests/engine/test_gpu_parity.py ;;
+    kernels) run kernels 30 python3 -m bench.kernels --out "$OUT/kernels.json" ;;
+    roofline) run roofline 12 python3 -m bench.decode_roofline --pdl both --out "$OUT/roofline.json" ;;
+    throughput)
+      run throughput_qwen3 8 python3 -m bench.offline_throughput --shape qwen3-0.6b \
+        --baseline-batches 2 --out "$OUT/throughput_qwen3.json"
+      run throughput_llama8b 8 python3 -m bench.offline_throughput --shape llama-3-8b \
+        --baseline-batches 1 --out "$OUT/throughput_llama8b.json" ;;
+    gemv) run gemv 16 python3 -m bench.gemv --out "$OUT/gemv.json" ;;
+    kv-transfer) run kv_transfer 30 python3 -m bench.kv_transfer --out "$OUT/kv_transfer.json" ;;
+    serving) run serving 40 python3 -m bench.serving --out "$OUT/serving.json" ;;
+    *) echo "unknown step: $step" >&2 ;;
+  esac
+done

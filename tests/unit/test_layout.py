@@ -1,0 +1,73 @@
+"""The package's shape: one installed import package, layers that import one way (import-linter
+contracts), a gateway that never loads torch, and no top-level names that shadow others."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _run(code: str, cwd: Path) -> str:
+    out = subprocess.run(
+        [sys.executable, "-c", code], cwd=cwd, capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0, out.stderr
+    return out.stdout
+
+
+def test_import_contracts_hold():
+    out = subprocess.run(
+        ["lint-imports", "--no-cache"], cwd=REPO, capture_output=True, text=True, timeout=300
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "0 broken" in out.stdout
+
+
+def test_importing_the_gateway_loads_no_torch(tmp_path):
+    code = (
+        "import sys, importlib, pkgutil, splitserve.gateway as g\n"
+        "for m in pkgutil.iter_modules(g.__path__):\n"
+        "    importlib.import_module('splitserve.gateway.' + m.name)\n"
+        "print(sorted(n for n in sys.modules if n.split('.')[0] in ('torch', 'triton')))"
+    )
+    assert _run(code, tmp_path).strip() == "[]"
+
+
+@pytest.mark.slow
+def test_the_wheel_installs_exactly_one_top_level_package(tmp_path):
+    subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
+         "-w", str(tmp_path), str(REPO)],
+        check=True, capture_output=True, timeout=300,
+    )  # fmt: skip
+    (wheel,) = tmp_path.glob("splitserve-*.whl")
+    with zipfile.ZipFile(wheel) as zf:
+        names = zf.namelist()
+    top = {name.split("/")[0] for name in names if not name.split("/")[0].endswith(".dist-info")}
+    assert top == {"splitserve"}
+    for layer in ("engine", "kernels", "protos", "gateway", "kv_transfer", "runtime"):
+        assert f"splitserve/{layer}/__init__.py" in names
+
+
+def test_transformers_sees_no_kernels_distribution_of_ours(tmp_path):
+    code = (
+        "import json\n"
+        "from importlib.metadata import packages_distributions\n"
+        "from transformers.utils.import_utils import _is_package_available\n"
+        "owners = packages_distributions()\n"
+        "found = _is_package_available('kernels')\n"
+        "found = found[0] if isinstance(found, tuple) else found\n"
+        "print(json.dumps([found, owners.get('kernels', []),"
+        " owners.get('splitserve', [])]))"
+    )
+    available, kernels_owners, splitserve_owners = json.loads(_run(code, tmp_path))
+    assert "splitserve" not in kernels_owners
+    assert splitserve_owners == ["splitserve"]
+    assert not available  # (before: our `kernels` package answered as HF's, version 0.1.0)
