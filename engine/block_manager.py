@@ -77,6 +77,7 @@ class BlockManager:
         self._tables: dict[SeqId, list[int]] = {}
         self._num_tokens: dict[SeqId, int] = {}
         self._hashes: dict[SeqId, list[bytes]] = {}
+        self._pins: dict[int, int] = {}  # block id -> pins held for KV transfers in flight
         self.prefix_cache_queries = 0  # tokens looked up
         self.prefix_cache_hits = 0  # tokens found
 
@@ -154,6 +155,26 @@ class BlockManager:
         self._num_tokens[child_id] = self._num_tokens[parent_id]
         self._hashes[child_id] = list(self._hashes[parent_id])
 
+    def pin(self, block_id: int) -> None:
+        """Hold a block for a transfer in flight: nothing frees, evicts or reuses it until
+        `unpin`, whatever happens to the sequences that hold it."""
+        self.pool.touch(block_id)
+        self._pins[block_id] = self._pins.get(block_id, 0) + 1
+
+    def unpin(self, block_id: int) -> None:
+        count = self._pins.get(block_id, 0)
+        if count <= 0:
+            raise BlockIntegrityError(f"block {block_id} unpinned more often than pinned")
+        if count == 1:
+            del self._pins[block_id]
+        else:
+            self._pins[block_id] = count - 1
+        self.pool.release(block_id)
+
+    @property
+    def num_pinned_blocks(self) -> int:
+        return len(self._pins)
+
     def free(self, seq_id: SeqId) -> None:
         """Release a sequence's blocks. Tail first, so the LRU evicts a prompt's end before its
         shared beginning."""
@@ -200,6 +221,8 @@ class BlockManager:
                 raise BlockIntegrityError(f"sequence {seq_id!r} holds more blocks than tokens need")
             for block_id in table:
                 refs[block_id] = refs.get(block_id, 0) + 1
+        for block_id, count in self._pins.items():
+            refs[block_id] = refs.get(block_id, 0) + count
         self.pool.check_integrity(refs)
 
     def _needs_copy(self, seq_id: SeqId, num_total_tokens: int) -> bool:

@@ -89,6 +89,7 @@ class EngineLoop:
         try:
             while not self._stop.is_set():
                 self._run_commands(block=not self.engine.has_unfinished_requests())
+                self.engine.housekeeping()
                 if self.engine.has_unfinished_requests():
                     self.publish(self.engine.step())
                     with self._lock:
@@ -103,6 +104,7 @@ class EngineLoop:
                 subscribers = list(self._subscribers.values())
             for q in subscribers:
                 q.put(EngineStopped(f"engine failed: {exc!r}"))
+            self.engine.kv_connector.fail_all(EngineStopped(f"engine failed: {exc!r}"))
         finally:
             self._fail_pending_commands()
 

@@ -1,8 +1,21 @@
-"""The paged KV cache tensors: sizing the pool from a memory budget, allocating, copying blocks."""
+"""The paged KV cache: one block-major tensor, sized from a memory budget.
+
+A block holds the keys and values of `block_size` tokens in every layer, contiguously, so that
+moving a block between workers is one descriptor (one copy) however many layers the model has:
+
+    pool   [num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]
+            └ block b ┘ = one run of `block_bytes` bytes
+    layer l view  pool[:, l].transpose(0, 1)  ->  [2, num_blocks, block_size, heads, dim]
+            (strided: consecutive blocks are `num_layers` layers apart)
+
+The attention backends see the per-layer views and find each page through its block stride;
+transports see the pool and move whole blocks.
+"""
 
 from __future__ import annotations
 
 import dataclasses
+from dataclasses import dataclass
 
 import torch
 
@@ -29,21 +42,52 @@ def size_kv_pool(model: ModelConfig, config: EngineConfig, budget: int) -> Engin
     return dataclasses.replace(config, num_kv_blocks=int(num_blocks))
 
 
-def allocate_kv_cache(model: ModelConfig, config: EngineConfig) -> list[torch.Tensor]:
-    """One [2, num_blocks, block_size, num_kv_heads, head_dim] tensor per layer."""
-    assert config.num_kv_blocks is not None, "size the pool first"
-    shape = (2, config.num_kv_blocks, config.block_size, model.num_kv_heads, model.head_dim)
-    return [
-        torch.zeros(shape, dtype=config.dtype, device=config.device)
-        for _ in range(model.num_layers)
-    ]
+@dataclass(frozen=True)
+class KVCache:
+    """The pool tensor and the per-layer views the model attends over."""
 
+    pool: torch.Tensor  # [num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]
+    layers: tuple[torch.Tensor, ...]  # per layer: [2, num_blocks, block_size, heads, dim]
 
-def copy_blocks(kv_caches: list[torch.Tensor], copies: tuple[tuple[int, int], ...]) -> None:
-    """Copy whole blocks src -> dst in every layer (copy-on-write of a shared last block)."""
-    if not copies:
-        return
-    src = torch.tensor([s for s, _ in copies], device=kv_caches[0].device)
-    dst = torch.tensor([d for _, d in copies], device=kv_caches[0].device)
-    for cache in kv_caches:
-        cache[:, dst] = cache[:, src]
+    @classmethod
+    def allocate(cls, model: ModelConfig, config: EngineConfig) -> KVCache:
+        assert config.num_kv_blocks is not None, "size the pool first"
+        shape = (
+            config.num_kv_blocks,
+            model.num_layers,
+            2,
+            config.block_size,
+            model.num_kv_heads,
+            model.head_dim,
+        )
+        pool = torch.zeros(shape, dtype=config.dtype, device=config.device)
+        return cls.over(pool)
+
+    @classmethod
+    def over(cls, pool: torch.Tensor) -> KVCache:
+        """Views of an existing block-major pool."""
+        if pool.dim() != 6 or pool.shape[2] != 2 or not pool.is_contiguous():
+            raise ValueError(
+                "a KV pool is a contiguous [blocks, layers, 2, block_size, heads, dim] tensor, "
+                f"got shape {tuple(pool.shape)}"
+            )
+        layers = tuple(pool[:, layer].transpose(0, 1) for layer in range(pool.shape[1]))
+        return cls(pool, layers)
+
+    @property
+    def num_blocks(self) -> int:
+        return int(self.pool.shape[0])
+
+    @property
+    def block_bytes(self) -> int:
+        """Bytes of one block (every layer's keys and values): one contiguous run."""
+        return int(self.pool[0].numel() * self.pool.element_size())
+
+    def copy_blocks(self, copies: tuple[tuple[int, int], ...]) -> None:
+        """Copy whole blocks src -> dst (copy-on-write of a shared last block)."""
+        if not copies:
+            return
+        device = self.pool.device
+        src = torch.tensor([s for s, _ in copies], device=device)
+        dst = torch.tensor([d for _, d in copies], device=device)
+        self.pool[dst] = self.pool[src]

@@ -18,8 +18,15 @@ import torch
 
 from splitserve.engine.block_manager import BlockManager, KVUsage
 from splitserve.engine.config import EngineConfig
-from splitserve.engine.errors import AlreadyExists, InvalidRequest, NotFound, Overloaded
-from splitserve.engine.kv_cache import allocate_kv_cache, size_kv_pool
+from splitserve.engine.errors import (
+    AlreadyExists,
+    Cancelled,
+    InvalidRequest,
+    NotFound,
+    Overloaded,
+)
+from splitserve.engine.kv_cache import KVCache, size_kv_pool
+from splitserve.engine.kv_connector import KVConnector
 from splitserve.engine.model import CausalLM
 from splitserve.engine.model_config import ModelConfig
 from splitserve.engine.model_runner import ModelRunner
@@ -100,8 +107,9 @@ class LLMEngine:
         self.scheduler = Scheduler(
             self.config, self.block_manager, max_len, self.model_config.eos_token_ids
         )
-        kv_caches = allocate_kv_cache(self.model_config, self.config)
-        self.runner = ModelRunner(self.model, kv_caches, self.config)
+        self.kv_cache = KVCache.allocate(self.model_config, self.config)
+        self.kv_connector = KVConnector(self.kv_cache, self.block_manager, self.config.block_size)
+        self.runner = ModelRunner(self.model, self.kv_cache, self.config)
         if self.platform.cuda_graphs:
             self.runner.capture_cuda_graphs()
         self.outputs = OutputProcessor(self.tokenizer, self.config.stream_text)
@@ -124,8 +132,8 @@ class LLMEngine:
     ) -> str:
         """Validate and queue a request; raise InvalidRequest on bad input before any work is done.
 
-        A `prefill_only` request (prefill workers) stops after its first token and keeps its
-        blocks until `release_request`, so their KV can be sent while the engine goes on.
+        A `prefill_only` request (prefill workers) stops after its first token; its blocks are
+        reported through `kv_connector` when the service `watch`es it.
         """
         params = params or SamplingParams()
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
@@ -218,12 +226,29 @@ class LLMEngine:
         """Blocks of a request's first sequence (a reservation, or a running request)."""
         return tuple(self.block_manager.block_table(f"{request_id}#0"))
 
-    def release_request(self, request_id: str) -> None:
-        """Free the blocks a finished prefill-only request kept for sending."""
+    def _forget(self, request_id: str) -> None:
+        """Drop a finished request; free blocks a prefill-only one still held (blocks pinned
+        for a transfer stay pinned)."""
         state = self.outputs.requests.pop(request_id, None)
         if state is not None:
             for seq in state.sequences:
                 self.block_manager.free(seq.seq_id)
+
+    def _prompt_progress(self, request_id: str) -> tuple[int, int, list[int]] | None:
+        state = self.outputs.requests.get(request_id)
+        if state is None:
+            return None
+        seq = state.sequences[0]
+        if not self.block_manager.has_seq(seq.seq_id):
+            return None
+        prompt_len = len(seq.prompt_token_ids)
+        computed = min(seq.num_computed_tokens, prompt_len)
+        return computed, prompt_len, self.block_manager.block_table(seq.seq_id)
+
+    def num_computed_prompt_tokens(self, request_id: str) -> int | None:
+        """How much of a request's prompt is computed (None if unknown or without blocks)."""
+        progress = self._prompt_progress(request_id)
+        return None if progress is None else progress[0]
 
     def _tokenize(self, prompt: Prompt) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
@@ -275,6 +300,7 @@ class LLMEngine:
                 self.scheduler.finish(seq, FinishReason.ABORT)
             self.block_manager.free(seq.seq_id)  # a held prefill-only sequence
         self.outputs.pop(request_id)
+        self.kv_connector.fail(request_id, Cancelled(f"request {request_id!r} was aborted"))
         return True
 
     def has_unfinished_requests(self) -> bool:
@@ -289,12 +315,23 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         """Run one iteration; return the outputs of the requests that gained tokens."""
+        self.kv_connector.drain_releases()
         out = self.scheduler.schedule()
         if out.is_empty:
             return []
         tables = {s.seq.seq_id: self.block_manager.block_table(s.seq.seq_id) for s in out.scheduled}
         sampled = self.runner.execute(out, tables)
-        return self._process_outputs(self.scheduler.update(out, sampled))
+        outputs = self._process_outputs(self.scheduler.update(out, sampled))
+        for request_id in self.kv_connector.after_step(self._prompt_progress):
+            state = self.outputs.requests.get(request_id)
+            if state is not None and all(seq.is_finished for seq in state.sequences):
+                self._forget(request_id)  # its last blocks are pinned now
+        return outputs
+
+    def housekeeping(self) -> None:
+        """Work that must not wait for the next step (the engine may be idle): unpin blocks
+        whose transfer was acknowledged."""
+        self.kv_connector.drain_releases()
 
     def _process_outputs(self, touched: list[Sequence]) -> list[RequestOutput]:
         for hit in self.outputs.detokenize(touched):
@@ -307,9 +344,10 @@ class LLMEngine:
         for request_id in dict.fromkeys(seq.request_id for seq in touched):
             output = self.outputs.output(request_id)
             results.append(output)
-            # NOTE: held prefill-only requests stay known until release_request frees them.
-            if output.finished and not self.outputs.requests[request_id].sequences[0].prefill_only:
-                self.outputs.pop(request_id)
+            # NOTE: a watched prefill-only request stays known until its last blocks are pinned
+            # (after this step); any other finished request goes now.
+            if output.finished and not self.kv_connector.is_watching(request_id):
+                self._forget(request_id)
         return results
 
     def kv_usage(self) -> KVUsage:
@@ -327,7 +365,7 @@ class LLMEngine:
             num_total_blocks=usage.num_total_blocks,
             num_free_blocks=usage.num_free_blocks + usage.num_cached_blocks,
             num_cached_blocks=usage.num_cached_blocks,
-            num_pinned_blocks=0,
+            num_pinned_blocks=self.block_manager.num_pinned_blocks,
             num_preemptions=self.scheduler.num_preemptions,
             prefix_cache_queries=bm.prefix_cache_queries,
             prefix_cache_hits=bm.prefix_cache_hits,

@@ -13,7 +13,7 @@ import torch
 from splitserve.engine.attention import AttentionMetadata
 from splitserve.engine.config import EngineConfig
 from splitserve.engine.cuda_graphs import DecodeGraphs
-from splitserve.engine.kv_cache import copy_blocks
+from splitserve.engine.kv_cache import KVCache
 from splitserve.engine.model import CausalLM
 from splitserve.engine.outputs import SampledToken
 from splitserve.engine.sampler import Sampler, SamplingRow
@@ -25,11 +25,12 @@ class ModelRunner:
     def __init__(
         self,
         model: CausalLM,
-        kv_caches: list[torch.Tensor],
+        kv_cache: KVCache,
         config: EngineConfig,
     ) -> None:
         self.model = model
-        self.kv_caches = kv_caches
+        self.kv_cache = kv_cache
+        self.kv_caches = list(kv_cache.layers)
         self.config = config
         self.device = torch.device(config.device)
         self.eos_token_ids = frozenset(model.cfg.eos_token_ids)
@@ -56,7 +57,7 @@ class ModelRunner:
         self, out: SchedulerOutput, block_tables: dict[str, list[int]]
     ) -> dict[str, list[SampledToken]]:
         """Run one step; returns the sampled tokens of each sequence that samples."""
-        copy_blocks(self.kv_caches, out.block_copies)
+        self.kv_cache.copy_blocks(out.block_copies)
         batch = _gather(out, block_tables, self.config.block_size)
         sampling = [s.seq for s in out.scheduled if s.samples]
         graphs = self.graphs

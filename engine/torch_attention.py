@@ -19,9 +19,10 @@ def write_kv_cache(
     k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
 ) -> None:
     """Store each token's key and value at its flat slot (block * block_size + offset)."""
-    num_kv_heads, head_dim = k.shape[1], k.shape[2]
-    kv_cache[0].view(-1, num_kv_heads, head_dim)[slot_mapping] = k
-    kv_cache[1].view(-1, num_kv_heads, head_dim)[slot_mapping] = v
+    block_size = kv_cache.shape[2]
+    pages, offsets = slot_mapping // block_size, slot_mapping % block_size
+    kv_cache[0][pages, offsets] = k
+    kv_cache[1][pages, offsets] = v
 
 
 def gather_context(

@@ -70,14 +70,31 @@ def check_devices(kernel: Any, **tensors: torch.Tensor | None) -> torch.device:
     return device
 
 
+def check_paged_cache(name: str, kv_cache: Any, dtype: torch.dtype | None = None) -> None:
+    """A layer's paged cache: [2, num_blocks, block_size, num_kv_heads, head_dim], each block's
+    [block_size, heads, dim] dense; the key/value planes and the blocks may be strided (a view
+    of the block-major pool)."""
+    check_tensor(name, kv_cache, ndim=5, dtypes=(dtype,) if dtype else FLOAT_DTYPES)
+    if kv_cache.shape[0] != 2:
+        raise ValueError(f"{name} must have 2 (key, value) planes, got {kv_cache.shape[0]}")
+    _, _, block_size, num_kv_heads, head_dim = kv_cache.shape
+    dense = (num_kv_heads * head_dim, head_dim, 1)
+    if block_size > 1 and tuple(kv_cache.stride()[2:]) != dense:
+        raise ValueError(
+            f"{name} must hold each block densely (slot, head, dim strides {dense}), "
+            f"got strides {kv_cache.stride()}"
+        )
+
+
 def check_attention(q: Any, kv_cache: Any, sliding_window: int | None) -> tuple[int, int]:
     """q [tokens, num_heads, head_dim] against its paged cache [2, num_blocks, block_size,
-    num_kv_heads, head_dim] (contiguous, q's dtype); returns (block_size, num_kv_heads)."""
+    num_kv_heads, head_dim] (see `check_paged_cache`, q's dtype); returns (block_size,
+    num_kv_heads)."""
     check_tensor("q", q, ndim=3, dtypes=FLOAT_DTYPES)
-    check_tensor("kv_cache", kv_cache, ndim=5, dtypes=(q.dtype,), contiguous=True)
+    check_paged_cache("kv_cache", kv_cache, q.dtype)
     _, num_heads, head_dim = q.shape
     _, _, block_size, num_kv_heads, _ = kv_cache.shape
-    if kv_cache.shape[0] != 2 or kv_cache.shape[-1] != head_dim:
+    if kv_cache.shape[-1] != head_dim:
         raise ValueError(f"kv_cache shape {tuple(kv_cache.shape)} does not fit q {tuple(q.shape)}")
     # The kernels tile the head dimension whole, and `tl.dot` needs at least 16.
     if head_dim < 16 or head_dim & (head_dim - 1):

@@ -235,7 +235,7 @@ def decode_attention(
     """Attend each sequence's single query to its paged context; returns out [B, H, D].
 
     q: [B, num_heads, head_dim]; kv_cache: [2, num_blocks, block_size, num_kv_heads, head_dim]
-    (contiguous, q's dtype); block_tables: [B, max_blocks] int32; seq_lens: [B] int32, the
+    (each block dense, q's dtype); block_tables: [B, max_blocks] int32; seq_lens: [B] int32, the
     context length including this step's token (0 marks a padding row: its output is zeros).
     The query sits at position seq_len - 1 and, with `sliding_window`, sees keys at positions
     > seq_len - 1 - sliding_window. `max_seq_len` (an upper bound, default the block tables'

@@ -1,9 +1,10 @@
 """Store this step's keys and values into the paged KV cache at their flat slots.
 
-    kv_cache[0 or 1]: [num_blocks, block_size, num_kv_heads, head_dim], contiguous, so that
+    kv_cache[0 or 1]: [num_blocks, block_size, num_kv_heads, head_dim], each block dense (the
+    blocks themselves may be strided: a layer's view of the block-major pool), so that
     slot = block * block_size + offset addresses one [num_kv_heads, head_dim] row:
 
-        token t ──slot_mapping[t]──▶ row `slot` of kv_cache[0] (key) and kv_cache[1] (value)
+        token t ──slot_mapping[t]──▶ row `offset` of page `block` of kv_cache[0] (key) and [1]
 
 A negative slot means "no cache slot": padding tokens (a CUDA graph replayed for a smaller batch)
 are skipped, not written.
@@ -15,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from splitserve.kernels._validate import FLOAT_DTYPES, check_devices, check_tensor
+from splitserve.kernels._validate import check_devices, check_paged_cache, check_tensor
 from splitserve.kernels.pdl import launch_options, pdl_start, use_pdl
 
 
@@ -31,8 +32,10 @@ def _write_kv_cache_kernel(
     stride_kh,
     stride_vt,
     stride_vh,
+    stride_cblock,
     stride_cslot,
     stride_chead,
+    BLOCK_SIZE: tl.constexpr,
     NUM_KV_HEADS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_H: tl.constexpr,
@@ -50,7 +53,9 @@ def _write_kv_cache_kernel(
     mask = heads[:, None] < NUM_KV_HEADS
     k = tl.load(k_ptr + token * stride_kt + heads[:, None] * stride_kh + dims[None, :], mask=mask)
     v = tl.load(v_ptr + token * stride_vt + heads[:, None] * stride_vh + dims[None, :], mask=mask)
-    cache_offsets = slot * stride_cslot + heads[:, None] * stride_chead + dims[None, :]
+    page, offset = slot // BLOCK_SIZE, slot % BLOCK_SIZE
+    cache_offsets = page * stride_cblock + offset * stride_cslot
+    cache_offsets += heads[:, None] * stride_chead + dims[None, :]
     tl.store(k_cache_ptr + cache_offsets, k, mask=mask)
     tl.store(v_cache_ptr + cache_offsets, v, mask=mask)
 
@@ -66,10 +71,8 @@ def write_kv_cache(
     """Write k, v ([num_tokens, num_kv_heads, head_dim]) into `kv_cache`
     ([2, num_blocks, block_size, num_kv_heads, head_dim], same dtype, contiguous) at
     `slot_mapping` ([num_tokens] int64); tokens whose slot is negative are skipped."""
-    check_tensor("kv_cache", kv_cache, ndim=5, dtypes=FLOAT_DTYPES, contiguous=True)
+    check_paged_cache("kv_cache", kv_cache)
     _, num_blocks, block_size, num_kv_heads, head_dim = kv_cache.shape
-    if kv_cache.shape[0] != 2:
-        raise ValueError(f"kv_cache must have 2 (key, value) planes, got {kv_cache.shape[0]}")
     if head_dim & (head_dim - 1):
         raise ValueError(f"head_dim must be a power of two, got {head_dim}")
     num_tokens = k.shape[0] if isinstance(k, torch.Tensor) else 0
@@ -92,8 +95,10 @@ def write_kv_cache(
         k.stride(1),
         v.stride(0),
         v.stride(1),
+        k_cache.stride(0),
         k_cache.stride(1),
         k_cache.stride(2),
+        BLOCK_SIZE=block_size,
         NUM_KV_HEADS=num_kv_heads,
         HEAD_DIM=head_dim,
         BLOCK_H=triton.next_power_of_2(num_kv_heads),
@@ -109,6 +114,7 @@ def write_kv_cache_ref(
     """Plain-torch `write_kv_cache`: an indexed copy of the tokens whose slot is >= 0."""
     keep = slot_mapping >= 0
     slots = slot_mapping[keep]
-    num_kv_heads, head_dim = kv_cache.shape[-2], kv_cache.shape[-1]
-    kv_cache[0].view(-1, num_kv_heads, head_dim)[slots] = k[keep]
-    kv_cache[1].view(-1, num_kv_heads, head_dim)[slots] = v[keep]
+    block_size = kv_cache.shape[2]
+    pages, offsets = slots // block_size, slots % block_size
+    kv_cache[0][pages, offsets] = k[keep]
+    kv_cache[1][pages, offsets] = v[keep]

@@ -163,7 +163,7 @@ def prefill_attention(
 
     q: [num_tokens, num_heads, head_dim], sequences end to end as `cu_seqlens_q`
     ([num_seqs + 1] int32) says; kv_cache: [2, num_blocks, block_size, num_kv_heads, head_dim]
-    (contiguous, q's dtype) already holding this step's keys and values; block_tables:
+    (each block dense, q's dtype) already holding this step's keys and values; block_tables:
     [num_seqs, max_blocks] int32; seq_lens: [num_seqs] int32, context length after this step
     (>= the sequence's query length); max_query_len: the longest query (sizes the grid).
     """

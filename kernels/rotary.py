@@ -14,7 +14,12 @@ import torch
 import triton
 import triton.language as tl
 
-from splitserve.kernels._validate import FLOAT_DTYPES, check_devices, check_tensor
+from splitserve.kernels._validate import (
+    FLOAT_DTYPES,
+    check_devices,
+    check_paged_cache,
+    check_tensor,
+)
 from splitserve.kernels.pdl import launch_options, pdl_start, use_pdl
 
 __all__ = [
@@ -78,9 +83,11 @@ def _rotary_kernel(
     stride_vh,
     stride_qot,
     stride_qoh,
+    stride_kob,
     stride_kot,
     stride_koh,
     stride_table,
+    ROWS_PER_BLOCK: tl.constexpr,
     HALF: tl.constexpr,
     BLOCK_HQ: tl.constexpr,
     BLOCK_HK: tl.constexpr,
@@ -89,7 +96,8 @@ def _rotary_kernel(
 ):
     """Rotate one token's q into q_out, and its k into k_out at row `token`; with WRITE_KV,
     k_out/v_out are the key/value cache planes and the row is the token's slot (its rotated k
-    and its v go there)."""
+    and its v go there). Row r lives at (r // ROWS_PER_BLOCK) * stride_kob
+    + (r % ROWS_PER_BLOCK) * stride_kot: a paged plane's blocks need not be adjacent."""
     pdl_start(USE_PDL)
     token = tl.program_id(0).to(tl.int64)
     position = tl.load(positions_ptr + token).to(tl.int64)
@@ -123,9 +131,10 @@ def _rotary_kernel(
         row = token
         keep = True
     if keep:
+        row_offset = (row // ROWS_PER_BLOCK) * stride_kob + (row % ROWS_PER_BLOCK) * stride_kot
         _rotate_heads(
             k_ptr + token * stride_kt,
-            k_out_ptr + row * stride_kot,
+            k_out_ptr + row_offset,
             stride_kh,
             stride_koh,
             num_kv_heads,
@@ -141,7 +150,7 @@ def _rotary_kernel(
             cols = tl.arange(0, 2 * HALF)[None, :]
             mask = heads < num_kv_heads
             v = tl.load(v_ptr + token * stride_vt + heads * stride_vh + cols, mask=mask)
-            tl.store(v_out_ptr + row * stride_kot + heads * stride_koh + cols, v, mask=mask)
+            tl.store(v_out_ptr + row_offset + heads * stride_koh + cols, v, mask=mask)
 
 
 def _launch(
@@ -158,11 +167,18 @@ def _launch(
     pdl: bool,
 ) -> None:
     """Launch over q's tokens; k_rows/v_rows are [rows, num_kv_heads, head_dim] targets, indexed
-    by token, or by `slot_mapping` when given (then k_rows/v_rows are the cache planes)."""
+    by token, or by `slot_mapping` when given (then k_rows/v_rows are the cache planes,
+    [num_blocks, block_size, num_kv_heads, head_dim], with the same strides)."""
     num_tokens, num_heads, head_dim = q.shape
     if num_tokens == 0:
         return
     num_kv_heads = k.shape[1]
+    if slot_mapping is None:  # plain rows: one row per "block"
+        rows_per_block, num_rows = 1, k_rows.shape[0]
+        stride_block, stride_row, stride_head = k_rows.stride(0), 0, k_rows.stride(1)
+    else:
+        rows_per_block, num_rows = k_rows.shape[1], k_rows.shape[0] * k_rows.shape[1]
+        stride_block, stride_row, stride_head = k_rows.stride()[:3]
     pdl = use_pdl(_rotary_kernel, q.device, pdl)
     _rotary_kernel[(num_tokens,)](
         q,
@@ -177,7 +193,7 @@ def _launch(
         sin,
         num_heads,
         num_kv_heads,
-        k_rows.shape[0],
+        num_rows,
         q.stride(0),
         q.stride(1),
         k.stride(0),
@@ -186,9 +202,11 @@ def _launch(
         v.stride(1),
         q_out.stride(0),
         q_out.stride(1),
-        k_rows.stride(0),
-        k_rows.stride(1),
+        stride_block,
+        stride_row,
+        stride_head,
         cos.stride(0),
+        ROWS_PER_BLOCK=rows_per_block,
         HALF=head_dim // 2,
         BLOCK_HQ=triton.next_power_of_2(num_heads),
         BLOCK_HK=triton.next_power_of_2(num_kv_heads),
@@ -298,9 +316,8 @@ def rotary_embedding_write_kv(
     is left as it was. Same arguments and rules as those two functions."""
     num_tokens, _, head_dim = _check_rotary(positions, q, k, cos, sin)
     check_tensor("v", v, dtypes=(q.dtype,), shape=tuple(k.shape))
-    check_tensor("kv_cache", kv_cache, ndim=5, dtypes=(q.dtype,), contiguous=True)
-    _, num_blocks, block_size, num_kv_heads, _ = kv_cache.shape
-    if kv_cache.shape[0] != 2 or tuple(kv_cache.shape[3:]) != tuple(k.shape[1:]):
+    check_paged_cache("kv_cache", kv_cache, q.dtype)
+    if tuple(kv_cache.shape[3:]) != tuple(k.shape[1:]):
         raise ValueError(f"kv_cache shape {tuple(kv_cache.shape)} does not fit k {tuple(k.shape)}")
     check_tensor("slot_mapping", slot_mapping, dtypes=(torch.int64,), shape=(num_tokens,))
     q_out = torch.empty_like(q) if q_out is None else q_out
@@ -317,11 +334,7 @@ def rotary_embedding_write_kv(
         kv_cache=kv_cache,
         slot_mapping=slot_mapping,
     )
-    # The cache planes as [slots, num_kv_heads, head_dim] rows (views: kv_cache is contiguous).
-    k_rows, v_rows = (
-        plane.view(num_blocks * block_size, num_kv_heads, head_dim) for plane in kv_cache
-    )
-    _launch(positions, q, k, v, cos, sin, q_out, k_rows, v_rows, slot_mapping, pdl)
+    _launch(positions, q, k, v, cos, sin, q_out, kv_cache[0], kv_cache[1], slot_mapping, pdl)
     return q_out
 
 

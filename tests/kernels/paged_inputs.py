@@ -29,7 +29,11 @@ def random_paged_kv(
     seed: int,
 ) -> PagedKV:
     """A cache whose pages are handed out in random order, holding random keys and values for
-    each sequence's first seq_len positions and NaN everywhere else."""
+    each sequence's first seq_len positions and NaN everywhere else.
+
+    It is the middle layer's view of a three-layer block-major pool (the engine's layout:
+    pages `num_layers` layers apart), so a kernel that strays into a neighbouring layer reads
+    NaN too."""
     gen = torch.Generator().manual_seed(seed)
     values_gen = torch.Generator(device=device).manual_seed(seed)
     blocks_needed = [-(-n // block_size) for n in seq_lens]
@@ -37,20 +41,21 @@ def random_paged_kv(
     order = torch.randperm(num_blocks, generator=gen)
     width = max([*blocks_needed, 1]) + 1  # a padding column in every row
     tables = torch.zeros(len(seq_lens), width, dtype=torch.int32)
-    shape = (2, num_blocks * block_size, num_kv_heads, head_dim)
-    cache = torch.full(shape, float("nan"), dtype=dtype, device=device)
+    pool_shape = (num_blocks, 3, 2, block_size, num_kv_heads, head_dim)
+    pool = torch.full(pool_shape, float("nan"), dtype=dtype, device=device)
+    cache = pool[:, 1].transpose(0, 1)  # [2, num_blocks, block_size, heads, dim], strided
     used = 0
     for i, (seq_len, needed) in enumerate(zip(seq_lens, blocks_needed, strict=True)):
         pages = order[used : used + needed]
         used += needed
         tables[i, :needed] = pages.int()
         positions = torch.arange(seq_len)
-        slots = pages[positions // block_size] * block_size + positions % block_size
+        page_of = pages[positions // block_size].to(device)
+        offset_of = (positions % block_size).to(device)
         values = (2, seq_len, num_kv_heads, head_dim)
-        cache[:, slots.to(device)] = torch.randn(
+        cache[:, page_of, offset_of] = torch.randn(
             values, generator=values_gen, device=device, dtype=dtype
         )
-    cache = cache.view(2, num_blocks, block_size, num_kv_heads, head_dim)
     return PagedKV(
         kv_cache=cache,
         block_tables=tables.to(device),

@@ -1,5 +1,5 @@
-"""The KV-cache write stores each token at its slot, skips negative slots, touches nothing else,
-and accepts strided (non-contiguous) k and v."""
+"""The KV-cache write stores each token at its slot of one layer of the block-major pool, skips
+negative slots, touches nothing else (no other layer), and accepts strided k and v."""
 
 from __future__ import annotations
 
@@ -36,14 +36,15 @@ def _check(
     slots = torch.randperm(num_blocks * block_size, generator=gen)[:num_tokens]
     slots[torch.rand(num_tokens, generator=gen) < 0.25] = -1  # padding tokens
     slots = slots.to(device)
-    cache_shape = (2, num_blocks, block_size, num_kv_heads, head_dim)
-    cache = torch.full(cache_shape, float("nan"), dtype=dtype, device=device)
-    want = cache.clone()
-    write_kv_cache(k, v, cache, slots)
-    write_kv_cache_ref(k, v, want, slots)
-    torch.testing.assert_close(cache, want, rtol=0, atol=0, equal_nan=True)
+    # The middle layer of a block-major pool (the engine's layout): pages are strided.
+    pool_shape = (num_blocks, 3, 2, block_size, num_kv_heads, head_dim)
+    pool = torch.full(pool_shape, float("nan"), dtype=dtype, device=device)
+    want_pool = pool.clone()
+    write_kv_cache(k, v, pool[:, 1].transpose(0, 1), slots)
+    write_kv_cache_ref(k, v, want_pool[:, 1].transpose(0, 1), slots)
+    torch.testing.assert_close(pool, want_pool, rtol=0, atol=0, equal_nan=True)
     written = int((slots >= 0).sum())
-    assert int((~cache.isnan()).sum()) == 2 * written * num_kv_heads * head_dim
+    assert int((~pool.isnan()).sum()) == 2 * written * num_kv_heads * head_dim  # one layer only
 
 
 @pytest.mark.parametrize(
@@ -95,8 +96,8 @@ def test_bad_arguments_raise_before_launch(device):
         write_kv_cache(k.double(), k, cache, slots)
     with pytest.raises(ValueError, match="v must have shape"):
         write_kv_cache(k, k[:, :1], cache, slots)
-    with pytest.raises(ValueError, match="kv_cache must be contiguous"):
-        write_kv_cache(k, k, cache.transpose(1, 2), slots)
+    with pytest.raises(ValueError, match="kv_cache must hold each block densely"):
+        write_kv_cache(k, k, cache.transpose(2, 3), slots)
     with pytest.raises(ValueError, match="unit stride"):
         write_kv_cache(k, k.transpose(0, 2).contiguous().transpose(0, 2), cache, slots)
 

@@ -77,7 +77,7 @@ def test_reference_agrees_with_the_engine_torch_backend(window, device):
         ],
         device=device,
     )
-    flat = paged.kv_cache.view(2, -1, kv_heads, dim)
+    pages, offsets = slots // block, slots % block
     meta = AttentionMetadata(
         slot_mapping=slots,
         cu_seqlens_q=cu,
@@ -87,7 +87,8 @@ def test_reference_agrees_with_the_engine_torch_backend(window, device):
         seq_lens_cpu=tuple(seq_lens),
         block_size=block,
     )
-    want = backend.forward(q, flat[0, slots], flat[1, slots], paged.kv_cache, meta)
+    keys, values = paged.kv_cache[:, pages, offsets]
+    want = backend.forward(q, keys, values, paged.kv_cache, meta)
     got = prefill_attention_ref(
         q, paged.kv_cache, paged.block_tables, cu, paged.seq_lens, 20, 0.3, window
     )

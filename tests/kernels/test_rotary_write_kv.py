@@ -25,9 +25,11 @@ def _check(num_tokens, num_heads, num_kv_heads, head_dim, dtype, device, num_blo
     slots = torch.randperm(num_blocks * block, generator=gen)[:num_tokens]
     slots[::3] = -1  # padding rows: no KV write
     slots = slots.to(device)
-    shape = (2, num_blocks, block, num_kv_heads, head_dim)
-    cache = torch.randn(shape, generator=gen).to(device, dtype)
-    want_cache = cache.clone()
+    # The last layer of a two-layer block-major pool (the engine's layout): pages are strided.
+    pool = torch.randn(num_blocks, 2, 2, block, num_kv_heads, head_dim, generator=gen)
+    pool = pool.to(device, dtype)
+    want_pool = pool.clone()
+    cache, want_cache = pool[:, 1].transpose(0, 1), want_pool[:, 1].transpose(0, 1)
     k_before = k.clone()
     want_q = rotary_embedding_write_kv_ref(
         positions, q, k, v, rotary.cos, rotary.sin, want_cache, slots
@@ -45,8 +47,9 @@ def _check(num_tokens, num_heads, num_kv_heads, head_dim, dtype, device, num_blo
     else:
         tol = {"atol": 0, "rtol": 0}
     torch.testing.assert_close(got_q, want_q, **tol)
-    torch.testing.assert_close(cache, want_cache, **tol)
+    torch.testing.assert_close(pool, want_pool, **tol)
     assert torch.equal(cache[1], want_cache[1]), "v is copied, not rounded"
+    assert torch.equal(pool[:, 0], want_pool[:, 0]), "the other layer is untouched"
     assert torch.equal(k, k_before), "k itself is not modified"
 
 
