@@ -116,11 +116,21 @@ def copy_bandwidth(num_bytes: int, device: torch.device) -> dict:
     return {"bytes_copied": num_bytes, "us": us, "GB_per_s": 2 * num_bytes / us / 1e3}
 
 
+LAYOUTS = ("block", "layer")
+POOL_LAYERS = 2  # layers in the block-major pool the "block" layout views (memory: 2x)
+
+
 def random_paged_cache(
-    num_blocks: int, shapes: Shapes, dtype: torch.dtype, device: torch.device
+    num_blocks: int, shapes: Shapes, dtype: torch.dtype, device: torch.device, layout: str
 ) -> torch.Tensor:
-    shape = (2, num_blocks, shapes.block_size, shapes.num_kv_heads, shapes.head_dim)
-    return torch.randn(shape, dtype=dtype, device=device)
+    """One layer's [2, num_blocks, block_size, heads, dim] cache: a view of a block-major pool
+    ("block", the engine's layout: pages `POOL_LAYERS` layers apart) or its own contiguous
+    tensor ("layer", the layout before the block-major pool)."""
+    block = (shapes.block_size, shapes.num_kv_heads, shapes.head_dim)
+    if layout == "layer":
+        return torch.randn((2, num_blocks, *block), dtype=dtype, device=device)
+    pool = torch.randn((num_blocks, POOL_LAYERS, 2, *block), dtype=dtype, device=device)
+    return pool[:, 0].transpose(0, 1)
 
 
 def shuffled_tables(batch: int, blocks_per_seq: int, device: torch.device) -> torch.Tensor:
@@ -136,7 +146,7 @@ def check_correctness(shapes: Shapes, dtype: torch.dtype, device: torch.device) 
     """Both kernels against their references on one small case, before any number is taken."""
     atol = 1e-4 if dtype == torch.float32 else 3e-2
     bs, h, d = shapes.block_size, shapes.num_heads, shapes.head_dim
-    cache = random_paged_cache(8, shapes, dtype, device)
+    cache = random_paged_cache(8, shapes, dtype, device, "block")
     tables = shuffled_tables(2, 4, device)
     seq_lens = torch.tensor([4 * bs - 3, 2 * bs + 1], dtype=torch.int32, device=device)
     q = torch.randn(2, h, d, dtype=dtype, device=device)
@@ -152,7 +162,7 @@ def check_correctness(shapes: Shapes, dtype: torch.dtype, device: torch.device) 
 
 
 def bench_decode(
-    shapes: Shapes, dtype: torch.dtype, device: torch.device, copy_gbps: float
+    shapes: Shapes, dtype: torch.dtype, device: torch.device, copy_gbps: float, layout: str
 ) -> list[dict]:
     elem = torch.empty((), dtype=dtype).element_size()
     if device.type == "cuda":
@@ -164,15 +174,17 @@ def bench_decode(
     for batch in shapes.decode_batches:
         for context in shapes.decode_contexts:
             kv_bytes = 2 * batch * context * hkv * d * elem
-            row: dict = {"batch": batch, "context": context}
-            if kv_bytes > 0.8 * free_bytes(device):
+            row: dict = {"layout": layout, "batch": batch, "context": context}
+            pool_factor = POOL_LAYERS if layout == "block" else 1
+            if kv_bytes * pool_factor > 0.8 * free_bytes(device):
                 rows.append({**row, "skipped": f"KV needs {kv_bytes / 2**30:.1f} GiB"})
                 continue
             blocks_per_seq = context // bs
             # NOTE: timed as the engine runs it, inside a CUDA graph (no host launch overhead),
             # over `copies` disjoint sets of pages so that no call finds its KV in L2.
             copies = copies_beyond_l2(kv_bytes, device)
-            cache = random_paged_cache(copies * batch * blocks_per_seq, shapes, dtype, device)
+            num_pages = copies * batch * blocks_per_seq
+            cache = random_paged_cache(num_pages, shapes, dtype, device, layout)
             tables = shuffled_tables(copies * batch, blocks_per_seq, device).view(copies, batch, -1)
             seq_lens = torch.full((batch,), context, dtype=torch.int32, device=device)
             q = torch.randn(batch, h, d, dtype=dtype, device=device)
@@ -201,12 +213,14 @@ def bench_decode(
     return rows
 
 
-def bench_prefill(shapes: Shapes, dtype: torch.dtype, device: torch.device) -> list[dict]:
+def bench_prefill(
+    shapes: Shapes, dtype: torch.dtype, device: torch.device, layout: str
+) -> list[dict]:
     h, d, bs = shapes.num_heads, shapes.head_dim, shapes.block_size
     rows = []
     for batch, seq_len in shapes.prefill:
         blocks_per_seq = -(-seq_len // bs)
-        cache = random_paged_cache(batch * blocks_per_seq, shapes, dtype, device)
+        cache = random_paged_cache(batch * blocks_per_seq, shapes, dtype, device, layout)
         tables = shuffled_tables(batch, blocks_per_seq, device)
         seq_lens = torch.full((batch,), seq_len, dtype=torch.int32, device=device)
         cu = torch.arange(0, batch * seq_len + 1, seq_len, dtype=torch.int32, device=device)
@@ -223,6 +237,7 @@ def bench_prefill(shapes: Shapes, dtype: torch.dtype, device: torch.device) -> l
         flops = 2 * 2 * h * d * batch * seq_len * seq_len / 2
         rows.append(
             {
+                "layout": layout,
                 "batch": batch,
                 "seq_len": seq_len,
                 "us": us,
@@ -238,20 +253,21 @@ def bench_prefill(shapes: Shapes, dtype: torch.dtype, device: torch.device) -> l
 def print_tables(result: dict) -> None:
     copy = result["copy_bandwidth"]
     print(f"{result['device']}  {result['dtype']}  copy bandwidth {copy['GB_per_s']:.0f} GB/s")
-    print("\npaged decode   batch  context  splits        us      GB/s  % of copy")
+    print("\npaged decode  layout  batch  context  splits        us      GB/s  % of copy")
     for r in result["decode"]["rows"]:
         if "skipped" in r:
-            print(f"{'':14}{r['batch']:6d}{r['context']:9d}  skipped: {r['skipped']}")
+            head = f"{'':14}{r['layout']:6}{r['batch']:7d}{r['context']:9d}"
+            print(f"{head}  skipped: {r['skipped']}")
             continue
         print(
-            f"{'':14}{r['batch']:6d}{r['context']:9d}{r['num_splits']:8d}{r['us']:10.1f}"
-            f"{r['GB_per_s']:10.0f}{r['pct_of_copy']:10.1f}"
+            f"{'':14}{r['layout']:6}{r['batch']:7d}{r['context']:9d}{r['num_splits']:8d}"
+            f"{r['us']:10.1f}{r['GB_per_s']:10.0f}{r['pct_of_copy']:10.1f}"
         )
-    print("\npaged prefill  batch  seq_len        us  TFLOP/s   SDPA TFLOP/s  vs SDPA")
+    print("\npaged prefill layout  batch  seq_len        us  TFLOP/s   SDPA TFLOP/s  vs SDPA")
     for r in result["prefill"]["rows"]:
         print(
-            f"{'':14}{r['batch']:6d}{r['seq_len']:9d}{r['us']:10.1f}{r['TFLOP_per_s']:9.1f}"
-            f"{r['sdpa_TFLOP_per_s']:15.1f}{r['vs_sdpa']:9.2f}"
+            f"{'':14}{r['layout']:6}{r['batch']:7d}{r['seq_len']:9d}{r['us']:10.1f}"
+            f"{r['TFLOP_per_s']:9.1f}{r['sdpa_TFLOP_per_s']:15.1f}{r['vs_sdpa']:9.2f}"
         )
 
 
@@ -260,7 +276,14 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--out", type=Path, default=Path("bench/results/kernels.json"))
     parser.add_argument("--smoke", action="store_true", help="tiny shapes (CPU interpreter)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--layout",
+        choices=(*LAYOUTS, "both"),
+        default="both",
+        help="block: pages of a block-major pool (the engine's); layer: one tensor per layer",
+    )
     args = parser.parse_args(argv)
+    layouts = LAYOUTS if args.layout == "both" else (args.layout,)
 
     torch.manual_seed(args.seed)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -289,14 +312,21 @@ def main(argv: list[str] | None = None) -> dict:
             **attention_shape,
             "block_size": shapes.block_size,
             "bytes_counted": "K and V of every context token once per KV head, plus q and out",
-            "rows": bench_decode(shapes, dtype, device, copy["GB_per_s"]),
+            "layouts": list(layouts),
+            "rows": [
+                row
+                for layout in layouts
+                for row in bench_decode(shapes, dtype, device, copy["GB_per_s"], layout)
+            ],
         },
         "prefill": {
             **attention_shape,
             "block_size": shapes.block_size,
             "flops_counted": "causal: 2 * 2 * heads * head_dim * sum(seq_len^2) / 2",
             "baseline": "torch SDPA, is_causal, contiguous K/V expanded to all heads",
-            "rows": bench_prefill(shapes, dtype, device),
+            "rows": [
+                row for layout in layouts for row in bench_prefill(shapes, dtype, device, layout)
+            ],
         },
     }
     print_tables(result)

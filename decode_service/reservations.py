@@ -1,15 +1,23 @@
-"""Blocks a decode worker holds for prompts whose KV is still arriving.
+"""Blocks a decode worker holds for prompts whose KV is still arriving: the transports' `Landing`.
 
 A reservation lives from `Reserve` until `Decode` admits the request (or it is aborted, or its
-lease in Redis expires because the prefill side died). Pushes write into it under its lock;
-reclaiming takes the same lock and marks it dead first, so no push lands in freed blocks.
+lease in Redis expires because the prefill side died). A push is checked against it (request,
+fence, blocks) before its blocks count as landed; a receiver that writes the blocks itself does
+so under `hold`, which keeps the reservation from being reclaimed meanwhile (reclaiming takes
+the same lock and marks it dead first, so no push lands in freed blocks). `Decode` waits on it
+until every needed block has landed, or a push was refused.
 """
 
 from __future__ import annotations
 
 import threading
 import time
+from collections import OrderedDict
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
+
+from splitserve.kv_transfer.transport import PushRefused
 
 
 @dataclass
@@ -21,8 +29,14 @@ class LocalReservation:
     block_size: int
     created: float = field(default_factory=time.monotonic)
     received: set[int] = field(default_factory=set)
+    num_bytes: int = 0
     dead: bool = False
+    refusal: str | None = None  # why a push for it was refused (it can't complete then)
     lock: threading.Lock = field(default_factory=threading.Lock)
+    changed: threading.Condition = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.changed = threading.Condition(self.lock)
 
     @property
     def needed(self) -> frozenset[int]:
@@ -36,17 +50,30 @@ class LocalReservation:
     def progress(self) -> str:
         return f"{len(self.received & self.needed)} of {len(self.needed)} blocks"
 
+    def wait_complete(self, timeout_s: float) -> bool:
+        """Until every needed block landed (True), a push was refused or the reservation died
+        (False), or `timeout_s` passed (False)."""
+        with self.changed:
+            self.changed.wait_for(
+                lambda: self.complete or self.dead or self.refusal is not None, timeout_s
+            )
+            return self.complete and not self.dead and self.refusal is None
+
 
 class ReservationBook:
-    """Thread-safe map of request id -> LocalReservation."""
+    """Thread-safe map of request id -> LocalReservation; the `Landing` of every transport."""
 
-    def __init__(self) -> None:
+    def __init__(self, remember: int = 4096) -> None:
         self._items: dict[str, LocalReservation] = {}
+        # Recently removed ids, so a push that arrives late hears "reclaimed", not "unknown".
+        self._gone: OrderedDict[str, None] = OrderedDict()
+        self._remember = remember
         self._lock = threading.Lock()
 
     def add(self, reservation: LocalReservation) -> None:
         with self._lock:
             self._items[reservation.request_id] = reservation
+            self._gone.pop(reservation.request_id, None)
 
     def get(self, request_id: str) -> LocalReservation | None:
         with self._lock:
@@ -56,9 +83,14 @@ class ReservationBook:
         """Remove and return it, marked dead so that late pushes are refused."""
         with self._lock:
             reservation = self._items.pop(request_id, None)
+            if reservation is not None:
+                self._gone[request_id] = None
+                while len(self._gone) > self._remember:
+                    self._gone.popitem(last=False)
         if reservation is not None:
-            with reservation.lock:
+            with reservation.changed:
                 reservation.dead = True
+                reservation.changed.notify_all()
         return reservation
 
     def ids(self) -> list[str]:
@@ -68,3 +100,73 @@ class ReservationBook:
     def __len__(self) -> int:
         with self._lock:
             return len(self._items)
+
+    # -- Landing ------------------------------------------------------------------------------
+
+    def allowed_blocks(self, request_id: str, fence: int) -> frozenset[int]:
+        res = self._live(request_id, fence)
+        return res.needed
+
+    def landed(
+        self, request_id: str, fence: int, dst_block_ids: Sequence[int], num_bytes: int
+    ) -> None:
+        res = self._live(request_id, fence)
+        with res.changed:
+            self._check(res, fence, dst_block_ids)
+            res.received.update(dst_block_ids)
+            res.num_bytes += num_bytes
+            res.changed.notify_all()
+
+    def refused(self, request_id: str, reason: str) -> None:
+        res = self.get(request_id)
+        if res is None:
+            return
+        with res.changed:
+            res.refusal = reason
+            res.changed.notify_all()
+
+    @contextmanager
+    def hold(
+        self, request_id: str, fence: int, dst_block_ids: Sequence[int], num_bytes: int
+    ) -> Iterator[None]:
+        res = self._live(request_id, fence)
+        with res.changed:
+            self._check(res, fence, dst_block_ids)
+            yield
+            res.received.update(dst_block_ids)
+            res.num_bytes += num_bytes
+            res.changed.notify_all()
+
+    def _live(self, request_id: str, fence: int) -> LocalReservation:
+        with self._lock:
+            res = self._items.get(request_id)
+            gone = request_id in self._gone
+        if res is None and gone:
+            raise PushRefused(
+                "FAILED_PRECONDITION",
+                f"the reservation of {request_id!r} was reclaimed or admitted already",
+            )
+        if res is None:
+            raise PushRefused("NOT_FOUND", f"no reservation for request {request_id!r}")
+        if fence != res.fence:
+            raise PushRefused(
+                "FAILED_PRECONDITION",
+                f"stale fencing token {fence} for request {request_id!r} (it holds {res.fence})",
+            )
+        return res
+
+    @staticmethod
+    def _check(res: LocalReservation, fence: int, dst_block_ids: Sequence[int]) -> None:
+        # NOTE: under the reservation's lock: a reclaimed (dead) reservation's blocks may already
+        # belong to another request.
+        if res.dead or fence != res.fence:
+            raise PushRefused(
+                "FAILED_PRECONDITION",
+                f"reservation of {res.request_id!r} was reclaimed or replaced",
+            )
+        outside = sorted(set(dst_block_ids) - res.needed)
+        if outside:
+            raise PushRefused(
+                "FAILED_PRECONDITION",
+                f"blocks {outside[:16]} are not reserved for {res.request_id!r}",
+            )

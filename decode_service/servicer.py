@@ -7,18 +7,14 @@ from collections.abc import Iterator
 import grpc
 
 from splitserve.decode_service.observer import DecodeObserver
-from splitserve.decode_service.receiver import ReservationReceiver
 from splitserve.decode_service.worker import DecodeWorker
 from splitserve.protos import convert
 from splitserve.protos.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 
 
 class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
-    def __init__(
-        self, worker: DecodeWorker, receiver: ReservationReceiver, observer: DecodeObserver
-    ) -> None:
+    def __init__(self, worker: DecodeWorker, observer: DecodeObserver) -> None:
         self.worker = worker
-        self.receiver = receiver
         self.observer = observer
 
     def Reserve(
@@ -34,6 +30,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
                 block_ids=res.block_ids,
                 num_cached_tokens=res.num_cached_tokens,
                 fence=res.fence,
+                kv_transports=settings.kv_transports,
             )
             self.observer.reserved(span, destination)
         return worker_pb2.ReserveResponse(destination=destination)
@@ -83,7 +80,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
             worker.loop.call(lambda e: e.stats()),
             worker.settings.worker_id,
             num_reservations=len(worker.reservations),
-            kv_bytes_received=self.receiver.num_bytes_received,
-            kv_blocks_received=self.receiver.num_blocks_received,
+            kv_bytes_received=worker.num_bytes_received,
+            kv_blocks_received=worker.num_blocks_received,
             num_reclaimed=worker.num_reclaimed,
         )

@@ -29,17 +29,29 @@ class DecodeSettings:
     worker_id: str
     address: str  # where prefill workers push KV (this worker's gRPC address)
     lease_s: float = 10.0
+    # How long Decode waits for blocks still landing (a one-sided transport's notification
+    # can trail the prefill worker's answer).
+    landing_timeout_s: float = 30.0
+    kv_transports: tuple[str, ...] = ("grpc",)  # what this worker receives with, fastest first
 
 
 class DecodeWorker:
-    def __init__(self, loop: EngineLoop, registry: Registry, settings: DecodeSettings) -> None:
+    def __init__(
+        self,
+        loop: EngineLoop,
+        registry: Registry,
+        settings: DecodeSettings,
+        reservations: ReservationBook,
+    ) -> None:
         self.loop = loop
         self.registry = registry
         self.settings = settings
-        self.reservations = ReservationBook()
+        self.reservations = reservations
         self._active: dict[str, int] = {}  # admitted request id -> fence (leases to renew)
         self._active_lock = threading.Lock()
         self.num_reclaimed = 0
+        self.num_bytes_received = 0  # KV of admitted requests (pushes of others are dropped)
+        self.num_blocks_received = 0
 
     @property
     def engine(self) -> LLMEngine:
@@ -85,11 +97,15 @@ class DecodeWorker:
         res = self.reservations.get(request_id)
         if res is None:
             raise NotFound(f"no reservation for request {request_id!r}")
-        if first_tokens and not res.complete:
+        if first_tokens and not res.wait_complete(self.settings.landing_timeout_s):
+            why = res.refusal or ("reclaimed" if res.dead else "timed out")
+            self.abort(request_id)  # NOTE: never admitted with partial KV; nothing is kept
             raise FailedPrecondition(
-                f"KV for request {request_id!r} is incomplete: {res.progress()} received",
+                f"KV for request {request_id!r} is incomplete ({why}): {res.progress()} received"
             )
         self.reservations.pop(request_id)
+        self.num_bytes_received += res.num_bytes
+        self.num_blocks_received += len(res.received)
         outputs = self.loop.subscribe(request_id)
         finished = False
         try:
@@ -152,7 +168,7 @@ class DecodeWorker:
             self.registry.renew(request_id, fence, self.settings.lease_s)
 
     def _publish_prefix_events(self) -> None:
-        events = self.loop.call(lambda e: e.block_manager.pool.drain_events())
+        events = self.loop.call(lambda e: e.take_prefix_events())
         final: dict[bytes, bool] = {}
         for added, block_hash in events:
             final[block_hash] = added  # only the last change of each hash matters

@@ -114,6 +114,7 @@ class LLMEngine:
             self.runner.capture_cuda_graphs()
         self.outputs = OutputProcessor(self.tokenizer, self.config.stream_text)
         self._reserved: dict[str, Sequence] = {}
+        self._sent_prefills: list[str] = []  # watched prefills whose last blocks are pinned
         self._ids = itertools.count()
 
     @property
@@ -315,23 +316,32 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         """Run one iteration; return the outputs of the requests that gained tokens."""
-        self.kv_connector.drain_releases()
+        self.housekeeping()
         out = self.scheduler.schedule()
         if out.is_empty:
             return []
         tables = {s.seq.seq_id: self.block_manager.block_table(s.seq.seq_id) for s in out.scheduled}
         sampled = self.runner.execute(out, tables)
         outputs = self._process_outputs(self.scheduler.update(out, sampled))
-        for request_id in self.kv_connector.after_step(self._prompt_progress):
-            state = self.outputs.requests.get(request_id)
-            if state is not None and all(seq.is_finished for seq in state.sequences):
-                self._forget(request_id)  # its last blocks are pinned now
+        # NOTE: a watched prefill that finished is forgotten (its unpinned blocks freed) on the
+        # next turn, not now: step hooks still see its final progress after this step.
+        self._sent_prefills += self.kv_connector.after_step(self._prompt_progress)
         return outputs
+
+    def take_prefix_events(self) -> list[tuple[bool, bytes]]:
+        """Prefix-cache insertions (True) and evictions (False) of block hashes since the last
+        call, in order (recorded only with `record_prefix_events`)."""
+        return self.block_manager.pool.drain_events()
 
     def housekeeping(self) -> None:
         """Work that must not wait for the next step (the engine may be idle): unpin blocks
-        whose transfer was acknowledged."""
+        whose transfer was acknowledged, forget prefills whose blocks all went out."""
         self.kv_connector.drain_releases()
+        sent, self._sent_prefills = self._sent_prefills, []
+        for request_id in sent:
+            state = self.outputs.requests.get(request_id)
+            if state is not None and all(seq.is_finished for seq in state.sequences):
+                self._forget(request_id)
 
     def _process_outputs(self, touched: list[Sequence]) -> list[RequestOutput]:
         for hit in self.outputs.detokenize(touched):

@@ -101,7 +101,7 @@ class Scheduler:
             seq = self.waiting[0]
             if len(self.running) + 1 + len(seq.pending_children) > self.config.max_num_seqs:
                 break
-            # A sequence reserved on a decode worker arrives with blocks and computed tokens.
+            # A prefilled sequence (decode worker) arrives with blocks and computed tokens.
             hit = None
             num_computed = seq.num_computed_tokens
             if not bm.has_seq(seq.seq_id):
@@ -110,6 +110,13 @@ class Scheduler:
             num_new = min(seq.num_tokens - num_computed, budget)
             alloc = bm.allocate(seq.seq_id, num_computed + num_new, hit)
             if alloc is None:
+                # NOTE: prefilled sequences wait holding their blocks; with nothing running to
+                # finish and free some, one of them gives its blocks up (it recomputes later).
+                holder = None if self.running else self._waiting_holder(exclude=seq)
+                if holder is not None:
+                    self.waiting.remove(holder)
+                    self._preempt(holder)
+                    preempted.append(holder)
                 break
             self.waiting.pop(0)
             if seq.status is SequenceStatus.WAITING:
@@ -121,6 +128,13 @@ class Scheduler:
             scheduled.append(self._scheduled(seq, num_new))
             budget -= num_new
         return SchedulerOutput(scheduled, tuple(copies), preempted)
+
+    def _waiting_holder(self, exclude: Sequence) -> Sequence | None:
+        """The lowest-ranked waiting sequence that holds blocks, other than `exclude`."""
+        holders = [
+            s for s in self.waiting if s is not exclude and self.block_manager.has_seq(s.seq_id)
+        ]
+        return max(holders, key=self._rank) if holders else None
 
     def _scheduled(self, seq: Sequence, num_new: int) -> ScheduledSequence:
         samples = seq.num_computed_tokens + num_new == seq.num_tokens
@@ -157,11 +171,18 @@ class Scheduler:
         return touched
 
     def admit_prefilled(self, seq: Sequence, first_tokens: list[SampledToken]) -> list[Sequence]:
-        """Join the running batch with a prompt whose KV was computed elsewhere (pushed by a
-        prefill worker) and its first sampled token(s). Returns the sequences, as `update`."""
-        seq.status = SequenceStatus.RUNNING
-        self.running.append(seq)
-        return self._append_samples(seq, first_tokens)
+        """Queue a prompt whose KV was computed elsewhere (pushed by a prefill worker) with its
+        first sampled token(s); it joins the running batch when `max_num_seqs` and the pool
+        allow, like any waiting request. Returns the sequences, as `update`."""
+        family = self._append_samples(seq, first_tokens)
+        for member in family:
+            if member in self.running:  # forked children are placed as running; not yet
+                self.running.remove(member)
+            if not member.is_finished:
+                member.status = SequenceStatus.PREFILLED
+                self.waiting.append(member)
+        self.waiting.sort(key=self._rank)
+        return family
 
     def _append_samples(self, seq: Sequence, tokens: list[SampledToken]) -> list[Sequence]:
         # The first sample of a request with n > 1 forks it: each sibling shares its blocks.

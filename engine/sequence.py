@@ -17,6 +17,7 @@ from splitserve.engine.sampling_params import SamplingParams
 
 class SequenceStatus(enum.Enum):
     WAITING = "waiting"
+    PREFILLED = "prefilled"  # its prompt KV was computed elsewhere; waits for a batch slot
     RUNNING = "running"
     PREEMPTED = "preempted"
     FINISHED = "finished"

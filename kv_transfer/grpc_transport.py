@@ -1,13 +1,18 @@
-"""KV transfer over gRPC: a client-streaming PushBlocks of one header and <= 1 MiB data chunks.
+"""KV transfer over gRPC, the portable fallback: a client-streaming PushBlocks of one header and
+data chunks of at most 4 MiB.
 
-sender (prefill)                                 receiver (decode)
-GrpcKVTransport.send ── header ───────────────▶  validate header, check_push (fence)
-                     ── data[0..1 MiB) ───────▶  append (never past payload_bytes)
-                     ── data ... ─────────────▶
-                     ◀── PushBlocksResponse ──  size + CRC-32C, then receiver.on_blocks
+sender (prefill)                                       receiver (decode)
+read pinned blocks ─▶ staging buffer (side stream)
+GrpcKVSender.push ── header ─────────────────────▶  validate header, reservation + fence
+                  ── data[0..4 MiB) ─────────────▶  into one buffer (never past payload_bytes)
+                  ── data … ─────────────────────▶
+                  ◀── PushBlocksResponse ────────  size + CRC-32C, then under the reservation's
+                                                    hold: copy into the reserved blocks
 
-The push carries the sender's current trace context (W3C `traceparent` metadata); a servicer
-given a tracer records a `kv.receive` span under it, and reports every push to `on_push`.
+The copy out of the pool runs on a side stream into pinned host memory, off the engine thread;
+the payload is checksummed in place and sliced without copies until protobuf takes each chunk.
+The push carries the sender's trace context (W3C `traceparent` metadata); a servicer given a
+tracer records a `kv.receive` span under it, and reports every push to `on_push`.
 """
 
 from __future__ import annotations
@@ -15,20 +20,33 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterable, Iterator
+from typing import Any
 
 import grpc
+import torch
 from opentelemetry import trace
 from opentelemetry.trace import Span, SpanKind, Status, StatusCode
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
-from splitserve.kv_transfer.transport import KVReceiver, KVTransport, PushResult, TransferError
+from splitserve.engine.errors import SplitserveError
+from splitserve.engine.kv_connector import KVConnector
+from splitserve.kv_transfer.transport import (
+    KVSender,
+    Landing,
+    Peer,
+    Push,
+    PushObserver,
+    PushResult,
+    TransferError,
+)
 from splitserve.kv_transfer.wire import (
     MAX_CHUNK_BYTES,
-    Buffer,
+    CacheLayout,
     KVTransferError,
-    PushRefused,
-    split_payload,
+    as_blocks,
+    crc32c,
+    make_header,
     validate_header,
     verify_payload,
 )
@@ -36,25 +54,54 @@ from splitserve.protos.v1 import kv_transfer_pb2, kv_transfer_pb2_grpc
 
 log = logging.getLogger(__name__)
 
-# A data message is <= 1 MiB plus framing; the headroom lets a future larger header through.
-MAX_MESSAGE_BYTES = 4 * MAX_CHUNK_BYTES
+# A data message is <= 4 MiB plus framing; the headroom lets a large header through.
+MAX_MESSAGE_BYTES = 2 * MAX_CHUNK_BYTES
 CHANNEL_OPTIONS = (
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
 )
 """Options for channels and servers that carry KVTransfer."""
 
-PushObserver = Callable[[int, float, bool], None]
-"""Told of every push a servicer handles: (payload bytes, seconds, whether it landed)."""
+
+class HostBuffers:
+    """Reusable host byte buffers (pinned when the pool is on a GPU, so device copies are
+    asynchronous and fast). Pinning is slow, so buffers are kept and reused."""
+
+    def __init__(self, pinned: bool, keep: int = 4) -> None:
+        self.pinned = pinned
+        self.keep = keep
+        self._free: list[torch.Tensor] = []
+        self._lock = threading.Lock()
+
+    def take(self, num_bytes: int) -> torch.Tensor:
+        """A uint8 tensor of exactly `num_bytes` (a view of a buffer at least that large)."""
+        with self._lock:
+            for i, buf in enumerate(self._free):
+                if buf.numel() >= num_bytes:
+                    return self._free.pop(i)[:num_bytes]
+        size = 1 << max(20, (num_bytes - 1).bit_length())  # powers of two from 1 MiB
+        return torch.empty(size, dtype=torch.uint8, pin_memory=self.pinned)[:num_bytes]
+
+    def give(self, buf: torch.Tensor) -> None:
+        base = buf._base if buf._base is not None else buf
+        with self._lock:
+            self._free.append(base)
+            self._free.sort(key=lambda b: b.numel())
+            del self._free[: max(0, len(self._free) - self.keep)]
 
 
-class GrpcKVTransport(KVTransport):
-    """Pushes blocks over one cached insecure channel per receiver address."""
+class GrpcKVSender(KVSender):
+    """Pushes blocks over one cached channel per receiver address."""
 
-    def __init__(self, max_chunk_bytes: int = MAX_CHUNK_BYTES) -> None:
+    name = "grpc"
+
+    def __init__(self, connector: KVConnector, max_chunk_bytes: int = MAX_CHUNK_BYTES) -> None:
         if not 0 < max_chunk_bytes <= MAX_CHUNK_BYTES:
             raise ValueError(f"max_chunk_bytes must be in (0, {MAX_CHUNK_BYTES}]")
+        self.connector = connector
+        self.layout = CacheLayout.of(connector.region())
         self.max_chunk_bytes = max_chunk_bytes
+        self._buffers = HostBuffers(pinned=connector.region().device.type == "cuda")
         self._lock = threading.Lock()
         self._channels: dict[str, tuple[grpc.Channel, kv_transfer_pb2_grpc.KVTransferStub]] = {}
         self._closed = False
@@ -63,7 +110,7 @@ class GrpcKVTransport(KVTransport):
     def _stub(self, address: str) -> kv_transfer_pb2_grpc.KVTransferStub:
         with self._lock:
             if self._closed:
-                raise RuntimeError("GrpcKVTransport is closed")
+                raise RuntimeError("GrpcKVSender is closed")
             entry = self._channels.get(address)
             if entry is None:
                 channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
@@ -72,30 +119,39 @@ class GrpcKVTransport(KVTransport):
             return entry[1]
 
     def _messages(
-        self, header: kv_transfer_pb2.KVTransferHeader, payload: Buffer
+        self, header: kv_transfer_pb2.KVTransferHeader, payload: memoryview
     ) -> Iterator[kv_transfer_pb2.KVTransferMessage]:
         yield kv_transfer_pb2.KVTransferMessage(header=header)
-        for chunk in split_payload(payload, self.max_chunk_bytes):
-            # NOTE: protobuf bytes fields take bytes only, so each chunk is copied once here.
-            yield kv_transfer_pb2.KVTransferMessage(data=bytes(chunk))
+        step = self.max_chunk_bytes
+        for start in range(0, len(payload), step):
+            # NOTE: protobuf's bytes fields take bytes only: each chunk is copied once, here.
+            yield kv_transfer_pb2.KVTransferMessage(data=bytes(payload[start : start + step]))
 
-    def send(
+    def push(self, peer: Peer, push: Push, timeout_s: float) -> PushResult:
+        num_bytes = self.layout.payload_bytes(len(push.src_block_ids))
+        buf = self._buffers.take(num_bytes)
+        try:
+            self.connector.read_blocks(push.src_block_ids, as_blocks(buf, self.layout), push.ready)
+            payload = memoryview(buf.numpy())  # type: ignore[arg-type]
+            header = make_header(
+                push.request_id, push.fence, self.layout, push.dst_block_ids, num_bytes,
+                crc32c(payload), push.num_tokens,
+            )  # fmt: skip
+            return self._send(peer.address, header, payload, timeout_s)
+        finally:
+            self._buffers.give(buf)
+
+    def _send(
         self,
         address: str,
         header: kv_transfer_pb2.KVTransferHeader,
-        payload: Buffer,
+        payload: memoryview,
         timeout_s: float,
     ) -> PushResult:
-        """Push `payload` to the KVTransfer server at `address` ("host:port")."""
-        if len(payload) != header.payload_bytes:
-            raise ValueError(
-                f"payload is {len(payload)} bytes but the header declares {header.payload_bytes}"
-            )
-        stub = self._stub(address)
         carrier: dict[str, str] = {}
         self._propagator.inject(carrier)  # nothing unless a recording span is current
         try:
-            response = stub.PushBlocks(
+            response = self._stub(address).PushBlocks(
                 self._messages(header, payload),
                 timeout=timeout_s,
                 metadata=tuple(carrier.items()) or None,
@@ -103,12 +159,11 @@ class GrpcKVTransport(KVTransport):
         except grpc.RpcError as exc:
             code: grpc.StatusCode | None = exc.code()  # type: ignore[attr-defined]
             details: str = exc.details() or ""  # type: ignore[attr-defined]
-            name = code.name if code is not None else "UNKNOWN"
+            name = code.name if code is not None else "UNAVAILABLE"
             raise TransferError(
                 f"push of {len(header.dst_block_ids)} blocks of {header.request_id!r} to "
                 f"{address} failed: {name}: {details}",
-                code=code,
-                details=details,
+                name if name != "UNKNOWN" else "UNAVAILABLE",
             ) from exc
         return PushResult(num_blocks=response.num_blocks, num_bytes=response.num_bytes)
 
@@ -121,18 +176,25 @@ class GrpcKVTransport(KVTransport):
 
 
 class KVTransferServicer(kv_transfer_pb2_grpc.KVTransferServicer):
-    """Receives pushes for a `KVReceiver`; nothing reaches the receiver unless the header,
-    size and checksum are all good. Every failure is an abort with a clear message."""
+    """Receives pushes into a pool; nothing reaches the pool unless the header, size and
+    checksum are all good and the reservation holds. Every failure is an abort with a clear
+    message."""
 
     def __init__(
         self,
-        receiver: KVReceiver,
+        connector: KVConnector,
+        landing: Landing,
         tracer: trace.Tracer | None = None,
         on_push: PushObserver | None = None,
     ) -> None:
-        self.receiver = receiver
+        self.connector = connector
+        self.landing = landing
+        region = connector.region()
+        self.layout = CacheLayout.of(region)
+        self.num_blocks = region.num_blocks
         self.tracer = tracer
         self.on_push = on_push
+        self._buffers = HostBuffers(pinned=region.device.type == "cuda")
         self._propagator = TraceContextTextMapPropagator()
 
     def PushBlocks(
@@ -151,10 +213,8 @@ class KVTransferServicer(kv_transfer_pb2_grpc.KVTransferServicer):
                 self.on_push(response.num_bytes, seconds, True)
             span.end()
             return response
-        except PushRefused as exc:
-            code, message = exc.code, str(exc)
-        except KVTransferError as exc:
-            code, message = grpc.StatusCode.INVALID_ARGUMENT, str(exc)
+        except SplitserveError as exc:
+            code, message = grpc.StatusCode[exc.status], str(exc)
         except Exception as exc:
             # NOTE: a bug in the receiver must fail this push, not the server. A sender that
             # hung up mid-stream also lands here; that is not worth a traceback.
@@ -188,30 +248,36 @@ class KVTransferServicer(kv_transfer_pb2_grpc.KVTransferServicer):
                     "splitserve.request_id": header.request_id,
                     "splitserve.kv.bytes": header.payload_bytes,
                     "splitserve.kv.num_blocks": len(header.dst_block_ids),
+                    "splitserve.kv.transport": "grpc",
                 }
             )
         # The cheap geometry check first: a push that cannot fit is refused before the
-        # reservation is looked at.
-        layout = self.receiver.layout()
-        validate_header(header, layout, None)
-        allowed = self.receiver.check_push(header)
-        validate_header(header, layout, allowed)
-        payload = self._receive_payload(header, messages)
-        verify_payload(header, payload)
-        self.receiver.on_blocks(header, payload)
+        # reservation is looked at, and no allocation is larger than the reservation allows.
+        validate_header(header, self.layout, self.num_blocks, None)
+        allowed = self.landing.allowed_blocks(header.request_id, header.fence)
+        validate_header(header, self.layout, self.num_blocks, allowed)
+        buf = self._buffers.take(header.payload_bytes)
+        try:
+            payload = buf.numpy()
+            self._receive(header, messages, payload)
+            verify_payload(header, payload)
+            dst = list(header.dst_block_ids)
+            with self.landing.hold(header.request_id, header.fence, dst, len(payload)):
+                self.connector.write_blocks(dst, as_blocks(buf, self.layout))
+        finally:
+            self._buffers.give(buf)
         return kv_transfer_pb2.PushBlocksResponse(
-            num_blocks=len(header.dst_block_ids), num_bytes=len(payload)
+            num_blocks=len(header.dst_block_ids), num_bytes=header.payload_bytes
         )
 
     @staticmethod
-    def _receive_payload(
+    def _receive(
         header: kv_transfer_pb2.KVTransferHeader,
         messages: Iterator[kv_transfer_pb2.KVTransferMessage],
-    ) -> bytearray:
+        payload: Any,
+    ) -> None:
         rid = header.request_id
-        # NOTE: payload_bytes is bounded by the reservation here (validated above), so a
-        # hostile header cannot make this allocation large.
-        payload = bytearray(header.payload_bytes)
+        out = memoryview(payload).cast("B")
         received = 0
         for message in messages:
             part = message.WhichOneof("part")
@@ -229,10 +295,9 @@ class KVTransferServicer(kv_transfer_pb2_grpc.KVTransferServicer):
                     f"{rid}: more data than declared: {received + size} bytes so far, "
                     f"header declares {header.payload_bytes}"
                 )
-            payload[received : received + size] = message.data
+            out[received : received + size] = message.data
             received += size
         if received != header.payload_bytes:
             raise KVTransferError(
                 f"{rid}: stream ended after {received} of {header.payload_bytes} payload bytes"
             )
-        return payload

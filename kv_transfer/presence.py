@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 from splitserve.kv_transfer.registry import Registry, WorkerInfo
 
@@ -24,6 +24,7 @@ class Presence:
         ttl_s: float = 3.0,
         interval_s: float = 0.5,
         on_tick: Callable[[], None] | None = None,
+        kv_endpoint: Mapping[str, bytes] | None = None,
     ) -> None:
         if interval_s >= ttl_s:
             raise ValueError("the heartbeat interval must be shorter than the TTL")
@@ -32,6 +33,7 @@ class Presence:
         self.ttl_s = ttl_s
         self.interval_s = interval_s
         self.on_tick = on_tick
+        self.kv_endpoint = kv_endpoint
         self._stop = threading.Event()
         self._kind = self._worker_id = ""
         self._left = False
@@ -41,7 +43,7 @@ class Presence:
     def start(self) -> Presence:
         first = self.info()
         self._kind, self._worker_id = first.kind, first.worker_id
-        self.registry.register_worker(first, self.ttl_s)
+        self.registry.register_worker(first, self.ttl_s, self.kv_endpoint)
         self._thread.start()
         return self
 

@@ -5,6 +5,7 @@ Key layout, everything under `{ns}:` (the namespace)::
     {ns}:fence                      string  global fencing counter (INCR)
     {ns}:workers:{kind}             set     ids of workers of that kind (pruned lazily)
     {ns}:worker:{kind}:{worker_id}  hash    WorkerInfo fields; PEXPIRE = heartbeat TTL
+    {ns}:kv_endpoint:{worker_id}    hash    what KV senders need to reach it; same TTL
     {ns}:req:{request_id}           hash    state, owner, writer, fence, blocks; PEXPIRE = lease
     {ns}:prefix:{hash_hex}          set     ids of workers holding that block in their prefix cache
     {ns}:prefix_worker:{worker_id}  set     hash_hex of every block that worker holds
@@ -24,7 +25,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -67,6 +68,7 @@ class WorkerInfo:
     num_free_blocks: int = 0
     num_total_blocks: int = 0
     block_size: int = 0  # tokens per KV block (0: not a KV-holding worker)
+    kv_transports: tuple[str, ...] = ()  # KV transports it sends or receives with, fastest first
 
     def __post_init__(self) -> None:
         if not self.worker_id or not self.address:
@@ -105,6 +107,10 @@ class BlockRecord:
 
 def _text(value: Any) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def _raw(value: Any) -> bytes:
+    return value if isinstance(value, bytes) else str(value).encode()
 
 
 def _ms(seconds: float, what: str) -> int:
@@ -169,13 +175,19 @@ class Registry:
     def _prefix_key(self, hash_hex: str) -> str:
         return f"{self._ns}:prefix:{hash_hex}"
 
+    def _endpoint_key(self, worker_id: str) -> str:
+        return f"{self._ns}:kv_endpoint:{worker_id}"
+
     def _prefix_worker_key(self, worker_id: str) -> str:
         return f"{self._ns}:prefix_worker:{worker_id}"
 
     # -- workers ------------------------------------------------------------------------------
 
-    def register_worker(self, info: WorkerInfo, ttl_s: float) -> None:
-        """Join: check that `info` agrees with the live workers, then advertise it.
+    def register_worker(
+        self, info: WorkerInfo, ttl_s: float, kv_endpoint: Mapping[str, bytes] | None = None
+    ) -> None:
+        """Join: check that `info` agrees with the live workers, then advertise it, with what
+        senders need to reach its KV receivers (`kv_endpoint`, kept as long as it heartbeats).
 
         Raises BlockSizeMismatch if a live worker uses another block size: KV blocks move
         between workers whole, and the gateway's prefix hashes are per block.
@@ -189,17 +201,33 @@ class Registry:
                             f"worker {other.worker_id} uses {other.block_size}; every worker and "
                             "the gateway of a deployment must use one block size"
                         )
+        if kv_endpoint:
+            key = self._endpoint_key(info.worker_id)
+            pipe = self._client.pipeline(transaction=True)
+            pipe.delete(key)
+            endpoint: dict[Any, Any] = dict(kv_endpoint)
+            pipe.hset(key, mapping=endpoint)
+            pipe.pexpire(key, _ms(ttl_s, "ttl_s"))
+            pipe.execute()
         self._advertise(info, ttl_s)
 
     def _advertise(self, info: WorkerInfo, ttl_s: float) -> None:
         ttl_ms = _ms(ttl_s, "ttl_s")
         key = self._worker_key(info.kind, info.worker_id)
         mapping: dict[Any, str] = {f.name: str(getattr(info, f.name)) for f in fields(info)}
+        mapping["kv_transports"] = ",".join(info.kv_transports)
         pipe = self._client.pipeline(transaction=True)
         pipe.hset(key, mapping=mapping)
         pipe.pexpire(key, ttl_ms)
+        pipe.pexpire(self._endpoint_key(info.worker_id), ttl_ms)
         pipe.sadd(self._worker_set(info.kind), info.worker_id)
         pipe.execute()
+
+    def kv_endpoint(self, worker_id: str) -> dict[str, bytes] | None:
+        """What a live worker published for reaching its KV receivers (None if nothing)."""
+        raw = self._client.hgetall(self._endpoint_key(worker_id))
+        endpoint = {_text(k): _raw(v) for k, v in raw.items()}
+        return endpoint or None
 
     def heartbeat(self, info: WorkerInfo, ttl_s: float) -> None:
         """Refresh the worker's advertisement (load, free blocks) and extend its TTL."""
@@ -209,6 +237,7 @@ class Registry:
         """Withdraw a worker at once (a clean shutdown); its prefix index is left to the caller."""
         pipe = self._client.pipeline(transaction=True)
         pipe.delete(self._worker_key(kind, worker_id))
+        pipe.delete(self._endpoint_key(worker_id))
         pipe.srem(self._worker_set(kind), worker_id)
         pipe.execute()
 
@@ -415,6 +444,7 @@ def _worker_from_hash(raw: dict[str, str]) -> WorkerInfo:
         num_free_blocks=int(raw["num_free_blocks"]),
         num_total_blocks=int(raw["num_total_blocks"]),
         block_size=int(raw.get("block_size", 0)),
+        kv_transports=tuple(n for n in raw.get("kv_transports", "").split(",") if n),
     )
 
 

@@ -1,23 +1,62 @@
-"""The pluggable KV transport: how a prefill worker's packed blocks reach a decode worker.
+"""Pluggable KV transports: how a prefill worker's blocks reach a decode worker's reserved blocks.
 
-The sender side is a `KVTransport` (chosen by name through `get_transport`); the receiving
-side is whatever serves the transport (the gRPC servicer today), which hands verified pushes to
-a `KVReceiver` that owns the cache.
+Each transport has two halves behind two small classes, built by name from `TRANSPORTS`:
+
+    prefill worker                                    decode worker
+    KVSender.push(peer, Push) ─── bytes, by any means ──▶ KVReceiver (started at boot)
+         reads pinned blocks from its pool                 checks each push with the `Landing`
+         (engine KV connector)                             (reservation + fence) and records
+                                                           the blocks that landed
+
+A decode worker advertises the transports it started (and what a sender needs to reach them:
+`KVReceiver.endpoint`) in the registry; a prefill worker picks, per peer, the first of its own
+transports, in `PREFERENCE` order, that the peer also offers.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Mapping, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from types import TracebackType
-from typing import Protocol
+from typing import ClassVar, Protocol
 
-import grpc
+from opentelemetry import trace
 
 from splitserve.engine.errors import SplitserveError
-from splitserve.kv_transfer.wire import Buffer, CacheLayout
-from splitserve.protos.v1 import kv_transfer_pb2
+from splitserve.engine.kv_connector import KVConnector, ReadyBlocks
+
+PREFERENCE = ("nixl", "grpc")
+"""Transport names, fastest first; `auto` takes the first both ends support."""
+
+TRANSPORT_CHOICES = ("auto", *PREFERENCE)
+
+
+@dataclass(frozen=True)
+class Push:
+    """One batch of a request's blocks: source blocks on this worker, destination blocks
+    (reserved under `fence`) on the peer, in the same order."""
+
+    request_id: str
+    fence: int
+    src_block_ids: tuple[int, ...]
+    dst_block_ids: tuple[int, ...]
+    num_tokens: int  # prompt tokens complete on the peer once this push lands
+    ready: ReadyBlocks | None = None  # wait for its event before reading the source blocks
+
+    def __post_init__(self) -> None:
+        if len(self.src_block_ids) != len(self.dst_block_ids):
+            raise ValueError("a push needs as many destination blocks as source blocks")
+
+
+@dataclass(frozen=True)
+class Peer:
+    """A decode worker as a sender reaches it: its id, its gRPC address, and what its
+    transports published (`KVReceiver.endpoint`, read from the registry)."""
+
+    worker_id: str
+    address: str
+    endpoint: Mapping[str, bytes]
 
 
 @dataclass(frozen=True)
@@ -29,87 +68,130 @@ class PushResult:
 
 
 class TransferError(SplitserveError):
-    """A push that did not land. `code` is the receiver's gRPC status (None if unknown); the
-    request fails with it (UNAVAILABLE when unknown), so the gateway can retry elsewhere."""
+    """A push that did not land. `status` is the receiver's answer when it gave one (e.g.
+    NOT_FOUND: no reservation; FAILED_PRECONDITION: stale fence), else UNAVAILABLE; the request
+    fails with it, so the gateway can retry elsewhere."""
 
-    def __init__(
-        self, message: str, code: grpc.StatusCode | None = None, details: str = ""
-    ) -> None:
+    def __init__(self, message: str, status: str = "UNAVAILABLE") -> None:
         super().__init__(message)
-        self.code = code
-        self.details = details
-        self.status = code.name if code is not None else "UNAVAILABLE"
+        self.status = status
 
 
-class KVTransport(ABC):
-    """Sends one header + payload to a receiver and waits for its acknowledgement.
+class PushRefused(SplitserveError):
+    """A receiver refuses a push that is not bad input: no such reservation (NOT_FOUND) or a
+    stale fence / reclaimed reservation (FAILED_PRECONDITION). Nothing was written."""
 
-    Implementations are thread-safe: many pushes may be in flight from different threads.
-    """
+    def __init__(self, status: str, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+class Landing(Protocol):
+    """The decode worker's reservations, as a receiver sees them."""
+
+    def allowed_blocks(self, request_id: str, fence: int) -> frozenset[int]:
+        """The destination blocks `request_id` may still write under `fence`; raises
+        PushRefused (NOT_FOUND / FAILED_PRECONDITION) when it may write none."""
+        ...
+
+    def landed(
+        self, request_id: str, fence: int, dst_block_ids: Sequence[int], num_bytes: int
+    ) -> None:
+        """These blocks hold the request's KV now. Raises PushRefused if the reservation went
+        away or moved on meanwhile (the request then fails; nothing is admitted)."""
+        ...
+
+    def refused(self, request_id: str, reason: str) -> None:
+        """A push for `request_id` was refused after its bytes arrived (one-sided transports):
+        the request must fail rather than wait for blocks that will not come."""
+        ...
+
+    def hold(
+        self, request_id: str, fence: int, dst_block_ids: Sequence[int], num_bytes: int
+    ) -> AbstractContextManager[None]:
+        """For receivers that write the blocks themselves: check the push like `landed`, keep
+        the reservation from being reclaimed while the body writes, then record the blocks
+        as landed (if the body did not raise)."""
+        ...
+
+
+class KVSender(ABC):
+    """The prefill side of a transport. Thread-safe: many pushes may be in flight."""
+
+    name: ClassVar[str]
 
     @abstractmethod
-    def send(
-        self,
-        address: str,
-        header: kv_transfer_pb2.KVTransferHeader,
-        payload: Buffer,
-        timeout_s: float,
-    ) -> PushResult:
-        """Push `payload` (described by `header`, see `wire.make_header`) to `address`.
+    def push(self, peer: Peer, push: Push, timeout_s: float) -> PushResult:
+        """Move the source blocks into the peer's destination blocks; return once the peer has
+        them (or, for a one-sided write, once they are written and the peer notified).
 
-        Raises `TransferError` when the push is refused or does not finish within `timeout_s`;
-        a refused push wrote nothing on the receiver.
+        Raises TransferError when the push did not land within `timeout_s`.
         """
 
     @abstractmethod
     def close(self) -> None:
-        """Release connections; the transport must not be used afterwards."""
+        """Release connections and registrations; the sender must not be used afterwards."""
 
-    def __enter__(self) -> KVTransport:
-        return self
 
-    def __exit__(
+class KVReceiver(ABC):
+    """The decode side of a transport, started with the worker."""
+
+    name: ClassVar[str]
+
+    def endpoint(self) -> dict[str, bytes]:
+        """What a sender needs to reach this receiver (published in the registry)."""
+        return {}
+
+    @abstractmethod
+    def close(self) -> None:
+        """Stop receiving; pushes after this are refused."""
+
+
+PushObserver = Callable[[int, float | None, bool], None]
+"""Told of every push a receiver handles: (payload bytes, seconds if the receiver could time
+it, whether it landed)."""
+
+
+class ReceiverFactory(Protocol):
+    def __call__(
         self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()
+        connector: KVConnector,
+        landing: Landing,
+        worker_id: str,
+        tracer: trace.Tracer | None = None,
+        on_push: PushObserver | None = None,
+    ) -> KVReceiver: ...
 
 
-class KVReceiver(Protocol):
-    """The decode side's cache owner, as a transport server sees it."""
+@dataclass(frozen=True)
+class TransportKind:
+    """How to build each half of one transport (loaders, so unused ones are never imported)."""
 
-    def layout(self) -> CacheLayout:
-        """The receiving cache's layout; every header is validated against it."""
-        ...
-
-    def check_push(self, header: kv_transfer_pb2.KVTransferHeader) -> Collection[int]:
-        """The destination blocks `header.request_id` may write, or raise `wire.PushRefused`
-        (NOT_FOUND: no such reservation; FAILED_PRECONDITION: stale fence)."""
-        ...
-
-    def on_blocks(self, header: kv_transfer_pb2.KVTransferHeader, payload: Buffer) -> None:
-        """Write a push whose header, size and checksum were verified (e.g. with
-        `wire.unpack_into`) and record progress. May raise `wire.PushRefused` (the reservation
-        went away meanwhile) or `wire.KVTransferError`; it must write nothing when it raises."""
-        ...
+    sender: Callable[[KVConnector, str], KVSender]  # (connector, worker id)
+    receiver: ReceiverFactory | None  # None: served by the worker's gRPC server
 
 
-def _grpc_transport() -> type[KVTransport]:
-    # Imported on demand so that choosing another transport never loads this one.
-    from splitserve.kv_transfer.grpc_transport import GrpcKVTransport
+def _grpc() -> TransportKind:
+    from splitserve.kv_transfer.grpc_transport import GrpcKVSender
 
-    return GrpcKVTransport
-
-
-TRANSPORTS: dict[str, Callable[[], type[KVTransport]]] = {"grpc": _grpc_transport}
-"""Transport name -> a loader of its class (a loader, so unused transports are never imported)."""
+    return TransportKind(sender=lambda connector, worker_id: GrpcKVSender(connector), receiver=None)
 
 
-def get_transport(name: str) -> KVTransport:
-    """A new transport of the kind `name` (a key of `TRANSPORTS`)."""
-    loader = TRANSPORTS.get(name)
-    if loader is None:
+def _nixl() -> TransportKind:
+    from splitserve.kv_transfer.nixl_transport import NixlReceiver, NixlSender
+
+    return TransportKind(sender=NixlSender, receiver=NixlReceiver)
+
+
+TRANSPORTS: dict[str, Callable[[], TransportKind]] = {"grpc": _grpc, "nixl": _nixl}
+
+
+def transport_kind(name: str) -> TransportKind:
+    if name not in TRANSPORTS:
         raise ValueError(f"unknown KV transport {name!r}; available: {sorted(TRANSPORTS)}")
-    return loader()()
+    return TRANSPORTS[name]()
+
+
+def choose(mine: Sequence[str], theirs: Sequence[str]) -> str | None:
+    """The fastest transport both ends offer, or None."""
+    return next((name for name in PREFERENCE if name in mine and name in theirs), None)

@@ -1,33 +1,33 @@
-"""The KV-transfer wire format: raw cache bytes in one fixed order, described by a header.
+"""The KV wire format of the gRPC transport: whole blocks as they sit in the pool, and a header.
 
-A payload holds, for each layer in [layer_start, layer_end), the keys and then the values of
-the pushed blocks, in the order of `dst_block_ids`:
+A payload holds the pushed blocks in the order of `dst_block_ids`, each block every layer's keys
+then values:
 
-    payload = [layer_start: K[b0 b1 .. bn-1] V[b0 .. bn-1]] [layer_start+1: K[..] V[..]] ...
-    one K or V block = [block_size, num_kv_heads, head_dim] elements, little-endian
+    payload = [block 0: layer 0 K V, layer 1 K V, …] [block 1: …] …
+    = the tensor [num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim] in C order,
+      element bytes as they sit in memory (bf16 travels as its raw 16 bits), little-endian.
 
-so it is exactly the tensor [layers, 2, n, block_size, num_kv_heads, head_dim] in C order. No
-pickle, no numpy dtypes: element bytes travel as they sit in memory (bf16 through a uint8 view).
+No pickle, no numpy dtypes on the wire. The checksum is CRC-32C from a C library (`crc32c`, with
+the CPU's CRC instruction).
 """
 
 from __future__ import annotations
 
-from collections.abc import Collection, Iterator, Sequence
+from collections.abc import Collection
 from dataclasses import dataclass
 from types import MappingProxyType
+from typing import Any
 
-import grpc
+import crc32c as _crc32c
 import torch
 
-from splitserve.engine.errors import InvalidRequest, SplitserveError
-from splitserve.kv_transfer.crc32c import crc32c
+from splitserve.engine.errors import InvalidRequest
+from splitserve.engine.kv_connector import KVRegion
 from splitserve.protos.v1 import kv_transfer_pb2
 
-LAYOUT = "layer,kv,block,slot,head,dim"
-MAX_CHUNK_BYTES = 1 << 20
+LAYOUT = "block,layer,kv,slot,head,dim"
+MAX_CHUNK_BYTES = 4 << 20
 """Largest `data` message of a PushBlocks stream (the proto's contract)."""
-
-Buffer = bytes | bytearray | memoryview
 
 DTYPES = MappingProxyType(
     {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -43,12 +43,8 @@ class LayoutMismatchError(KVTransferError):
     """Layout string, dtype or block geometry differs from the receiver's cache."""
 
 
-class LayerRangeError(KVTransferError):
-    """[layer_start, layer_end) is empty or outside the cache."""
-
-
 class BlockNotAllowedError(KVTransferError):
-    """A destination block is outside the request's reservation (or the cache), or repeated."""
+    """A destination block is outside the request's reservation (or the pool), or repeated."""
 
 
 class PayloadSizeError(KVTransferError):
@@ -59,22 +55,14 @@ class ChecksumError(KVTransferError):
     """The payload's CRC-32C differs from the header's."""
 
 
-class PushRefused(SplitserveError):
-    """The receiver refuses a push for a reason that is not the sender's bad input.
-
-    `code` is the status the receiver answers with: FAILED_PRECONDITION for a stale fencing
-    token, NOT_FOUND for a request it holds no reservation for.
-    """
-
-    def __init__(self, code: grpc.StatusCode, message: str) -> None:
-        super().__init__(message)
-        self.code = code
-        self.status = code.name
+def crc32c(data: Any) -> int:
+    """CRC-32C (Castagnoli) of any buffer (bytes, bytearray, memoryview, numpy array)."""
+    return int(_crc32c.crc32c(data))
 
 
 @dataclass(frozen=True)
 class CacheLayout:
-    """Shape and element type of a paged KV cache, as far as the wire format cares."""
+    """Geometry and element type of a block-major pool, as far as the wire format cares."""
 
     num_layers: int
     block_size: int
@@ -90,78 +78,44 @@ class CacheLayout:
             raise ValueError(f"unsupported KV dtype {self.dtype}; supported: {list(DTYPES)}")
 
     @classmethod
-    def from_kv_caches(cls, kv_caches: Sequence[torch.Tensor]) -> CacheLayout:
-        """The layout of per-layer [2, num_blocks, block_size, num_kv_heads, head_dim] tensors."""
-        if not kv_caches:
-            raise ValueError("no KV cache layers")
-        first = kv_caches[0]
-        for i, cache in enumerate(kv_caches):
-            if cache.dim() != 5 or cache.shape[0] != 2:
-                raise ValueError(
-                    f"layer {i}: expected [2, blocks, slots, heads, dim], got {tuple(cache.shape)}"
-                )
-            if cache.shape != first.shape or cache.dtype != first.dtype:
-                raise ValueError(f"layer {i} differs from layer 0 in shape or dtype")
-        _, _, block_size, num_kv_heads, head_dim = first.shape
-        return cls(len(kv_caches), block_size, num_kv_heads, head_dim, first.dtype)
+    def of(cls, region: KVRegion) -> CacheLayout:
+        return cls(
+            region.num_layers, region.block_size, region.num_kv_heads, region.head_dim,
+            region.dtype,
+        )  # fmt: skip
 
     @property
     def dtype_name(self) -> str:
         return _DTYPE_NAMES[self.dtype]
 
     @property
+    def block_shape(self) -> tuple[int, ...]:
+        return (self.num_layers, 2, self.block_size, self.num_kv_heads, self.head_dim)
+
+    @property
     def block_bytes(self) -> int:
-        """Bytes of the keys (or values) of one block in one layer."""
+        """Bytes of one block: every layer's keys and values."""
         elem = torch.empty((), dtype=self.dtype).element_size()
-        return self.block_size * self.num_kv_heads * self.head_dim * elem
+        return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * elem
 
-    def payload_bytes(self, num_blocks: int, num_layers: int) -> int:
-        """Size of a payload of `num_blocks` blocks over `num_layers` layers."""
-        return num_layers * 2 * num_blocks * self.block_bytes
-
-
-def pack_blocks(
-    kv_caches: Sequence[torch.Tensor],
-    block_ids: Sequence[int],
-    layer_start: int = 0,
-    layer_end: int | None = None,
-) -> bytes:
-    """Gather `block_ids` of layers [layer_start, layer_end) into one payload (see module doc)."""
-    layout = CacheLayout.from_kv_caches(kv_caches)
-    layer_end = layout.num_layers if layer_end is None else layer_end
-    if not 0 <= layer_start < layer_end <= layout.num_layers:
-        raise LayerRangeError(
-            f"bad layer range [{layer_start}, {layer_end}) of {layout.num_layers} layers"
-        )
-    num_blocks = kv_caches[0].shape[1]
-    bad = [b for b in block_ids if not 0 <= b < num_blocks]
-    if bad:
-        raise BlockNotAllowedError(f"block ids {bad} outside the cache's {num_blocks} blocks")
-    device = kv_caches[0].device
-    index = torch.tensor(list(block_ids), dtype=torch.long, device=device)
-    shape = (layer_end - layer_start, 2, len(block_ids), *kv_caches[0].shape[2:])
-    out = torch.empty(shape, dtype=layout.dtype, device=device)
-    for i, layer in enumerate(range(layer_start, layer_end)):
-        torch.index_select(kv_caches[layer], 1, index, out=out[i])
-    return out.cpu().view(torch.uint8).numpy().tobytes()
+    def payload_bytes(self, num_blocks: int) -> int:
+        return num_blocks * self.block_bytes
 
 
 def make_header(
     request_id: str,
     fence: int,
     layout: CacheLayout,
-    dst_block_ids: Sequence[int],
-    payload: Buffer,
-    layer_start: int,
-    layer_end: int,
+    dst_block_ids: Collection[int],
+    payload_bytes: int,
+    checksum: int,
     num_tokens_after: int,
 ) -> kv_transfer_pb2.KVTransferHeader:
-    """Describe `payload` (from `pack_blocks`) for the receiver, checksum included."""
-    expected = layout.payload_bytes(len(dst_block_ids), layer_end - layer_start)
-    if len(payload) != expected:
+    """Describe a payload of `dst_block_ids` blocks for the receiver."""
+    expected = layout.payload_bytes(len(dst_block_ids))
+    if payload_bytes != expected:
         raise PayloadSizeError(
-            f"payload is {len(payload)} bytes; {len(dst_block_ids)} blocks "
-            f"over layers [{layer_start}, {layer_end}) are {expected}"
+            f"payload is {payload_bytes} bytes; {len(dst_block_ids)} blocks are {expected}"
         )
     return kv_transfer_pb2.KVTransferHeader(
         request_id=request_id,
@@ -171,11 +125,11 @@ def make_header(
         block_size=layout.block_size,
         num_kv_heads=layout.num_kv_heads,
         head_dim=layout.head_dim,
-        layer_start=layer_start,
-        layer_end=layer_end,
+        layer_start=0,
+        layer_end=layout.num_layers,
         dst_block_ids=list(dst_block_ids),
-        payload_bytes=len(payload),
-        crc32c=crc32c(payload),
+        payload_bytes=payload_bytes,
+        crc32c=checksum,
         num_tokens_after=num_tokens_after,
     )
 
@@ -183,12 +137,11 @@ def make_header(
 def validate_header(
     header: kv_transfer_pb2.KVTransferHeader,
     layout: CacheLayout,
+    num_pool_blocks: int,
     allowed_block_ids: Collection[int] | None,
 ) -> None:
-    """Raise a `KVTransferError` unless a payload described by `header` fits `layout`.
-
-    `allowed_block_ids` is the request's reservation; None allows any block id.
-    """
+    """Raise a `KVTransferError` unless a payload described by `header` fits this pool (and,
+    when given, the request's reservation)."""
     rid = header.request_id
     if header.layout != LAYOUT:
         raise LayoutMismatchError(
@@ -204,40 +157,40 @@ def validate_header(
                 f"{rid}: {name} {getattr(header, name)} does not match "
                 f"the receiver's {getattr(layout, name)}"
             )
-    if not header.layer_start < header.layer_end <= layout.num_layers:
-        raise LayerRangeError(
-            f"{rid}: bad layer range [{header.layer_start}, "
-            f"{header.layer_end}) for {layout.num_layers} layers"
+    if (header.layer_start, header.layer_end) != (0, layout.num_layers):
+        raise LayoutMismatchError(
+            f"{rid}: layers [{header.layer_start}, {header.layer_end}) but a block carries "
+            f"all {layout.num_layers} layers"
         )
     dst = list(header.dst_block_ids)
     if len(set(dst)) != len(dst):
-        raise BlockNotAllowedError(f"{rid}: repeated destination blocks in {dst}")
+        raise BlockNotAllowedError(f"{rid}: repeated destination blocks in {dst[:16]}")
+    outside = sorted(b for b in set(dst) if b >= num_pool_blocks)
+    if outside:
+        raise BlockNotAllowedError(
+            f"{rid}: destination blocks {outside[:16]} are outside the pool's {num_pool_blocks}"
+        )
     if allowed_block_ids is not None:
         outside = sorted(b for b in set(dst) if b not in allowed_block_ids)
         if outside:
             raise BlockNotAllowedError(
-                f"{rid}: destination blocks {outside} are not reserved for this request"
+                f"{rid}: destination blocks {outside[:16]} are not reserved for this request"
             )
-    expected = layout.payload_bytes(len(dst), header.layer_end - header.layer_start)
+    expected = layout.payload_bytes(len(dst))
     if header.payload_bytes != expected:
         raise PayloadSizeError(
-            f"{rid}: payload_bytes {header.payload_bytes} but {len(dst)} "
-            f"blocks over layers [{header.layer_start}, {header.layer_end}) "
-            f"are {expected} bytes"
+            f"{rid}: payload_bytes {header.payload_bytes} but {len(dst)} blocks are {expected}"
         )
 
 
-def _check_size(header: kv_transfer_pb2.KVTransferHeader, payload: Buffer) -> None:
-    if len(payload) != header.payload_bytes:
+def verify_payload(header: kv_transfer_pb2.KVTransferHeader, payload: Any) -> None:
+    """Raise unless `payload` (any buffer) has the header's size and CRC-32C."""
+    size = memoryview(payload).nbytes
+    if size != header.payload_bytes:
         raise PayloadSizeError(
-            f"{header.request_id}: payload is {len(payload)} bytes, header "
-            f"declares {header.payload_bytes}"
+            f"{header.request_id}: payload is {size} bytes, header declares "
+            f"{header.payload_bytes}"
         )
-
-
-def verify_payload(header: kv_transfer_pb2.KVTransferHeader, payload: Buffer) -> None:
-    """Raise unless `payload` has the header's size and CRC-32C."""
-    _check_size(header, payload)
     actual = crc32c(payload)
     if actual != header.crc32c:
         raise ChecksumError(
@@ -246,50 +199,6 @@ def verify_payload(header: kv_transfer_pb2.KVTransferHeader, payload: Buffer) ->
         )
 
 
-def unpack_into(
-    kv_caches: Sequence[torch.Tensor],
-    header: kv_transfer_pb2.KVTransferHeader,
-    payload: Buffer,
-    *,
-    verify: bool = True,
-) -> None:
-    """Write the payload's blocks into `kv_caches` at `header.dst_block_ids`.
-
-    Size, checksum (unless `verify=False`, for a payload already checked with
-    `verify_payload`) and geometry are all checked before the first byte is written. A
-    writable buffer (bytearray) is read in place; a read-only one is copied once.
-    """
-    if verify:
-        verify_payload(header, payload)
-    else:
-        _check_size(header, payload)
-    layout = CacheLayout.from_kv_caches(kv_caches)
-    validate_header(header, layout, None)
-    num_blocks = kv_caches[0].shape[1]
-    outside = [b for b in header.dst_block_ids if b >= num_blocks]
-    if outside:
-        raise BlockNotAllowedError(
-            f"{header.request_id}: destination blocks {outside} are "
-            f"outside the cache's {num_blocks} blocks"
-        )
-    if not header.dst_block_ids:
-        return
-    view = memoryview(payload).cast("B")
-    # NOTE: torch.frombuffer warns on read-only memory; a copy keeps the caller's bytes safe.
-    buffer = bytearray(view) if view.readonly else view
-    num_layers = header.layer_end - header.layer_start
-    shape = (num_layers, 2, len(header.dst_block_ids), *kv_caches[0].shape[2:])
-    src = torch.frombuffer(buffer, dtype=torch.uint8).view(layout.dtype).view(shape)
-    device = kv_caches[0].device
-    index = torch.tensor(list(header.dst_block_ids), dtype=torch.long, device=device)
-    for i in range(num_layers):
-        kv_caches[header.layer_start + i].index_copy_(1, index, src[i].to(device))
-
-
-def split_payload(payload: Buffer, max_chunk: int = MAX_CHUNK_BYTES) -> Iterator[memoryview]:
-    """Slices of at most `max_chunk` bytes, without copying; nothing for an empty payload."""
-    if max_chunk < 1:
-        raise ValueError(f"max_chunk must be positive, got {max_chunk}")
-    view = memoryview(payload).cast("B")
-    for start in range(0, len(view), max_chunk):
-        yield view[start : start + max_chunk]
+def as_blocks(payload: torch.Tensor, layout: CacheLayout) -> torch.Tensor:
+    """A uint8 payload tensor viewed as [num_blocks, *block_shape] of the layout's dtype."""
+    return payload.view(layout.dtype).view(-1, *layout.block_shape)

@@ -1,7 +1,7 @@
-"""A `KVTransport` that records each push: a `kv.push` span and the KV transfer metrics.
+"""A `KVSender` that records each push: a `kv.push` span and the KV transfer metrics.
 
-NOTE: the span is made current only for the duration of the (synchronous) send on the sender
-thread, which is how the inner transport finds the context to put in the push's metadata.
+NOTE: the span is made current only for the duration of the (synchronous) push on the handler's
+thread, which is how the inner sender finds the context to put in the push's metadata.
 """
 
 from __future__ import annotations
@@ -11,45 +11,38 @@ import time
 from opentelemetry import trace
 from opentelemetry.trace import SpanKind
 
-from splitserve.kv_transfer.transport import KVTransport, PushResult, TransferError
-from splitserve.kv_transfer.wire import Buffer
-from splitserve.protos.v1 import kv_transfer_pb2
+from splitserve.kv_transfer.transport import KVSender, Peer, Push, PushResult, TransferError
 from splitserve.runtime import genai
 from splitserve.runtime.metrics import KVTransferMetrics
 from splitserve.runtime.tracing import Tracing, record_error
 
 
-class ObservedTransport(KVTransport):
-    def __init__(self, inner: KVTransport, tracing: Tracing, metrics: KVTransferMetrics) -> None:
+class ObservedSender(KVSender):
+    def __init__(self, inner: KVSender, tracing: Tracing, metrics: KVTransferMetrics) -> None:
         self.inner = inner
+        self.name = inner.name  # type: ignore[misc]
         self.tracing = tracing
         self.metrics = metrics
 
-    def send(
-        self,
-        address: str,
-        header: kv_transfer_pb2.KVTransferHeader,
-        payload: Buffer,
-        timeout_s: float,
-    ) -> PushResult:
+    def push(self, peer: Peer, push: Push, timeout_s: float) -> PushResult:
         if not self.tracing.enabled:
-            return self._send(address, header, payload, timeout_s)
-        parent = trace.get_current_span()
-        span = self.tracing.start("kv.push", parent, SpanKind.CLIENT)
+            return self._push(peer, push, timeout_s)
+        span = self.tracing.start("kv.push", trace.get_current_span(), SpanKind.CLIENT)
         try:
             with trace.use_span(
                 span, end_on_exit=False, record_exception=False, set_status_on_exception=False
             ):
                 start = time.perf_counter()
-                result = self._send(address, header, payload, timeout_s)
+                result = self._push(peer, push, timeout_s)
             if span.is_recording():
                 span.set_attributes(
                     {
-                        genai.REQUEST_ID: header.request_id,
+                        genai.REQUEST_ID: push.request_id,
                         genai.KV_BYTES: result.num_bytes,
                         genai.KV_NUM_BLOCKS: result.num_blocks,
                         genai.KV_TRANSFER_SECONDS: time.perf_counter() - start,
-                        "server.address": address,
+                        "splitserve.kv.transport": self.inner.name,
+                        "server.address": peer.address,
                     }
                 )
             return result
@@ -59,16 +52,10 @@ class ObservedTransport(KVTransport):
         finally:
             span.end()
 
-    def _send(
-        self,
-        address: str,
-        header: kv_transfer_pb2.KVTransferHeader,
-        payload: Buffer,
-        timeout_s: float,
-    ) -> PushResult:
+    def _push(self, peer: Peer, push: Push, timeout_s: float) -> PushResult:
         start = time.perf_counter()
         try:
-            result = self.inner.send(address, header, payload, timeout_s)
+            result = self.inner.push(peer, push, timeout_s)
         except TransferError:
             self.metrics.observe(0, 0.0, ok=False)
             raise

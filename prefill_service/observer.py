@@ -14,7 +14,10 @@ span runs from the previous hook (or the request's arrival) to the hook that saw
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 
+from opentelemetry import context as otel_context
 from opentelemetry.context import Context
 from opentelemetry.trace import Span, SpanKind, set_span_in_context
 
@@ -61,20 +64,26 @@ class PrefillObservation:
         self._num_computed = 0
         self._done = False
 
-    @property
-    def context(self) -> Context | None:
-        """The context kv.push spans start under (None with tracing off)."""
-        return set_span_in_context(self.span) if self.span.is_recording() else None
+    @contextmanager
+    def current(self) -> Iterator[None]:
+        """Make the request's span current on this thread (kv.push spans start under it)."""
+        if not self.span.is_recording():
+            yield
+            return
+        token = otel_context.attach(set_span_in_context(self.span))
+        try:
+            yield
+        finally:
+            otel_context.detach(token)
 
     def on_step(self, engine: LLMEngine) -> None:
         """Engine-thread hook: a span for the tokens this step computed; queue/prefill time."""
         if self._done:
             return
         now = time.time_ns()
-        state = engine.outputs.requests.get(self.request_id)
-        if state is None:
+        computed = engine.num_computed_prompt_tokens(self.request_id)
+        if computed is None:
             return
-        computed = min(state.sequences[0].num_computed_tokens, self.prompt_len)
         if computed > self._num_computed:
             self._chunk(self._last_step_ns, now, self._num_computed, computed)
         self._num_computed = computed  # NOTE: drops to 0 on preemption; recompute is traced

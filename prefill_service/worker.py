@@ -5,19 +5,20 @@ from __future__ import annotations
 import queue
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from opentelemetry.context import Context
 
 from splitserve.engine.engine_loop import EngineLoop
 from splitserve.engine.errors import Cancelled
+from splitserve.engine.kv_connector import KVOutbox
+from splitserve.engine.llm_engine import LLMEngine
 from splitserve.engine.outputs import RequestOutput
 from splitserve.engine.sampling_params import SamplingParams
 from splitserve.kv_transfer.registry import Registry
-from splitserve.kv_transfer.transport import KVTransport
+from splitserve.kv_transfer.transport import TransferError
 from splitserve.prefill_service.observer import PrefillObservation, PrefillObserver
-from splitserve.prefill_service.pusher import BlockPusher
+from splitserve.prefill_service.pusher import RequestPusher, Senders
 from splitserve.protos.v1 import worker_pb2
 
 
@@ -26,7 +27,6 @@ class PrefillSettings:
     worker_id: str
     lease_s: float = 10.0
     send_timeout_s: float = 60.0
-    max_concurrent_sends: int = 4
 
 
 @dataclass(frozen=True)
@@ -41,16 +41,15 @@ class PrefillWorker:
         self,
         loop: EngineLoop,
         registry: Registry,
-        transport: KVTransport,
+        senders: Senders,
         settings: PrefillSettings,
         observer: PrefillObserver,
     ) -> None:
         self.loop = loop
         self.observer = observer
         self.registry = registry
-        self.transport = transport
+        self.senders = senders
         self.settings = settings
-        self._executor = ThreadPoolExecutor(settings.max_concurrent_sends, "kv-push")
         self.num_bytes_sent = 0
 
     def prefill(
@@ -90,66 +89,80 @@ class PrefillWorker:
     ) -> PrefillResult:
         s = self.settings
         self.registry.begin_write(request_id, s.worker_id, destination.fence, s.lease_s)
-        pusher = BlockPusher(
-            request_id,
-            destination,
-            len(prompt_token_ids),
-            self.loop.engine.config.block_size,
-            self.transport,
-            self._executor,
-            s.send_timeout_s,
-            obs.context,
-        )
+        route = self.senders.route(destination)
+        connector = self.loop.engine.kv_connector
+        pusher = RequestPusher(request_id, destination, route, connector, s.send_timeout_s)
+        first_block = destination.num_cached_tokens // connector.block_size
+
+        def add(engine: LLMEngine) -> KVOutbox:
+            engine.add_request(prompt_token_ids, params, request_id, priority, prefill_only=True)
+            return engine.kv_connector.watch(request_id, first_block)
+
         outputs = self.loop.subscribe(request_id)
         self.loop.add_step_hook(obs.on_step)
-        self.loop.add_step_hook(pusher.on_step)
-        done = False
+        finished = False
         try:
-            self.loop.call(
-                lambda e: e.add_request(
-                    prompt_token_ids, params, request_id, priority, prefill_only=True
-                )
-            )
-            output = self._wait_finished(request_id, destination.fence, outputs, is_active)
-            num_blocks, num_bytes = pusher.wait(s.send_timeout_s)
-            done = True
-            self.num_bytes_sent += num_bytes
-            return PrefillResult(output, num_blocks, num_bytes)
+            outbox = self.loop.call(add)
+            lease = _Lease(self.registry, request_id, destination.fence, s.lease_s)
+            output: RequestOutput | None = None
+            while output is None or not pusher.done:
+                if output is None:
+                    output = _finished_output(outputs)
+                try:
+                    batch = outbox.get(timeout_s=0.02)
+                except queue.Empty:
+                    if not is_active():
+                        raise Cancelled(
+                            f"prefill of {request_id!r} cancelled by the caller"
+                        ) from None
+                    lease.renew_if_due()
+                    continue
+                # NOTE: runs under the request's span, so the transport's kv.push joins it.
+                with obs.current():
+                    pusher.send(batch)
+            finished = True
+            self.num_bytes_sent += pusher.num_bytes
+            return PrefillResult(output, pusher.num_blocks, pusher.num_bytes)
+        except TransferError:
+            self.senders.forget(destination.worker_id)
+            raise
         finally:
-            self.loop.remove_step_hook(pusher.on_step)
             self.loop.remove_step_hook(obs.on_step)
             self.loop.unsubscribe(request_id)
-            if not done:
-                pusher.cancel()
-            if self.loop.running:
-                self.loop.call(lambda e: e.abort_request(request_id))  # frees held blocks
-
-    def _wait_finished(
-        self,
-        request_id: str,
-        fence: int,
-        outputs: queue.Queue,
-        is_active: Callable[[], bool],
-    ) -> RequestOutput:
-        renew_every = self.settings.lease_s / 3
-        last_renew = time.monotonic()
-        while True:
-            try:
-                item = outputs.get(timeout=0.1)
-            except queue.Empty:
-                if not is_active():
-                    raise Cancelled(f"prefill of {request_id!r} cancelled by the caller") from None
-                if time.monotonic() - last_renew > renew_every:
-                    self.registry.renew(request_id, fence, self.settings.lease_s)
-                    last_renew = time.monotonic()
-                continue
-            if isinstance(item, BaseException):
-                raise item
-            if item.finished:
-                return item
+            connector.unwatch(request_id)  # unpins whatever was not sent
+            if not finished and self.loop.running:
+                self.loop.call(lambda e: e.abort_request(request_id))
 
     def abort(self, request_id: str) -> bool:
         return bool(self.loop.call(lambda e: e.abort_request(request_id)))
 
     def close(self) -> None:
-        self._executor.shutdown(wait=False, cancel_futures=True)
+        self.senders.close()
+
+
+def _finished_output(outputs: queue.Queue) -> RequestOutput | None:
+    """The request's final output if it is there (raises what ended the engine)."""
+    while True:
+        try:
+            item = outputs.get_nowait()
+        except queue.Empty:
+            return None
+        if isinstance(item, BaseException):
+            raise item
+        if item.finished:
+            return item
+
+
+class _Lease:
+    """Renews a write lease while the request is alive on this worker."""
+
+    def __init__(self, registry: Registry, request_id: str, fence: int, lease_s: float) -> None:
+        self.registry, self.request_id, self.fence, self.lease_s = (
+            registry, request_id, fence, lease_s,
+        )  # fmt: skip
+        self._last = time.monotonic()
+
+    def renew_if_due(self) -> None:
+        if time.monotonic() - self._last > self.lease_s / 3:
+            self.registry.renew(self.request_id, self.fence, self.lease_s)
+            self._last = time.monotonic()

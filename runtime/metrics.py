@@ -143,10 +143,12 @@ class KVTransferMetrics:
             "splitserve:kv_transfer_failures", "KV pushes that failed.", labels, registry=r
         ).labels(model)
 
-    def observe(self, num_bytes: int, seconds: float, ok: bool) -> None:
+    def observe(self, num_bytes: int, seconds: float | None, ok: bool) -> None:
+        """One push; `seconds` None when this end can't time it (a one-sided write's target)."""
         if ok:
             self.bytes.inc(num_bytes)
-            self.seconds.observe(seconds)
+            if seconds is not None:
+                self.seconds.observe(seconds)
         else:
             self.failures.inc()
 

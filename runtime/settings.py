@@ -60,6 +60,7 @@ class WorkerSettings:
     lease_s: float = 10.0
     heartbeat_ttl_s: float = 3.0
     pdl: bool = True  # programmatic dependent launch in the GPU kernels (SPLITSERVE_PDL=0: off)
+    kv_transport: str = "auto"  # auto | nixl | grpc: how KV moves between workers
 
 
 @dataclass(frozen=True)

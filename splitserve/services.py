@@ -8,7 +8,7 @@ the registry and turns SERVING. `Running.drain` then `Running.stop` is the grace
 from __future__ import annotations
 
 from splitserve.decode_service.observer import DecodeObserver
-from splitserve.decode_service.receiver import ReservationReceiver
+from splitserve.decode_service.reservations import ReservationBook
 from splitserve.decode_service.servicer import DecodeServicer
 from splitserve.decode_service.worker import DecodeSettings, DecodeWorker
 from splitserve.engine.engine_loop import EngineLoop
@@ -21,9 +21,10 @@ from splitserve.gateway.servicer import GatewayServicer, ModelInfo
 from splitserve.kv_transfer.grpc_transport import KVTransferServicer
 from splitserve.kv_transfer.presence import Presence
 from splitserve.kv_transfer.registry import Registry
-from splitserve.kv_transfer.transport import get_transport
-from splitserve.prefill_service.observed_transport import ObservedTransport
+from splitserve.kv_transports import start_receivers, start_senders
+from splitserve.prefill_service.observed_transport import ObservedSender
 from splitserve.prefill_service.observer import PrefillObserver
+from splitserve.prefill_service.pusher import Senders
 from splitserve.prefill_service.servicer import PrefillServicer
 from splitserve.prefill_service.worker import PrefillSettings, PrefillWorker
 from splitserve.protos.v1 import gateway_pb2_grpc, kv_transfer_pb2_grpc, worker_pb2_grpc
@@ -62,29 +63,44 @@ def start_decode(
         engine = build_engine(service, worker, record_prefix_events=True)
         loop = EngineLoop(engine).start()
         registry = Registry(service.redis_url)
-        decode = DecodeWorker(
-            loop, registry, DecodeSettings(service.worker_id, address, lease_s=worker.lease_s)
+        reservations = ReservationBook()
+        tracer = tracing.tracer if tracing.enabled else None
+        received = KVTransferMetrics(metrics)
+        receivers, offered = ([], ()) if kind == "colocated" else start_receivers(
+            worker.kv_transport,
+            engine.kv_connector,
+            reservations,
+            service.worker_id,
+            tracer,
+            received.observe,
         )
-        receiver = ReservationReceiver(engine.runner.kv_caches, decode.reservations)
+        decode = DecodeWorker(
+            loop,
+            registry,
+            DecodeSettings(
+                service.worker_id, address, lease_s=worker.lease_s, kv_transports=offered
+            ),
+            reservations,
+        )
         metrics.registry.register(EngineCollector(loop, metrics.model_name))
         requests = RequestMetrics(
             metrics, ("inter_token_latency", "e2e_request_latency"), outcomes=True
         )
         observer = DecodeObserver(tracing, requests, metrics.model_name)
-        opened.gates[0].bind(DecodeServicer(decode, receiver, observer))
+        opened.gates[0].bind(DecodeServicer(decode, observer))
         opened.gates[1].bind(
-            KVTransferServicer(
-                receiver,
-                tracing.tracer if tracing.enabled else None,
-                KVTransferMetrics(metrics).observe,
-            )
+            KVTransferServicer(engine.kv_connector, reservations, tracer, received.observe)
         )
+        endpoint = {k: v for r in receivers for k, v in r.endpoint().items()}
         presence = Presence(
             registry,
-            lambda: worker_info(kind, service.worker_id, address, loop.call(lambda e: e.stats())),
+            lambda: worker_info(
+                kind, service.worker_id, address, loop.call(lambda e: e.stats()), offered
+            ),
             ttl_s=worker.heartbeat_ttl_s,
             interval_s=worker.heartbeat_ttl_s / 6,
             on_tick=decode.housekeeping,
+            kv_endpoint=endpoint,
         ).start()
     except BaseException:
         opened.close()
@@ -98,6 +114,8 @@ def start_decode(
         presence.stop()
         decode.leave_prefix_index()
         opened.server.stop()
+        for receiver in receivers:
+            receiver.close()
         loop.stop()
         registry.close()
         metrics.close()
@@ -122,7 +140,16 @@ def start_prefill(
         engine = build_engine(service, worker)
         loop = EngineLoop(engine).start()
         registry = Registry(service.redis_url)
-        transport = ObservedTransport(get_transport("grpc"), tracing, KVTransferMetrics(metrics))
+        transfer_metrics = KVTransferMetrics(metrics)
+        senders = Senders(
+            {
+                name: ObservedSender(sender, tracing, transfer_metrics)
+                for name, sender in start_senders(
+                    worker.kv_transport, engine.kv_connector, service.worker_id
+                ).items()
+            },
+            registry,
+        )
         requests = RequestMetrics(
             metrics, ("request_queue_time", "request_prefill_time"), outcomes=False
         )
@@ -130,7 +157,7 @@ def start_prefill(
         prefill = PrefillWorker(
             loop,
             registry,
-            transport,
+            senders,
             PrefillSettings(service.worker_id, lease_s=worker.lease_s),
             observer,
         )
@@ -139,7 +166,7 @@ def start_prefill(
         presence = Presence(
             registry,
             lambda: worker_info(
-                "prefill", service.worker_id, address, loop.call(lambda e: e.stats())
+                "prefill", service.worker_id, address, loop.call(lambda e: e.stats()), senders.names
             ),
             ttl_s=worker.heartbeat_ttl_s,
             interval_s=worker.heartbeat_ttl_s / 6,
@@ -154,7 +181,6 @@ def start_prefill(
         presence.stop()
         opened.server.stop()
         prefill.close()
-        transport.close()
         loop.stop()
         registry.close()
         metrics.close()

@@ -35,7 +35,13 @@ def build_engine(
     return LLMEngine(service.model, engine_config(worker, record_prefix_events))
 
 
-def worker_info(kind: str, worker_id: str, address: str, stats: EngineStats) -> WorkerInfo:
+def worker_info(
+    kind: str,
+    worker_id: str,
+    address: str,
+    stats: EngineStats,
+    kv_transports: tuple[str, ...] = (),
+) -> WorkerInfo:
     """What a worker's heartbeat tells the registry (its load and free blocks)."""
     return WorkerInfo(
         worker_id=worker_id,
@@ -45,4 +51,5 @@ def worker_info(kind: str, worker_id: str, address: str, stats: EngineStats) -> 
         num_free_blocks=stats.num_free_blocks,
         num_total_blocks=stats.num_total_blocks,
         block_size=stats.block_size,
+        kv_transports=kv_transports,
     )

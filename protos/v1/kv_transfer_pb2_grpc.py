@@ -48,6 +48,7 @@ class KVTransferServicer:
 
     def PushBlocks(self, request_iterator, context):
         """A client stream: one `header`, then the payload split into `data` messages of bounded size.
+        The portable transport; decode workers may also offer others (see KVDestination).
         Refused with INVALID_ARGUMENT when the header does not match the receiver's cache layout or
         the payload's size or checksum is wrong, and FAILED_PRECONDITION when the fencing token is
         stale (the reservation was reclaimed or re-made).

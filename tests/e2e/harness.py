@@ -28,14 +28,16 @@ WORKER_ARGS = (
 
 
 @contextmanager
-def running_stack(model_dir: str, prefill: int, decode: int, **settings: Any) -> Iterator[Stack]:
+def running_stack(
+    model_dir: str, prefill: int, decode: int, kv_transport: str = "auto", **settings: Any
+) -> Iterator[Stack]:
     """A ready stack; `settings` are more `StackSettings` fields (metrics, env, …)."""
     stack = start_stack(
         StackSettings(
             model=str(model_dir),
             prefill=prefill,
             decode=decode,
-            extra_worker_args=WORKER_ARGS,
+            extra_worker_args=(*WORKER_ARGS, "--kv-transport", kv_transport),
             **settings,
         )
     )

@@ -11,30 +11,26 @@ import pytest
 
 from splitserve.client import collect, stream
 from splitserve.engine import SamplingParams
+from splitserve.kv_transfer.grpc_transport import GrpcKVSender
 from splitserve.kv_transfer.redis_server import RedisServer
 from splitserve.kv_transfer.registry import Registry
-from splitserve.kv_transfer.transport import KVTransport, PushResult
+from splitserve.kv_transfer.transport import PushResult
 from splitserve.protos.v1 import gateway_pb2_grpc, worker_pb2, worker_pb2_grpc
 from splitserve.runtime.settings import GatewaySettings, ServiceSettings, WorkerSettings
 from splitserve.services import start_decode, start_gateway, start_prefill
 
 
-class CorruptingTransport(KVTransport):
+class CorruptingSender(GrpcKVSender):
     """Flips one payload byte after the header (and its CRC) was made: a bit error in flight."""
 
-    def __init__(self, inner: KVTransport) -> None:
-        self.inner = inner
-        self.enabled = True
+    enabled = True
 
-    def send(self, address, header, payload, timeout_s) -> PushResult:
+    def _send(self, address, header, payload, timeout_s) -> PushResult:
         if self.enabled:
             damaged = bytearray(payload)
             damaged[len(damaged) // 2] ^= 0xFF
-            payload = bytes(damaged)
-        return self.inner.send(address, header, payload, timeout_s)
-
-    def close(self) -> None:
-        self.inner.close()
+            payload = memoryview(damaged)
+        return super()._send(address, header, payload, timeout_s)
 
 
 def _stats(address: str, stub_cls) -> worker_pb2.WorkerStats:
@@ -44,15 +40,17 @@ def _stats(address: str, stub_cls) -> worker_pb2.WorkerStats:
 
 def test_corrupted_payload_fails_the_request_cleanly_and_workers_keep_serving(tiny_models):
     model = str(tiny_models["llama"])
-    worker = WorkerSettings(num_kv_blocks=128, lease_s=3.0, heartbeat_ttl_s=1.5)
+    worker = WorkerSettings(
+        num_kv_blocks=128, lease_s=3.0, heartbeat_ttl_s=1.5, kv_transport="grpc"
+    )
     with RedisServer() as redis:
         service = ServiceSettings(model=model, redis_url=redis.url)
         decode = start_decode(replace(service, worker_id="d0"), worker)
         prefill = start_prefill(replace(service, worker_id="p0"), worker)
         gateway = start_gateway(service, GatewaySettings())
         try:
-            corrupting = CorruptingTransport(prefill.worker.transport)
-            prefill.worker.transport = corrupting
+            corrupting = CorruptingSender(prefill.worker.loop.engine.kv_connector)
+            prefill.worker.senders.senders["grpc"] = corrupting
             params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
             with grpc.insecure_channel(gateway.address) as channel:
                 stub = gateway_pb2_grpc.GatewayStub(channel)

@@ -31,9 +31,13 @@ def offline(model_dir):
     return prompts, [o.outputs[0].token_ids for o in outs]
 
 
-@pytest.fixture(scope="module")
-def stack(model_dir):
-    with running_stack(model_dir, prefill=2, decode=2) as s:
+@pytest.fixture(scope="module", params=["nixl", "grpc"])
+def stack(model_dir, request):
+    """Two prefill and two decode workers moving KV over one transport (each module's tests
+    run once per transport)."""
+    with running_stack(model_dir, prefill=2, decode=2, kv_transport=request.param) as s:
+        offered = {w.kv_transports for w in workers(s)}
+        assert offered == {(request.param,)}, offered
         yield s
 
 
@@ -78,7 +82,11 @@ def test_shared_prefix_sends_fewer_bytes_to_a_decode_worker_holding_it(stack, mo
     after = received()
     assert one.finished.usage.cached_prompt_tokens == 0
     assert two.finished.usage.cached_prompt_tokens == 96
-    assert after - middle < middle - before, "the cached prefix must not be sent again"
+    # The first prompt (106 tokens) sent all its 7 blocks; the second (108 tokens) only the
+    # one its cached 96-token prefix (6 blocks) does not cover.
+    block_bytes = (middle - before) // 7
+    assert (middle - before) == 7 * block_bytes > 0
+    assert after - middle == block_bytes, "only the missing block is sent"
     assert_nothing_leaks(stack)
 
 

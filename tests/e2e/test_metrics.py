@@ -81,8 +81,9 @@ def test_every_service_exports_named_metrics_that_move_with_traffic(stack):
     sent = value(pf, "splitserve:kv_transfer_bytes_total")
     assert sent > 0 and value(before["prefill-0"], "splitserve:kv_transfer_bytes_total") == 0
     assert value(dc, "splitserve:kv_transfer_bytes_total") == sent
+    # The sender times each push; a one-sided NIXL write can't be timed by its target.
+    assert value(pf, "splitserve:kv_transfer_seconds_count") > 0
     for samples in (pf, dc):
-        assert value(samples, "splitserve:kv_transfer_seconds_count") > 0
         assert value(samples, "splitserve:kv_transfer_failures_total") == 0
         for name in ENGINE_SERIES:
             value(samples, name)

@@ -58,7 +58,9 @@ def test_chunked_prefill_reports_each_block_once_in_order_and_pins_it(tiny_model
     assert batches[-1].num_tokens == 100
     pinned = [block for b in batches for block in b.block_ids]
     assert engine.stats().num_pinned_blocks == 6
-    assert not engine.has_request("r"), "the finished prefill is forgotten once its KV is pinned"
+    assert engine.has_request("r"), "step hooks still see the finished prefill after its step"
+    engine.housekeeping()
+    assert not engine.has_request("r"), "then it is forgotten: its KV is pinned"
     engine.kv_connector.release("r", pinned[:3])
     engine.housekeeping()
     assert engine.stats().num_pinned_blocks == 3
@@ -121,3 +123,36 @@ def test_blocks_written_through_the_connector_decode_like_hf(tiny_models):
     while decode.has_unfinished_requests():
         outputs = decode.step()
     assert outputs[-1].outputs[0].token_ids == hf_greedy(model, tuple(prompt), 8)
+
+
+def test_prefilled_requests_queue_for_a_batch_slot_and_decode_like_hf(tiny_models):
+    model = tiny_models["llama"]
+    prefill = _engine(model)
+    decode = _engine(model, max_num_seqs=2)
+    prompts = random_prompts([20, 33, 47], prefill.model_config.vocab_size, seed=6)
+    for i, prompt in enumerate(prompts):
+        rid = f"r{i}"
+        outbox = _watch(prefill, prompt, rid)
+        first: list[SampledToken] = []
+        while prefill.has_unfinished_requests():
+            for out in prefill.step():
+                first = [SampledToken(t) for t in out.outputs[0].token_ids]
+        (batch,) = _drain(outbox)
+        region = prefill.kv_connector.region()
+        data = torch.empty((len(batch.block_ids), *region.tensor.shape[1:]), dtype=region.dtype)
+        prefill.kv_connector.read_blocks(batch.block_ids, data, batch)
+        prefill.kv_connector.unwatch(rid)
+        decode.kv_connector.write_blocks(decode.reserve(rid, prompt, GREEDY).block_ids, data)
+        decode.admit(rid, GREEDY, first)
+    stats = decode.stats()
+    assert (stats.num_requests_running, stats.num_requests_waiting) == (0, 3)
+    decode.step()
+    assert (decode.stats().num_requests_running, decode.stats().num_requests_waiting) == (2, 1)
+    done = {}
+    while decode.has_unfinished_requests():
+        for out in decode.step():
+            if out.finished:
+                done[out.request_id] = out.outputs[0].token_ids
+    for i, prompt in enumerate(prompts):
+        assert done[f"r{i}"] == hf_greedy(model, tuple(prompt), 8)
+    assert decode.stats().num_free_blocks == decode.stats().num_total_blocks

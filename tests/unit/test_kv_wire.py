@@ -1,116 +1,224 @@
-"""The KV wire format: pack/unpack round trips, header validation, CRC-32C."""
+"""The KV wire format of the gRPC transport: block-major payloads, headers, CRC-32C.
+
+A payload is whole pool blocks in `dst_block_ids` order, `[num_blocks, num_layers, 2, block_size,
+num_kv_heads, head_dim]` in C order with each element's raw bytes. These tests pin that byte
+order, bit-exact round trips through a real `KVConnector` for every supported dtype, every
+refusal of `validate_header` / `verify_payload` / `make_header` (each its own error class and a
+message naming the problem and the request), and the C CRC-32C against known vectors and a
+bitwise reference.
+"""
 
 from __future__ import annotations
 
 import random
 
+import numpy as np
 import pytest
 import torch
 
+from splitserve.engine.block_manager import BlockManager
+from splitserve.engine.errors import InvalidRequest
+from splitserve.engine.kv_cache import KVCache
+from splitserve.engine.kv_connector import KVConnector
 from splitserve.kv_transfer import wire
 from splitserve.kv_transfer.wire import (
     LAYOUT,
+    MAX_CHUNK_BYTES,
     BlockNotAllowedError,
     CacheLayout,
     ChecksumError,
     KVTransferError,
-    LayerRangeError,
     LayoutMismatchError,
     PayloadSizeError,
 )
 from splitserve.protos.v1 import kv_transfer_pb2
 
-NUM_LAYERS, NUM_BLOCKS, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM = 3, 12, 4, 2, 8
+NUM_BLOCKS, NUM_LAYERS, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM = 12, 3, 4, 2, 8
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
 
-def make_caches(dtype: torch.dtype, fill: str = "random") -> list[torch.Tensor]:
-    shape = (2, NUM_BLOCKS, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
-    if fill == "zeros":
-        return [torch.zeros(shape, dtype=dtype) for _ in range(NUM_LAYERS)]
-    return [torch.randn(shape).to(dtype) for _ in range(NUM_LAYERS)]
+def make_pool(dtype: torch.dtype, seed: int | None = 0) -> torch.Tensor:
+    """A block-major pool; with a seed, every element is random raw bits (NaN payloads, -0.0,
+    subnormals and infinities included), so only a byte-exact copy compares equal."""
+    shape = (NUM_BLOCKS, NUM_LAYERS, 2, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
+    if seed is None:
+        return torch.zeros(shape, dtype=dtype)
+    nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+    gen = torch.Generator().manual_seed(seed)
+    raw = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=gen)
+    return raw.view(dtype).view(shape)
 
 
-def slow_crc32c(data: bytes) -> int:
-    """Bit-at-a-time reference straight from the definition (reflected 0x1EDC6F41)."""
-    crc = 0xFFFFFFFF
-    for byte in data:
-        crc ^= byte
-        for _ in range(8):
-            crc = (crc >> 1) ^ (0x82F63B78 if crc & 1 else 0)
-    return crc ^ 0xFFFFFFFF
+def make_connector(pool: torch.Tensor) -> KVConnector:
+    return KVConnector(KVCache.over(pool), BlockManager(NUM_BLOCKS, BLOCK_SIZE), BLOCK_SIZE)
 
 
-def assert_blocks_equal(
-    dst: list[torch.Tensor], src: list[torch.Tensor], pairs: list[tuple[int, int]], layers: range
-) -> None:
-    for layer in layers:
-        for d, s in pairs:
-            # Bitwise comparison: equal as bytes, so NaN-free and signed zeros both count.
-            got = dst[layer][:, d].contiguous().view(torch.uint8)
-            want = src[layer][:, s].contiguous().view(torch.uint8)
-            assert torch.equal(got, want), (layer, d, s)
+def f32_layout() -> CacheLayout:
+    return CacheLayout(NUM_LAYERS, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, torch.float32)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-def test_pack_unpack_roundtrip_is_bit_exact_for_non_contiguous_blocks(dtype: torch.dtype) -> None:
-    src, dst = make_caches(dtype), make_caches(dtype, "zeros")
-    src_ids, dst_ids = [9, 2, 7, 3], [0, 11, 5, 6]
-    layout = CacheLayout.from_kv_caches(src)
-    payload = wire.pack_blocks(src, src_ids)
-    assert len(payload) == layout.payload_bytes(4, NUM_LAYERS)
-    header = wire.make_header("req", 1, layout, dst_ids, payload, 0, NUM_LAYERS, 13)
-    wire.unpack_into(dst, header, payload)
-    assert_blocks_equal(dst, src, list(zip(dst_ids, src_ids, strict=True)), range(NUM_LAYERS))
+def raw_bits(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(torch.uint8)
+
+
+# -- CacheLayout ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_cache_layout_of_an_engine_region_matches_the_pool(dtype: torch.dtype) -> None:
+    pool = make_pool(dtype, seed=None)
+    region = make_connector(pool).region()
+    layout = CacheLayout.of(region)
+    assert layout == CacheLayout(NUM_LAYERS, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, dtype)
+    assert layout.dtype_name == {torch.float32: "float32", torch.bfloat16: "bfloat16",
+                                 torch.float16: "float16"}[dtype]  # fmt: skip
+    assert wire.DTYPES[layout.dtype_name] is dtype
+    assert layout.block_shape == tuple(pool.shape[1:])
+    # A block is one contiguous run of the pool: the same size the engine and the region report.
+    assert layout.block_bytes == region.block_bytes == pool[0].numel() * pool.element_size()
+    assert layout.payload_bytes(5) == 5 * layout.block_bytes
+    assert layout.payload_bytes(0) == 0
+
+
+def test_wire_constants() -> None:
+    assert LAYOUT == "block,layer,kv,slot,head,dim"
+    assert MAX_CHUNK_BYTES == 4 * 1024 * 1024
+    assert set(wire.DTYPES) == {"float32", "float16", "bfloat16"}
+
+
+@pytest.mark.parametrize("field", ["num_layers", "block_size", "num_kv_heads", "head_dim"])
+def test_cache_layout_refuses_a_non_positive_dimension(field: str) -> None:
+    args = {"num_layers": 2, "block_size": 4, "num_kv_heads": 2, "head_dim": 8}
+    args[field] = 0
+    with pytest.raises(ValueError, match=f"{field} must be positive, got 0"):
+        CacheLayout(**args, dtype=torch.float32)
+
+
+@pytest.mark.parametrize("dtype", [torch.int8, torch.float64, torch.uint8])
+def test_cache_layout_refuses_an_unsupported_dtype(dtype: torch.dtype) -> None:
+    with pytest.raises(ValueError, match="unsupported KV dtype"):
+        CacheLayout(1, 1, 1, 1, dtype)
+
+
+# -- payload bytes -------------------------------------------------------------------------------
+
+
+def test_payload_is_block_major_with_each_blocks_layers_keys_then_values() -> None:
+    pool = make_pool(torch.float32)
+    layout = CacheLayout.of(make_connector(pool).region())
+    ids = [7, 2, 10]
+    payload = pool.index_select(0, torch.tensor(ids)).contiguous().view(torch.uint8).reshape(-1)
+    assert payload.numel() == layout.payload_bytes(len(ids))
+    slab = BLOCK_SIZE * NUM_KV_HEADS * HEAD_DIM * 4  # one layer's keys (or values) of a block
+    for i, block in enumerate(ids):
+        for layer in range(NUM_LAYERS):
+            for kv in range(2):
+                start = i * layout.block_bytes + (2 * layer + kv) * slab
+                got = payload[start : start + slab]
+                assert torch.equal(got, raw_bits(pool[block, layer, kv]).reshape(-1))
+
+
+def test_elements_travel_little_endian_as_raw_bits() -> None:
+    layout = CacheLayout(1, 1, 1, 1, torch.bfloat16)
+    block = torch.tensor([1.0, -2.0], dtype=torch.bfloat16)  # one block: K and V
+    assert bytes(block.view(torch.uint8).numpy()) == b"\x80\x3f\x00\xc0"
+    assert wire.as_blocks(block.view(torch.uint8), layout).view(-1).tolist() == [1.0, -2.0]
+    f32 = CacheLayout(1, 1, 1, 1, torch.float32)
+    payload = torch.frombuffer(bytearray(b"\x00\x00\x80\x3f\x00\x00\x00\x00"), dtype=torch.uint8)
+    assert wire.as_blocks(payload, f32).view(-1).tolist() == [1.0, 0.0]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_as_blocks_is_a_zero_copy_view_of_the_payload(dtype: torch.dtype) -> None:
+    layout = CacheLayout(NUM_LAYERS, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, dtype)
+    payload = torch.zeros(layout.payload_bytes(3), dtype=torch.uint8)
+    blocks = wire.as_blocks(payload, layout)
+    assert blocks.shape == (3, *layout.block_shape)
+    assert blocks.dtype is dtype
+    assert blocks.data_ptr() == payload.data_ptr()
+    blocks[1, 2, 1, 3, 1, 7] = 1.0  # writes through to the payload bytes
+    assert payload.any()
+    empty = wire.as_blocks(torch.zeros(0, dtype=torch.uint8), layout)
+    assert empty.shape == (0, *layout.block_shape)
+
+
+def test_as_blocks_refuses_a_payload_that_is_not_whole_blocks() -> None:
+    layout = f32_layout()
+    with pytest.raises(RuntimeError):
+        wire.as_blocks(torch.zeros(layout.block_bytes + 4, dtype=torch.uint8), layout)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_connector_round_trip_is_bit_exact_into_shuffled_blocks(dtype: torch.dtype) -> None:
+    """What the transport does end to end, minus the network: read the source blocks into a
+    payload, describe it, validate and verify it on the other side, land it."""
+    src_pool, dst_pool = make_pool(dtype, seed=1), make_pool(dtype, seed=None)
+    sender, receiver = make_connector(src_pool), make_connector(dst_pool)
+    layout = CacheLayout.of(sender.region())
+    src_ids, dst_ids = [9, 2, 7, 3, 11], [0, 10, 5, 6, 1]
+
+    buf = torch.empty(layout.payload_bytes(len(src_ids)), dtype=torch.uint8)
+    sender.read_blocks(src_ids, wire.as_blocks(buf, layout))
+    payload = buf.numpy()
+    header = wire.make_header("req", 4, layout, dst_ids, payload.nbytes, wire.crc32c(payload), 20)
+
+    wire.validate_header(header, CacheLayout.of(receiver.region()), NUM_BLOCKS, set(dst_ids))
+    wire.verify_payload(header, payload)
+    receiver.write_blocks(list(header.dst_block_ids), wire.as_blocks(buf, layout))
+
+    for d, s in zip(dst_ids, src_ids, strict=True):
+        assert torch.equal(raw_bits(dst_pool[d]), raw_bits(src_pool[s])), (d, s)
     untouched = [b for b in range(NUM_BLOCKS) if b not in dst_ids]
-    assert all(not c[:, untouched].any() for c in dst)
+    assert not raw_bits(dst_pool[untouched]).any()
+    assert torch.equal(raw_bits(src_pool), raw_bits(make_pool(dtype, seed=1)))  # read-only
 
 
-def test_payload_is_layer_kv_block_ordered() -> None:
-    src = make_caches(torch.float32)
-    payload = wire.pack_blocks(src, [4, 1])
-    flat = torch.frombuffer(bytearray(payload), dtype=torch.float32)
-    expected = torch.stack([torch.stack([c[0, [4, 1]], c[1, [4, 1]]]) for c in src])
-    assert torch.equal(flat, expected.reshape(-1))
+# -- make_header ---------------------------------------------------------------------------------
 
 
-def test_layer_range_lands_only_in_those_layers() -> None:
-    src, dst = make_caches(torch.bfloat16), make_caches(torch.bfloat16, "zeros")
-    layout = CacheLayout.from_kv_caches(src)
-    payload = wire.pack_blocks(src, [5, 8], layer_start=1, layer_end=3)
-    assert len(payload) == layout.payload_bytes(2, 2)
-    header = wire.make_header("req", 1, layout, [2, 3], payload, 1, 3, 8)
-    wire.unpack_into(dst, header, payload)
-    assert_blocks_equal(dst, src, [(2, 5), (3, 8)], range(1, 3))
-    assert not dst[0].any()
+def test_make_header_describes_the_payload_for_the_receiver() -> None:
+    layout = CacheLayout(NUM_LAYERS, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, torch.bfloat16)
+    size = layout.payload_bytes(3)
+    header = wire.make_header("req-1", 2**40, layout, (8, 1, 5), size, 0xDEADBEEF, 37)
+    assert isinstance(header, kv_transfer_pb2.KVTransferHeader)
+    assert header.request_id == "req-1"
+    assert header.fence == 2**40
+    assert header.layout == LAYOUT
+    assert header.dtype == "bfloat16"
+    assert (header.block_size, header.num_kv_heads, header.head_dim) == (4, 2, 8)
+    assert (header.layer_start, header.layer_end) == (0, NUM_LAYERS)
+    assert list(header.dst_block_ids) == [8, 1, 5]
+    assert header.payload_bytes == size
+    assert header.crc32c == 0xDEADBEEF
+    assert header.num_tokens_after == 37
+    # What make_header writes, validate_header accepts (and the header survives the wire).
+    again = kv_transfer_pb2.KVTransferHeader.FromString(header.SerializeToString())
+    wire.validate_header(again, layout, NUM_BLOCKS, {1, 5, 8})
 
 
-def test_empty_block_list_is_an_empty_payload() -> None:
-    src, dst = make_caches(torch.float16), make_caches(torch.float16, "zeros")
-    payload = wire.pack_blocks(src, [])
-    assert payload == b""
-    header = wire.make_header("req", 1, CacheLayout.from_kv_caches(src), [], payload, 0, 3, 0)
-    wire.unpack_into(dst, header, payload)
-    assert all(not c.any() for c in dst)
+@pytest.mark.parametrize("payload_bytes", [0, 1, 1535, 1537, 3 * 1536])
+def test_make_header_refuses_a_payload_size_that_is_not_the_blocks(payload_bytes: int) -> None:
+    layout = f32_layout()  # 1536 bytes a block
+    assert layout.block_bytes == 1536
+    message = f"payload is {payload_bytes} bytes; 2 blocks are 3072"
+    with pytest.raises(PayloadSizeError, match=message):
+        wire.make_header("r", 1, layout, [1, 2], payload_bytes, 0, 8)
 
 
-@pytest.mark.parametrize(
-    ("kwargs", "error"),
-    [
-        ({"block_ids": [NUM_BLOCKS]}, BlockNotAllowedError),
-        ({"layer_start": 2, "layer_end": 2}, LayerRangeError),
-        ({"layer_end": NUM_LAYERS + 1}, LayerRangeError),
-    ],
-)
-def test_pack_refuses_bad_blocks_and_layers(kwargs: dict, error: type[Exception]) -> None:
-    args = {"block_ids": [0, 1], **kwargs}
-    with pytest.raises(error):
-        wire.pack_blocks(make_caches(torch.float32), **args)
+def test_an_empty_push_is_an_empty_payload() -> None:
+    layout = f32_layout()
+    header = wire.make_header("req", 1, layout, [], 0, wire.crc32c(b""), 0)
+    wire.validate_header(header, layout, NUM_BLOCKS, frozenset())
+    wire.verify_payload(header, b"")
+    assert header.crc32c == 0
+
+
+# -- validate_header -----------------------------------------------------------------------------
 
 
 def good_header(**overrides: object) -> kv_transfer_pb2.KVTransferHeader:
-    layout = CacheLayout(NUM_LAYERS, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, torch.float32)
-    payload = bytes(layout.payload_bytes(2, NUM_LAYERS))
-    header = wire.make_header("req-7", 3, layout, [4, 5], payload, 0, NUM_LAYERS, 8)
+    layout = f32_layout()
+    header = wire.make_header("req-7", 3, layout, [4, 5], layout.payload_bytes(2), 0, 8)
     for field, value in overrides.items():
         if field == "dst_block_ids":
             del header.dst_block_ids[:]
@@ -121,118 +229,214 @@ def good_header(**overrides: object) -> kv_transfer_pb2.KVTransferHeader:
 
 
 BAD_HEADERS = [
-    ({"layout": "block,layer,kv"}, LayoutMismatchError, "unknown payload layout"),
-    ({"dtype": "bfloat16"}, LayoutMismatchError, "dtype 'bfloat16'"),
-    ({"dtype": "int8"}, LayoutMismatchError, "dtype 'int8'"),
-    ({"block_size": 16}, LayoutMismatchError, "block_size 16"),
-    ({"num_kv_heads": 4}, LayoutMismatchError, "num_kv_heads 4"),
-    ({"head_dim": 64}, LayoutMismatchError, "head_dim 64"),
-    ({"layer_start": 2, "layer_end": 2}, LayerRangeError, "bad layer range [2, 2)"),
-    ({"layer_start": 3, "layer_end": 1}, LayerRangeError, "bad layer range"),
-    ({"layer_end": NUM_LAYERS + 1}, LayerRangeError, "for 3 layers"),
-    ({"dst_block_ids": [4, 9]}, BlockNotAllowedError, "[9] are not reserved"),
-    ({"dst_block_ids": [4, 4]}, BlockNotAllowedError, "repeated"),
-    ({"payload_bytes": 1}, PayloadSizeError, "payload_bytes 1"),
-]
+    # (overrides, error class, what the message must say)
+    ({"layout": "layer,kv,block,slot,head,dim"}, LayoutMismatchError,
+     "unknown payload layout 'layer,kv,block,slot,head,dim'; "
+     "expected 'block,layer,kv,slot,head,dim'"),
+    ({"layout": ""}, LayoutMismatchError, "unknown payload layout ''"),
+    ({"dtype": "bfloat16"}, LayoutMismatchError,
+     "dtype 'bfloat16' does not match the receiver's 'float32'"),
+    ({"dtype": "int8"}, LayoutMismatchError, "dtype 'int8' does not match"),
+    ({"dtype": ""}, LayoutMismatchError, "dtype '' does not match"),
+    ({"block_size": 16}, LayoutMismatchError, "block_size 16 does not match the receiver's 4"),
+    ({"num_kv_heads": 4}, LayoutMismatchError, "num_kv_heads 4 does not match the receiver's 2"),
+    ({"head_dim": 64}, LayoutMismatchError, "head_dim 64 does not match the receiver's 8"),
+    ({"layer_start": 1}, LayoutMismatchError,
+     "layers [1, 3) but a block carries all 3 layers"),
+    ({"layer_end": 2}, LayoutMismatchError, "layers [0, 2) but a block carries all 3 layers"),
+    ({"layer_end": 4}, LayoutMismatchError, "layers [0, 4) but a block carries all 3 layers"),
+    ({"layer_start": 3, "layer_end": 1}, LayoutMismatchError, "layers [3, 1)"),
+    ({"dst_block_ids": [4, 4]}, BlockNotAllowedError, "repeated destination blocks in [4, 4]"),
+    ({"dst_block_ids": [4, NUM_BLOCKS]}, BlockNotAllowedError,
+     f"destination blocks [{NUM_BLOCKS}] are outside the pool's {NUM_BLOCKS}"),
+    ({"dst_block_ids": [4, 9]}, BlockNotAllowedError,
+     "destination blocks [9] are not reserved for this request"),
+    ({"dst_block_ids": [3, 5]}, BlockNotAllowedError, "[3] are not reserved"),
+    ({"payload_bytes": 1}, PayloadSizeError, "payload_bytes 1 but 2 blocks are 3072"),
+    ({"payload_bytes": 3 * 1536}, PayloadSizeError, "payload_bytes 4608 but 2 blocks are 3072"),
+    ({"payload_bytes": 0}, PayloadSizeError, "payload_bytes 0 but 2 blocks are 3072"),
+]  # fmt: skip
 
 
 @pytest.mark.parametrize(("overrides", "error", "message"), BAD_HEADERS)
 def test_validate_header_refuses_with_a_clear_message(
     overrides: dict, error: type[KVTransferError], message: str
 ) -> None:
-    layout = CacheLayout(NUM_LAYERS, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, torch.float32)
-    with pytest.raises(error, match=message.replace("[", r"\[").replace(")", r"\)")) as info:
-        wire.validate_header(good_header(**overrides), layout, allowed_block_ids={4, 5, 6})
+    with pytest.raises(error) as info:
+        wire.validate_header(good_header(**overrides), f32_layout(), NUM_BLOCKS, {4, 5, 6})
+    assert message in str(info.value)
+    assert str(info.value).startswith("req-7: ")  # names the request
+    # Every refusal is the caller's bad input: INVALID_ARGUMENT.
+    assert isinstance(info.value, KVTransferError)
+    assert isinstance(info.value, InvalidRequest)
     assert isinstance(info.value, ValueError)
-    assert "req-7" in str(info.value)
+    assert info.value.status == "INVALID_ARGUMENT"
 
 
-def test_validate_header_accepts_a_good_header_and_any_blocks_when_unrestricted() -> None:
-    layout = CacheLayout(NUM_LAYERS, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, torch.float32)
-    wire.validate_header(good_header(), layout, allowed_block_ids=[4, 5])
-    wire.validate_header(good_header(), layout, allowed_block_ids=None)
+def test_validate_header_accepts_a_good_header_whatever_collection_holds_the_reservation() -> None:
+    layout = f32_layout()
+    for allowed in ([4, 5], {4, 5, 6}, frozenset({5, 4}), range(12), None):
+        wire.validate_header(good_header(), layout, NUM_BLOCKS, allowed)
 
 
-def test_make_header_refuses_a_payload_of_the_wrong_size() -> None:
-    layout = CacheLayout(NUM_LAYERS, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, torch.float32)
-    with pytest.raises(PayloadSizeError):
-        wire.make_header("r", 1, layout, [1, 2], b"\0" * 10, 0, NUM_LAYERS, 8)
+def test_validate_header_without_a_reservation_still_refuses_blocks_outside_the_pool() -> None:
+    layout = f32_layout()
+    wire.validate_header(good_header(dst_block_ids=[0, NUM_BLOCKS - 1]), layout, NUM_BLOCKS, None)
+    with pytest.raises(BlockNotAllowedError, match=r"\[12, 40\] are outside the pool's 12"):
+        wire.validate_header(good_header(dst_block_ids=[40, 12]), layout, NUM_BLOCKS, None)
 
 
-def test_corrupted_payload_raises_checksum_error_and_leaves_caches_untouched() -> None:
-    src, dst = make_caches(torch.bfloat16), make_caches(torch.bfloat16)
-    before = [c.clone() for c in dst]
-    layout = CacheLayout.from_kv_caches(src)
-    payload = bytearray(wire.pack_blocks(src, [1, 2, 3]))
-    header = wire.make_header("req", 1, layout, [4, 5, 6], payload, 0, NUM_LAYERS, 12)
-    payload[len(payload) // 2] ^= 0x01
+def test_an_out_of_pool_block_is_named_as_such_even_when_also_unreserved() -> None:
+    with pytest.raises(BlockNotAllowedError, match="outside the pool"):
+        wire.validate_header(good_header(dst_block_ids=[4, 99]), f32_layout(), NUM_BLOCKS, {4})
+
+
+# -- verify_payload ------------------------------------------------------------------------------
+
+
+def header_for(payload: bytes) -> kv_transfer_pb2.KVTransferHeader:
+    layout = f32_layout()
+    num_blocks = len(payload) // layout.block_bytes
+    return wire.make_header(
+        "req-9", 1, layout, list(range(num_blocks)), len(payload), wire.crc32c(payload), 4
+    )
+
+
+def random_payload(num_blocks: int, seed: int = 0) -> bytes:
+    return random.Random(seed).randbytes(f32_layout().payload_bytes(num_blocks))
+
+
+def test_verify_payload_accepts_the_payload_in_any_buffer_type() -> None:
+    payload = random_payload(2)
+    header = header_for(payload)
+    arr = np.frombuffer(payload, dtype=np.uint8)
+    for buf in (
+        payload,
+        bytearray(payload),
+        memoryview(payload),
+        arr,
+        arr.view(np.float32),
+        torch.frombuffer(bytearray(payload), dtype=torch.uint8).numpy(),
+    ):
+        wire.verify_payload(header, buf)
+
+
+@pytest.mark.parametrize("delta", [-1, 1, -1536])
+def test_verify_payload_refuses_a_payload_of_another_size(delta: int) -> None:
+    payload = random_payload(2)
+    header = header_for(payload)
+    wrong = payload[:delta] if delta < 0 else payload + b"\0" * delta
+    message = f"req-9: payload is {len(wrong)} bytes, header declares 3072"
+    with pytest.raises(PayloadSizeError, match=message):
+        wire.verify_payload(header, wrong)
+
+
+def test_verify_payload_refuses_a_flipped_byte_naming_both_checksums() -> None:
+    payload = random_payload(2)
+    header = header_for(payload)
+    corrupted = bytearray(payload)
+    corrupted[len(corrupted) // 3] ^= 0x40
+    actual = wire.crc32c(corrupted)
+    with pytest.raises(ChecksumError) as info:
+        wire.verify_payload(header, corrupted)
+    message = str(info.value)
+    assert "req-9: checksum mismatch" in message
+    assert f"payload CRC-32C {actual:#010x}" in message
+    assert f"header {header.crc32c:#010x}" in message
+    assert info.value.status == "INVALID_ARGUMENT"
+
+
+def test_verify_payload_refuses_a_wrong_checksum_in_the_header() -> None:
+    payload = random_payload(1)
+    header = header_for(payload)
+    header.crc32c ^= 1
     with pytest.raises(ChecksumError, match="checksum mismatch"):
-        wire.unpack_into(dst, header, payload)
-    with pytest.raises(PayloadSizeError):
-        wire.unpack_into(dst, header, payload[:-1])
-    assert all(torch.equal(a, b) for a, b in zip(dst, before, strict=True))
+        wire.verify_payload(header, payload)
 
 
-def test_unpack_refuses_blocks_outside_the_cache_and_a_foreign_geometry() -> None:
-    src = make_caches(torch.float32)
-    layout = CacheLayout.from_kv_caches(src)
-    payload = wire.pack_blocks(src, [0])
-    header = wire.make_header("req", 1, layout, [NUM_BLOCKS], payload, 0, NUM_LAYERS, 4)
-    with pytest.raises(BlockNotAllowedError, match="outside the cache"):
-        wire.unpack_into(make_caches(torch.float32), header, payload)
-    with pytest.raises(LayoutMismatchError):
-        wire.unpack_into(make_caches(torch.float16), header, payload)
+def test_every_single_bit_flip_of_a_block_is_caught() -> None:
+    payload = random_payload(1, seed=3)  # 1536 bytes: 12288 single-bit errors
+    header = header_for(payload)
+    corrupted = bytearray(payload)
+    for i in range(len(payload)):
+        for bit in range(8):
+            corrupted[i] ^= 1 << bit
+            assert wire.crc32c(corrupted) != header.crc32c, (i, bit)
+            corrupted[i] ^= 1 << bit
+    wire.verify_payload(header, corrupted)  # restored
 
 
-def test_crc32c_known_vectors() -> None:
-    assert wire.crc32c(b"123456789") == 0xE3069283
-    assert wire.crc32c(b"") == 0
-    assert wire.crc32c(bytes(32)) == 0x8A9136AA  # RFC 3720 B.4
-    assert wire.crc32c(b"\xff" * 32) == 0x62A8AB43
-    assert wire.crc32c(bytes(range(32))) == 0x46DD794E
+# -- CRC-32C -------------------------------------------------------------------------------------
+
+
+def bitwise_crc32c(data: bytes) -> int:
+    """Bit-at-a-time reference straight from the definition (reflected 0x1EDC6F41)."""
+    crc = 0xFFFFFFFF
+    for byte in data:
+        crc ^= byte
+        for _ in range(8):
+            crc = (crc >> 1) ^ (0x82F63B78 if crc & 1 else 0)
+    return crc ^ 0xFFFFFFFF
 
 
 def table_crc32c(data: bytes) -> int:
-    """Byte-table CRC (no lanes): fast enough for megabytes, pinned to `slow_crc32c` below."""
-    table = [slow_crc32c(bytes([b])) ^ slow_crc32c(b"\0") for b in range(256)]
+    """Byte-table CRC: fast enough for a megabyte; its table is built from `bitwise_crc32c`."""
+    table = [bitwise_crc32c(bytes([b])) ^ bitwise_crc32c(b"\0") for b in range(256)]
     crc = 0xFFFFFFFF
     for byte in data:
         crc = table[(crc ^ byte) & 0xFF] ^ (crc >> 8)
     return crc ^ 0xFFFFFFFF
 
 
-@pytest.mark.parametrize("size", [1, 3, 15, 16, 63, 64, 65, 255, 256, 1024, 4099])
-def test_crc32c_matches_the_bitwise_reference_on_random_data(size: int) -> None:
+def test_crc32c_known_vectors() -> None:
+    assert wire.crc32c(b"123456789") == 0xE3069283  # the CRC catalogue's check value
+    assert wire.crc32c(b"") == 0
+    # RFC 3720 (iSCSI) appendix B.4
+    assert wire.crc32c(bytes(32)) == 0x8A9136AA
+    assert wire.crc32c(b"\xff" * 32) == 0x62A8AB43
+    assert wire.crc32c(bytes(range(32))) == 0x46DD794E
+    assert wire.crc32c(bytes(range(31, -1, -1))) == 0x113FDB5C
+    assert bitwise_crc32c(b"123456789") == 0xE3069283  # the reference is the right CRC
+
+
+@pytest.mark.parametrize("size", [1, 3, 7, 15, 17, 31, 63, 65, 127, 255, 257, 1023, 4099])
+def test_crc32c_matches_the_bitwise_reference_on_random_data_of_odd_sizes(size: int) -> None:
     data = random.Random(size).randbytes(size)
-    expected = slow_crc32c(data)
-    assert wire.crc32c(data) == expected == table_crc32c(data)
-    assert wire.crc32c(memoryview(bytearray(data))) == expected
+    assert wire.crc32c(data) == bitwise_crc32c(data)
 
 
-@pytest.mark.parametrize("size", [65536 + 7, 1 << 18, (1 << 20) + 13, (4 << 20) + 5])
+@pytest.mark.parametrize("size", [65536 + 7, (1 << 20) + 13])
 def test_crc32c_matches_the_table_reference_on_large_buffers(size: int) -> None:
-    # Large sizes take the widest lanes and every recursion level, with odd tails.
     data = random.Random(size).randbytes(size)
     assert wire.crc32c(data) == table_crc32c(data)
 
 
-def test_split_payload_covers_the_payload_in_bounded_chunks() -> None:
-    payload = bytes(range(256)) * 41
-    chunks = list(wire.split_payload(payload, max_chunk=1000))
-    assert [len(c) for c in chunks] == [1000] * 10 + [496]
-    assert b"".join(chunks) == payload
-    assert list(wire.split_payload(b"")) == []
-    with pytest.raises(ValueError):
-        list(wire.split_payload(payload, max_chunk=0))
+def test_crc32c_accepts_every_buffer_type_without_copying_errors() -> None:
+    data = random.Random(5).randbytes(4096 + 3)
+    expected = bitwise_crc32c(data)
+    arr = np.frombuffer(data, dtype=np.uint8)
+    backing = bytearray(b"xyz" + data + b"!")
+    buffers = {
+        "bytes": data,
+        "bytearray": bytearray(data),
+        "memoryview": memoryview(data),
+        "memoryview of a slice": memoryview(backing)[3:-1],
+        "read-only numpy": arr,
+        "writable numpy": arr.copy(),
+        "numpy slice": np.frombuffer(backing, dtype=np.uint8)[3:-1],
+        "torch tensor's numpy": torch.frombuffer(bytearray(data), dtype=torch.uint8).numpy(),
+    }
+    for name, buf in buffers.items():
+        value = wire.crc32c(buf)
+        assert type(value) is int, name
+        assert value == expected, name
 
 
-def test_cache_layout_from_kv_caches_and_its_checks() -> None:
-    layout = CacheLayout.from_kv_caches(make_caches(torch.bfloat16))
-    assert layout == CacheLayout(NUM_LAYERS, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, torch.bfloat16)
-    assert layout.dtype_name == "bfloat16"
-    assert layout.block_bytes == BLOCK_SIZE * NUM_KV_HEADS * HEAD_DIM * 2
-    assert LAYOUT == "layer,kv,block,slot,head,dim"
-    with pytest.raises(ValueError, match="unsupported KV dtype"):
-        CacheLayout(1, 1, 1, 1, torch.int8)
-    with pytest.raises(ValueError, match="differs"):
-        CacheLayout.from_kv_caches([torch.zeros(2, 4, 4, 2, 8), torch.zeros(2, 5, 4, 2, 8)])
+def test_crc32c_of_multibyte_elements_is_the_crc_of_their_bytes() -> None:
+    data = random.Random(6).randbytes(4 * 1000)
+    expected = bitwise_crc32c(data)
+    assert wire.crc32c(np.frombuffer(data, dtype=np.float32)) == expected
+    assert wire.crc32c(np.frombuffer(data, dtype=np.uint16).reshape(40, 50)) == expected
+    assert wire.crc32c(memoryview(data).cast("I")) == expected
+    bf16 = torch.frombuffer(bytearray(data), dtype=torch.bfloat16)
+    assert wire.crc32c(bf16.view(torch.uint8).numpy()) == expected

@@ -1,0 +1,121 @@
+"""A decode worker (a real process, real Redis) refuses KV from a writer that does not hold the
+reservation, over each transport: a stale fence and an unknown request are refused, the request
+is never admitted with that KV (Decode fails FAILED_PRECONDITION at once, not after a timeout),
+and nothing is left behind. A rogue sender here is a real transport over its own pool."""
+
+from __future__ import annotations
+
+import time
+
+import grpc
+import pytest
+import torch
+
+from splitserve.engine import SamplingParams
+from splitserve.engine.block_manager import BlockManager
+from splitserve.engine.kv_cache import KVCache
+from splitserve.engine.kv_connector import KVConnector
+from splitserve.engine.model_config import ModelConfig
+from splitserve.kv_transfer.registry import Registry
+from splitserve.kv_transfer.transport import Peer, Push, TransferError, transport_kind
+from splitserve.protos import convert
+from splitserve.protos.v1 import common_pb2, worker_pb2, worker_pb2_grpc
+from tests.e2e.harness import assert_nothing_leaks, running_stack, workers
+
+GREEDY = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+PROMPT = list(range(10, 60))  # 50 tokens: 4 blocks of 16
+
+
+@pytest.fixture(scope="module", params=["nixl", "grpc"])
+def setup(tiny_models, request):
+    model = tiny_models["llama"]
+    with running_stack(model, prefill=1, decode=1, kv_transport=request.param) as stack:
+        (decode,) = [w for w in workers(stack) if w.kind == "decode"]
+        cfg = ModelConfig.from_pretrained(model)
+        pool = torch.randn(64, cfg.num_layers, 2, 16, cfg.num_kv_heads, cfg.head_dim)
+        connector = KVConnector(KVCache.over(pool), BlockManager(64, 16), 16)
+        sender = transport_kind(request.param).sender(connector, "rogue")
+        registry = Registry(stack.redis_url)
+        endpoint = registry.kv_endpoint(decode.worker_id) or {}
+        peer = Peer(decode.worker_id, decode.address, endpoint)
+        channel = grpc.insecure_channel(decode.address)
+        try:
+            yield stack, worker_pb2_grpc.DecodeWorkerStub(channel), sender, peer
+        finally:
+            channel.close()
+            sender.close()
+            registry.close()
+
+
+def _reserve(stub, request_id: str) -> worker_pb2.KVDestination:
+    reply = stub.Reserve(
+        worker_pb2.ReserveRequest(
+            request_id=request_id,
+            prompt_token_ids=PROMPT,
+            sampling=convert.sampling_to_proto(GREEDY),
+        ),
+        timeout=10,
+    )
+    return reply.destination
+
+
+def _decode(stub, request_id: str) -> grpc.RpcError:
+    """Decode with a first token: it must be refused, and quickly."""
+    started = time.monotonic()
+    with pytest.raises(grpc.RpcError) as err:
+        list(
+            stub.Decode(
+                worker_pb2.DecodeRequest(
+                    request_id=request_id,
+                    sampling=convert.sampling_to_proto(GREEDY),
+                    first_tokens=[worker_pb2.FirstToken(index=0, token_id=7)],
+                ),
+                timeout=30,
+            )
+        )
+    assert time.monotonic() - started < 10, "a refused push fails Decode at once"
+    return err.value
+
+
+def _push(sender, peer, request_id: str, fence: int, dst) -> TransferError | None:
+    """The push's refusal when the transport is two-sided (gRPC), else None (a one-sided NIXL
+    write lands and the receiver refuses its notification)."""
+    src = tuple(range(len(dst)))
+    try:
+        sender.push(peer, Push(request_id, fence, src, tuple(dst), len(PROMPT)), timeout_s=10)
+    except TransferError as exc:
+        return exc
+    return None
+
+
+def _abort(stub, request_id: str) -> None:
+    stub.Abort(common_pb2.AbortRequest(request_id=request_id), timeout=10)
+
+
+def test_a_stale_fence_is_refused_and_the_request_never_admitted(setup):
+    stack, stub, sender, peer = setup
+    dest = _reserve(stub, "stale-1")
+    refused = _push(sender, peer, "stale-1", dest.fence + 1, dest.block_ids)
+    if sender.name == "grpc":
+        assert refused is not None and refused.status == "FAILED_PRECONDITION"
+        assert "stale fencing token" in str(refused)
+        _abort(stub, "stale-1")
+    else:
+        assert refused is None
+        err = _decode(stub, "stale-1")
+        assert err.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert "incomplete" in err.details() and "stale fencing token" in err.details()
+    assert_nothing_leaks(stack)
+
+
+def test_a_push_for_an_unknown_request_is_refused(setup):
+    stack, stub, sender, peer = setup
+    dest = _reserve(stub, "known-1")  # real blocks to aim at, under another request's id
+    refused = _push(sender, peer, "unknown-1", dest.fence, dest.block_ids)
+    if sender.name == "grpc":
+        assert refused is not None and refused.status == "NOT_FOUND"
+    else:
+        assert refused is None  # landed one-sided; the notification is refused
+    assert _decode(stub, "unknown-1").code() == grpc.StatusCode.NOT_FOUND
+    _abort(stub, "known-1")
+    assert_nothing_leaks(stack)
