@@ -7,8 +7,11 @@
 #   OUT=/tmp/results bash bench/device.sh throughput
 #
 # Steps:
+#   setup           install carried wheels (.whl/*.whl) and an unpacked NIXL (.nixl/site.tgz)
+#                   into /tmp, for hosts that can't reach a package index
 #   info            versions, GPUs, clocks
 #   kernel-tests    tests/kernels on the GPU            parity       engine vs HF in bf16
+#   cache-tests     the kernels that read or write the paged KV cache
 #   kernels         bench/kernels.py (decode/prefill attention against copy bandwidth)
 #   roofline        bench/decode_roofline.py (batch 1 and 8, PDL off and on)
 #   throughput      bench/offline_throughput.py (Qwen3-0.6B and Llama-3-8B shapes)
@@ -37,6 +40,13 @@ pytest_q() { python3 -m pytest -q -p no:cacheprovider "$@"; }
 
 for step in "$@"; do
   case "$step" in
+    setup)
+      if ls .whl/*.whl >/dev/null 2>&1; then
+        python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
+      fi
+      if [ -f .nixl/site.tgz ]; then mkdir -p /tmp/nixl && tar xzf .nixl/site.tgz -C /tmp/nixl; fi
+      export PYTHONPATH=$PYTHONPATH:/tmp/site:/tmp/nixl
+      python3 -c 'import nixl_cu13, crc32c, opentelemetry; print("setup ok")' ;;
     info)
       python3 -c 'import torch, triton, transformers; print("torch", torch.__version__,
 "triton", triton.__version__, "transformers", transformers.__version__,
@@ -44,6 +54,10 @@ for step in "$@"; do
       nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.max.sm --format=csv,noheader
       nvidia-smi topo -m 2>/dev/null | head -5 ;;
     kernel-tests) run kernel_tests 4 pytest_q tests/kernels ;;
+    cache-tests)
+      run cache_tests 4 pytest_q tests/kernels/test_kv_cache_write.py \
+        tests/kernels/test_rotary_write_kv.py tests/kernels/test_decode_attention.py \
+        tests/kernels/test_prefill_attention.py tests/kernels/test_triton_backend.py ;;
     parity) run parity 12 pytest_q -s tests/engine/test_gpu_parity.py ;;
     kernels) run kernels 30 python3 -m bench.kernels --out "$OUT/kernels.json" ;;
     roofline) run roofline 12 python3 -m bench.decode_roofline --pdl both --out "$OUT/roofline.json" ;;
