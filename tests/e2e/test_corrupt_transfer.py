@@ -25,12 +25,12 @@ class CorruptingSender(GrpcKVSender):
 
     enabled = True
 
-    def _send(self, address, header, payload, timeout_s) -> PushResult:
+    def _send(self, address, header, payload, timeout_s, *args) -> PushResult:
         if self.enabled:
             damaged = bytearray(payload)
             damaged[len(damaged) // 2] ^= 0xFF
             payload = memoryview(damaged)
-        return super()._send(address, header, payload, timeout_s)
+        return super()._send(address, header, payload, timeout_s, *args)
 
 
 def _stats(address: str, stub_cls) -> worker_pb2.WorkerStats:

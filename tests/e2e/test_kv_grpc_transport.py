@@ -321,13 +321,14 @@ class CorruptingSender(GrpcKVSender):
         header: kv_transfer_pb2.KVTransferHeader,
         payload: memoryview,
         timeout_s: float,
+        *args,
     ) -> PushResult:
         if self.corrupt_next:
             self.corrupt_next = False
             copy = bytearray(payload)
             copy[len(copy) // 3] ^= 0x40
             payload = memoryview(copy)
-        return super()._send(address, header, payload, timeout_s)
+        return super()._send(address, header, payload, timeout_s, *args)
 
 
 def test_a_corrupted_payload_is_refused_and_the_same_server_then_accepts_a_good_push(
@@ -474,6 +475,24 @@ def test_malformed_streams_are_refused_with_invalid_argument(
     assert isinstance(response, kv_transfer_pb2.PushBlocksResponse), response
     assert (response.num_blocks, response.num_bytes) == (2, len(payload))
     assert_landed(receiver, src_pool, [0, 1], [8, 2])
+    assert res.complete
+
+
+def test_a_large_push_goes_as_parallel_streams_that_together_land_every_block(
+    receiver: Receiver, src_pool: torch.Tensor
+) -> None:
+    rng = random.Random(11)
+    src = rng.sample(range(NUM_BLOCKS), 90)  # 11.25 MiB: three streams of >= 2 MiB
+    dst = rng.sample(range(NUM_BLOCKS), 90)
+    res = receiver.reserve("lanes", fence=2, block_ids=dst)
+    sender = GrpcKVSender(make_connector(src_pool), streams=3, min_stream_bytes=2 << 20)
+    try:
+        result = sender.push(receiver.peer, push_of("lanes", 2, src, dst), timeout_s=TIMEOUT_S)
+    finally:
+        sender.close()
+    assert result == PushResult(num_blocks=90, num_bytes=90 * BLOCK_BYTES)
+    assert sorted(n for n, _, ok in receiver.pushes if ok) == [30 * BLOCK_BYTES] * 3
+    assert_landed(receiver, src_pool, src, dst)
     assert res.complete
 
 
