@@ -54,10 +54,10 @@ from splitserve.engine.kv_connector import KVConnector, KVOutbox
 from splitserve.engine.llm_engine import LLMEngine
 from splitserve.engine.outputs import SampledToken
 from splitserve.engine.sampling_params import SamplingParams
-from splitserve.kv_transfer.grpc_transport import KVTransferServicer
+from splitserve.kv_transfer.grpc_transport import KVTransferServicer, add_kv_transfer_servicer
 from splitserve.kv_transfer.transport import KVSender, Peer, Push, TransferError, transport_kind
 from splitserve.kv_transfer.wire import CacheLayout, as_blocks, crc32c
-from splitserve.protos.v1 import kv_transfer_pb2, kv_transfer_pb2_grpc
+from splitserve.protos.v1 import kv_transfer_pb2
 from splitserve.runtime.grpc_server import Server, start_server
 
 PARAMS = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
@@ -124,7 +124,7 @@ def decode_main(conn: Connection, model_path: str, config: EngineConfig, names: 
 
 def start_grpc(servicer: KVTransferServicer) -> Server:
     service = kv_transfer_pb2.DESCRIPTOR.services_by_name["KVTransfer"].full_name
-    add = kv_transfer_pb2_grpc.add_KVTransferServicer_to_server
+    add = add_kv_transfer_servicer
     server = start_server(lambda s: add(servicer, s), [service])
     server.set_serving(True)
     return server

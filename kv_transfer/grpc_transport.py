@@ -124,7 +124,7 @@ class GrpcKVSender(KVSender):
         self._closed = False
         self._propagator = TraceContextTextMapPropagator()
 
-    def _stub(self, address: str, lane: int = 0) -> kv_transfer_pb2_grpc.KVTransferStub:
+    def _stub(self, address: str, lane: int = 0) -> Any:
         with self._lock:
             if self._closed:
                 raise RuntimeError("GrpcKVSender is closed")
@@ -134,18 +134,22 @@ class GrpcKVSender(KVSender):
                 # so the lanes' streams don't share one TCP connection.
                 options = (*CHANNEL_OPTIONS, ("grpc.use_local_subchannel_pool", 1))
                 channel = grpc.insecure_channel(address, options=options)
-                entry = (channel, kv_transfer_pb2_grpc.KVTransferStub(channel))
+                call = channel.stream_unary(
+                    PUSH_BLOCKS,
+                    request_serializer=encode_part,
+                    response_deserializer=kv_transfer_pb2.PushBlocksResponse.FromString,
+                )
+                entry = (channel, call)
                 self._channels[(address, lane)] = entry
             return entry[1]
 
     def _messages(
         self, header: kv_transfer_pb2.KVTransferHeader, payload: memoryview
-    ) -> Iterator[kv_transfer_pb2.KVTransferMessage]:
-        yield kv_transfer_pb2.KVTransferMessage(header=header)
+    ) -> Iterator[Part]:
+        yield header
         step = self.max_chunk_bytes
         for start in range(0, len(payload), step):
-            # NOTE: protobuf's bytes fields take bytes only: each chunk is copied once, here.
-            yield kv_transfer_pb2.KVTransferMessage(data=bytes(payload[start : start + step]))
+            yield payload[start : start + step]  # encoded (copied once) by `encode_part`
 
     def push(self, peer: Peer, push: Push, timeout_s: float) -> PushResult:
         num_blocks = len(push.src_block_ids)
@@ -192,7 +196,7 @@ class GrpcKVSender(KVSender):
             carrier = {}
             self._propagator.inject(carrier)
         try:
-            response = self._stub(address, lane).PushBlocks(
+            response = self._stub(address, lane)(
                 self._messages(header, payload),
                 timeout=timeout_s,
                 metadata=tuple(carrier.items()) or None,
@@ -241,7 +245,7 @@ class KVTransferServicer(kv_transfer_pb2_grpc.KVTransferServicer):
 
     def PushBlocks(
         self,
-        request_iterator: Iterable[kv_transfer_pb2.KVTransferMessage],
+        request_iterator: Iterable[Part | kv_transfer_pb2.KVTransferMessage],
         context: grpc.ServicerContext,
     ) -> kv_transfer_pb2.PushBlocksResponse:
         start = time.perf_counter()
@@ -278,12 +282,11 @@ class KVTransferServicer(kv_transfer_pb2_grpc.KVTransferServicer):
         return self.tracer.start_span("kv.receive", context=parent, kind=SpanKind.SERVER)
 
     def _push(
-        self, messages: Iterator[kv_transfer_pb2.KVTransferMessage], span: Span
+        self, messages: Iterator[Part | kv_transfer_pb2.KVTransferMessage], span: Span
     ) -> kv_transfer_pb2.PushBlocksResponse:
-        first = next(messages, None)
-        if first is None or first.WhichOneof("part") != "header":
+        header = _as_part(next(messages, None))
+        if not isinstance(header, kv_transfer_pb2.KVTransferHeader):
             raise KVTransferError("a PushBlocks stream must start with the header")
-        header = first.header
         if span.is_recording():
             span.set_attributes(
                 {
@@ -315,19 +318,19 @@ class KVTransferServicer(kv_transfer_pb2_grpc.KVTransferServicer):
     @staticmethod
     def _receive(
         header: kv_transfer_pb2.KVTransferHeader,
-        messages: Iterator[kv_transfer_pb2.KVTransferMessage],
+        messages: Iterator[Part | kv_transfer_pb2.KVTransferMessage],
         payload: Any,
     ) -> None:
         rid = header.request_id
         out = memoryview(payload).cast("B")
         received = 0
         for message in messages:
-            part = message.WhichOneof("part")
-            if part == "header":
+            data = _as_part(message)
+            if isinstance(data, kv_transfer_pb2.KVTransferHeader):
                 raise KVTransferError(f"{rid}: a second header in one PushBlocks stream")
-            if part != "data":
+            if data is None:
                 raise KVTransferError(f"{rid}: an empty message in a PushBlocks stream")
-            size = len(message.data)
+            size = len(data)
             if size > MAX_CHUNK_BYTES:
                 raise KVTransferError(
                     f"{rid}: data message of {size} bytes exceeds {MAX_CHUNK_BYTES}"
@@ -337,9 +340,78 @@ class KVTransferServicer(kv_transfer_pb2_grpc.KVTransferServicer):
                     f"{rid}: more data than declared: {received + size} bytes so far, "
                     f"header declares {header.payload_bytes}"
                 )
-            out[received : received + size] = message.data
+            out[received : received + size] = data
             received += size
         if received != header.payload_bytes:
             raise KVTransferError(
                 f"{rid}: stream ended after {received} of {header.payload_bytes} payload bytes"
             )
+
+
+# -- the wire codec: KVTransferMessage bytes, with data chunks encoded and decoded directly -----
+
+PUSH_BLOCKS = "/splitserve.v1.KVTransfer/PushBlocks"
+Part = kv_transfer_pb2.KVTransferHeader | memoryview
+"""One message of a PushBlocks stream, decoded: the header, or a slice of the payload."""
+
+_DATA_TAG = b"\x12"  # KVTransferMessage field 2 (`data`), length-delimited
+
+
+def _varint(value: int) -> bytes:
+    out = bytearray()
+    while True:
+        byte, value = value & 0x7F, value >> 7
+        out.append(byte | (0x80 if value else 0))
+        if not value:
+            return bytes(out)
+
+
+def encode_part(part: Part | kv_transfer_pb2.KVTransferMessage) -> bytes:
+    """A KVTransferMessage's wire bytes. A data chunk is framed by hand (tag, length, bytes):
+    one copy, where building the message and serialising it would make two."""
+    if isinstance(part, kv_transfer_pb2.KVTransferMessage):
+        return part.SerializeToString()
+    if isinstance(part, kv_transfer_pb2.KVTransferHeader):
+        return kv_transfer_pb2.KVTransferMessage(header=part).SerializeToString()
+    return b"".join((_DATA_TAG, _varint(len(part)), part))
+
+
+def decode_part(raw: bytes) -> Part | kv_transfer_pb2.KVTransferMessage:
+    """The inverse of `encode_part`: a data message becomes a view of `raw` (no copy); anything
+    else is parsed by protobuf (and checked by the servicer)."""
+    if raw[:1] == _DATA_TAG:
+        size, shift, pos = 0, 0, 1
+        while pos < len(raw) and pos <= 10:
+            byte = raw[pos]
+            size |= (byte & 0x7F) << shift
+            pos, shift = pos + 1, shift + 7
+            if not byte & 0x80:
+                if pos + size == len(raw):
+                    return memoryview(raw)[pos:]
+                break
+    return kv_transfer_pb2.KVTransferMessage.FromString(raw)
+
+
+def _as_part(message: object) -> Part | None:
+    """The header or data of a decoded message (None for an empty or unknown one)."""
+    if isinstance(message, kv_transfer_pb2.KVTransferMessage):
+        kind = message.WhichOneof("part")
+        if kind == "header":
+            return message.header
+        return memoryview(message.data) if kind == "data" else None
+    if isinstance(message, kv_transfer_pb2.KVTransferHeader | memoryview):
+        return message
+    return None
+
+
+def add_kv_transfer_servicer(servicer: Any, server: grpc.Server) -> None:
+    """Serve KVTransfer with the direct data codec (the generated `add_*_to_server` would parse
+    every chunk into a message first, one more copy)."""
+    handler = grpc.stream_unary_rpc_method_handler(
+        servicer.PushBlocks,
+        request_deserializer=decode_part,
+        response_serializer=kv_transfer_pb2.PushBlocksResponse.SerializeToString,
+    )
+    server.add_generic_rpc_handlers(
+        (grpc.method_handlers_generic_handler("splitserve.v1.KVTransfer", {"PushBlocks": handler}),)
+    )

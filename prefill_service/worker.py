@@ -129,15 +129,22 @@ class PrefillWorker:
         finally:
             self.loop.remove_step_hook(obs.on_step)
             self.loop.unsubscribe(request_id)
-            connector.unwatch(request_id)  # unpins whatever was not sent
-            if not finished and self.loop.running:
-                self.loop.call(lambda e: e.abort_request(request_id))
+            connector.unwatch(request_id)  # unpins whatever was not sent (even if stopped)
+            if self.loop.running:
+                # NOTE: settled before the caller hears back: blocks are free once it does.
+                self.loop.call(lambda e: _settle(e, request_id, aborted=not finished))
 
     def abort(self, request_id: str) -> bool:
         return bool(self.loop.call(lambda e: e.abort_request(request_id)))
 
     def close(self) -> None:
         self.senders.close()
+
+
+def _settle(engine: LLMEngine, request_id: str, aborted: bool) -> None:
+    if aborted:
+        engine.abort_request(request_id)
+    engine.housekeeping()
 
 
 def _finished_output(outputs: queue.Queue) -> RequestOutput | None:

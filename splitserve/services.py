@@ -18,7 +18,7 @@ from splitserve.gateway.observability import GatewayObserver
 from splitserve.gateway.orchestrator import Orchestrator, OrchestratorSettings
 from splitserve.gateway.router import make_policy
 from splitserve.gateway.servicer import GatewayServicer, ModelInfo
-from splitserve.kv_transfer.grpc_transport import KVTransferServicer
+from splitserve.kv_transfer.grpc_transport import KVTransferServicer, add_kv_transfer_servicer
 from splitserve.kv_transfer.presence import Presence
 from splitserve.kv_transfer.registry import Registry
 from splitserve.kv_transports import start_receivers, start_senders
@@ -27,7 +27,7 @@ from splitserve.prefill_service.observer import PrefillObserver
 from splitserve.prefill_service.pusher import Senders
 from splitserve.prefill_service.servicer import PrefillServicer
 from splitserve.prefill_service.worker import PrefillSettings, PrefillWorker
-from splitserve.protos.v1 import gateway_pb2_grpc, kv_transfer_pb2_grpc, worker_pb2_grpc
+from splitserve.protos.v1 import gateway_pb2_grpc, worker_pb2_grpc
 from splitserve.runtime.engine_metrics import EngineCollector
 from splitserve.runtime.metrics import KVTransferMetrics, RequestMetrics, RoutingMetrics
 from splitserve.runtime.serving import Running, ServiceSpec, open_service
@@ -55,7 +55,7 @@ def start_decode(
             ServiceSpec(
                 DECODE_SERVICE, worker_pb2_grpc.add_DecodeWorkerServicer_to_server, ("Reserve",)
             ),
-            ServiceSpec(KV_SERVICE, kv_transfer_pb2_grpc.add_KVTransferServicer_to_server),
+            ServiceSpec(KV_SERVICE, add_kv_transfer_servicer),
         ],
     )
     address, metrics = opened.address, opened.metrics

@@ -39,6 +39,7 @@ from splitserve.kv_transfer.grpc_transport import (
     MAX_MESSAGE_BYTES,
     GrpcKVSender,
     KVTransferServicer,
+    add_kv_transfer_servicer,
 )
 from splitserve.kv_transfer.transport import Peer, Push, PushResult, TransferError
 from splitserve.kv_transfer.wire import MAX_CHUNK_BYTES, CacheLayout, crc32c, make_header
@@ -132,7 +133,7 @@ def start_receiver(
         make_connector(pool), book, tracer, lambda n, s, ok: pushes.append((n, s, ok))
     )
     server = start_server(
-        lambda s: kv_transfer_pb2_grpc.add_KVTransferServicer_to_server(servicer, s), [KV_SERVICE]
+        lambda s: add_kv_transfer_servicer(servicer, s), [KV_SERVICE]
     )
     server.set_serving(True, ["", KV_SERVICE])
     return Receiver(pool, book, servicer, server, pushes)
@@ -210,10 +211,10 @@ class ChunkCountingSender(GrpcKVSender):
 
     def _messages(  # type: ignore[override]
         self, header: kv_transfer_pb2.KVTransferHeader, payload: memoryview
-    ) -> Iterator[kv_transfer_pb2.KVTransferMessage]:
+    ) -> Iterator[kv_transfer_pb2.KVTransferHeader | memoryview]:
         for message in super()._messages(header, payload):
-            if message.WhichOneof("part") == "data":
-                self.chunks.append(len(message.data))
+            if isinstance(message, memoryview):
+                self.chunks.append(len(message))
             yield message
 
 
