@@ -46,12 +46,12 @@ from splitserve.kv_transfer.transport import (
 from splitserve.kv_transfer.wire import (
     MAX_CHUNK_BYTES,
     CacheLayout,
+    ChecksumError,
     KVTransferError,
     as_blocks,
     crc32c,
     make_header,
     validate_header,
-    verify_payload,
 )
 from splitserve.protos.v1 import kv_transfer_pb2, kv_transfer_pb2_grpc
 
@@ -304,8 +304,12 @@ class KVTransferServicer(kv_transfer_pb2_grpc.KVTransferServicer):
         buf = self._buffers.take(header.payload_bytes)
         try:
             payload = buf.numpy()
-            self._receive(header, messages, payload)
-            verify_payload(header, payload)
+            checksum = self._receive(header, messages, payload)
+            if checksum != header.crc32c:
+                raise ChecksumError(
+                    f"{header.request_id}: checksum mismatch: payload CRC-32C "
+                    f"{checksum:#010x}, header {header.crc32c:#010x}"
+                )
             dst = list(header.dst_block_ids)
             with self.landing.hold(header.request_id, header.fence, dst, len(payload)):
                 self.connector.write_blocks(dst, as_blocks(buf, self.layout))
@@ -320,10 +324,12 @@ class KVTransferServicer(kv_transfer_pb2_grpc.KVTransferServicer):
         header: kv_transfer_pb2.KVTransferHeader,
         messages: Iterator[Part | kv_transfer_pb2.KVTransferMessage],
         payload: Any,
-    ) -> None:
+    ) -> int:
+        """Fill `payload` from the data messages; returns its CRC-32C, computed as the chunks
+        arrive (the checksum pass overlaps the transfer instead of following it)."""
         rid = header.request_id
         out = memoryview(payload).cast("B")
-        received = 0
+        received = checksum = 0
         for message in messages:
             data = _as_part(message)
             if isinstance(data, kv_transfer_pb2.KVTransferHeader):
@@ -341,11 +347,13 @@ class KVTransferServicer(kv_transfer_pb2_grpc.KVTransferServicer):
                     f"header declares {header.payload_bytes}"
                 )
             out[received : received + size] = data
+            checksum = crc32c(data, checksum)
             received += size
         if received != header.payload_bytes:
             raise KVTransferError(
                 f"{rid}: stream ended after {received} of {header.payload_bytes} payload bytes"
             )
+        return checksum
 
 
 # -- the wire codec: KVTransferMessage bytes, with data chunks encoded and decoded directly -----

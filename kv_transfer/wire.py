@@ -55,9 +55,10 @@ class ChecksumError(KVTransferError):
     """The payload's CRC-32C differs from the header's."""
 
 
-def crc32c(data: Any) -> int:
-    """CRC-32C (Castagnoli) of any buffer (bytes, bytearray, memoryview, numpy array)."""
-    return int(_crc32c.crc32c(data))
+def crc32c(data: Any, value: int = 0) -> int:
+    """CRC-32C (Castagnoli) of any buffer (bytes, bytearray, memoryview, numpy array);
+    `value` continues an earlier result over the bytes that preceded `data`."""
+    return int(_crc32c.crc32c(data, value))
 
 
 @dataclass(frozen=True)

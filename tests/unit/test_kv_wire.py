@@ -440,3 +440,12 @@ def test_crc32c_of_multibyte_elements_is_the_crc_of_their_bytes() -> None:
     assert wire.crc32c(memoryview(data).cast("I")) == expected
     bf16 = torch.frombuffer(bytearray(data), dtype=torch.bfloat16)
     assert wire.crc32c(bf16.view(torch.uint8).numpy()) == expected
+
+
+def test_crc32c_continues_over_chunks_as_the_receiver_computes_it() -> None:
+    data = bytes(random.Random(5).randbytes(10_000))
+    whole = wire.crc32c(data)
+    running = 0
+    for start in range(0, len(data), 777):
+        running = wire.crc32c(memoryview(data)[start : start + 777], running)
+    assert running == whole
