@@ -71,3 +71,24 @@ def test_transformers_sees_no_kernels_distribution_of_ours(tmp_path):
     assert "splitserve" not in kernels_owners
     assert splitserve_owners == ["splitserve"]
     assert not available  # (before: our `kernels` package answered as HF's, version 0.1.0)
+
+
+ENGINE_INTERNALS = (
+    ".block_manager", ".scheduler.", ".runner.", "outputs.requests", "drain_events",
+    "kv_caches", ".kv_cache.pool",
+)  # fmt: skip
+
+
+def test_no_module_outside_the_engine_reaches_into_engine_internals():
+    """Beyond the import contracts: no attribute access to the engine's parts from services,
+    transports, runtime or the app; they use `LLMEngine`'s methods, `stats()` and the KV
+    connector."""
+    offenders = []
+    for folder in ("gateway", "prefill_service", "decode_service", "kv_transfer", "runtime",
+                   "protos", "splitserve"):  # fmt: skip
+        for path in (REPO / folder).glob("*.py"):
+            for number, line in enumerate(path.read_text().splitlines(), 1):
+                code = line.split("#")[0]
+                if any(name in code for name in ENGINE_INTERNALS):
+                    offenders.append(f"{path.relative_to(REPO)}:{number}: {line.strip()}")
+    assert not offenders, "\n".join(offenders)
