@@ -61,6 +61,8 @@ class WorkerSettings:
     heartbeat_ttl_s: float = 3.0
     pdl: bool = True  # programmatic dependent launch in the GPU kernels (SPLITSERVE_PDL=0: off)
     kv_transport: str = "auto"  # auto | nixl | grpc: how KV moves between workers
+    # safetensors reads the checkpoint; dummy fills random weights of its shape (benchmarks)
+    load_format: str = "safetensors"
 
 
 @dataclass(frozen=True)

@@ -94,6 +94,7 @@ def _up(args: argparse.Namespace) -> int:
             redis_url=args.redis_url,
             metrics=args.metrics,
             drain_timeout_s=args.drain_timeout_s,
+            devices=tuple(d for d in args.devices.split(",") if d),
         )
     )
 
@@ -144,6 +145,12 @@ def build_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
     )
     up.add_argument(
         "--drain-timeout-s", type=float, default=30.0, help="each service's drain on stop"
+    )
+    up.add_argument(
+        "--devices",
+        default=env.get("SPLITSERVE_DEVICES", ""),
+        help="comma-separated devices handed to the workers in turn, decode workers first "
+        "(e.g. cuda:1,cuda:0 puts decode on GPU 1 and prefill on GPU 0)",
     )
     up.set_defaults(func=_up)
 

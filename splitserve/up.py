@@ -45,6 +45,9 @@ class StackSettings:
     metrics: bool = False  # each service serves /metrics on a free port (`Stack.metrics_ports`)
     drain_timeout_s: float = 30.0
     env: Mapping[str, str] = field(default_factory=dict)  # added to every service's environment
+    # Devices handed to the workers in turn, decode (or colocated) workers first, then prefill
+    # ones; empty: each worker picks (the GPU when there is one).
+    devices: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if self.prefill < 0 or self.decode < 1:
@@ -160,11 +163,13 @@ def start_stack(settings: StackSettings, wait: bool = True) -> Stack:
     services.append(("gateway", "gateway", list(settings.extra_gateway_args)))
     try:
         taken = {port}
-        for kind, name, extra in services:
+        for i, (kind, name, extra) in enumerate(services):
             stack.ports[name] = port if kind == "gateway" else _new_port(settings.host, taken)
             args = [kind, *common, "--port", str(stack.ports[name])]
             if kind != "gateway":
                 args += ["--worker-id", name]
+                if settings.devices:
+                    args += ["--device", settings.devices[i % len(settings.devices)]]
             if settings.metrics:
                 stack.metrics_ports[name] = _new_port(settings.host, taken)
                 args += ["--metrics-port", str(stack.metrics_ports[name])]

@@ -26,6 +26,7 @@ def engine_config(worker: WorkerSettings, record_prefix_events: bool = False) ->
         max_num_batched_tokens=worker.max_num_batched_tokens,
         max_num_seqs=worker.max_num_seqs,
         enable_pdl=worker.pdl,
+        load_format=worker.load_format,
     )
 
 
