@@ -33,7 +33,21 @@ def engine_config(worker: WorkerSettings, record_prefix_events: bool = False) ->
 def build_engine(
     service: ServiceSettings, worker: WorkerSettings, record_prefix_events: bool = False
 ) -> LLMEngine:
-    return LLMEngine(service.model, engine_config(worker, record_prefix_events))
+    """The worker's engine; a KV pool too small for one sequence of the full context is an
+    error at start (a worker would otherwise refuse long requests only when they come)."""
+    engine = LLMEngine(service.model, engine_config(worker, record_prefix_events))
+    config = engine.config
+    assert config.num_kv_blocks is not None
+    need = config.blocks_for(engine.max_model_len)
+    if config.num_kv_blocks < need:
+        raise ValueError(
+            f"the KV pool holds {config.num_kv_blocks} blocks "
+            f"({config.num_kv_blocks * config.block_size} tokens) but one sequence of "
+            f"max_model_len {engine.max_model_len} needs {need}: lower --max-model-len, or give "
+            "the cache more memory (--gpu-memory-utilization, --kv-cache-memory-bytes, "
+            "--num-kv-blocks)"
+        )
+    return engine
 
 
 def worker_info(

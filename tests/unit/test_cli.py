@@ -25,3 +25,15 @@ def test_bad_model_dir_is_a_clear_error(tmp_path):
     run = _splitserve("offline", "--model", str(tmp_path / "missing"), "hi")
     assert run.returncode == 2
     assert "does not exist" in run.stderr
+
+
+def test_a_worker_whose_kv_pool_cannot_hold_one_full_context_says_so_at_start(tmp_path):
+    made = _splitserve("make-tiny-model", str(tmp_path / "m"))
+    assert made.returncode == 0, made.stderr
+    run = _splitserve(
+        "decode", "--model", str(tmp_path / "m"), "--redis-url", "redis://127.0.0.1:9",
+        "--num-kv-blocks", "4", "--device", "cpu",
+    )  # fmt: skip
+    assert run.returncode == 2
+    assert "KV pool holds 4 blocks (64 tokens)" in run.stderr
+    assert "lower --max-model-len" in run.stderr
