@@ -2,7 +2,7 @@
 disaggregated (1 prefill + 1 decode worker) against colocated workers on the same GPUs.
 
     python -m bench.serving                         # Llama-3-8B shape, two GPUs, both configs
-    python -m bench.serving --workloads 1024/128 --rates 4 12 --sweep
+    python -m bench.serving --workloads 1024/128@4,12 4096/256@2 --sweep
     python -m bench.serving --smoke                 # CPU, tiny model: checks that it runs
 
 Each configuration is started as a real stack (`splitserve.up`: redis-server, workers, gateway,
@@ -50,12 +50,17 @@ class Workload:
     input_len: tuple[int, int]  # uniform in [low, high]
     output_len: tuple[int, int]
 
+    rates: tuple[float, ...] = ()  # request rates to run it at (req/s); else --rates
+
     @classmethod
     def parse(cls, text: str) -> Workload:
-        if text == "mixed":
-            return cls("mixed", (128, 4096), (32, 512))
-        prompt, out = (int(x) for x in text.split("/"))
-        return cls(text, (prompt, prompt), (out, out))
+        """`IN/OUT`, or `mixed`, optionally `@RATE,RATE…` (e.g. `1024/128@4,12`)."""
+        name, _, rates = text.partition("@")
+        parsed = tuple(float(r) for r in rates.split(",") if r)
+        if name == "mixed":
+            return cls("mixed", (128, 4096), (32, 512), parsed)
+        prompt, out = (int(x) for x in name.split("/"))
+        return cls(name, (prompt, prompt), (out, out), parsed)
 
     def requests(self, n: int, vocab: int, seed: int) -> list[tuple[list[int], int]]:
         rng = random.Random(seed)
@@ -201,9 +206,11 @@ def bench_config(args: argparse.Namespace, model: Path, config: str, vocab: int)
     try:
         warm = Workload.parse(args.workloads[0]).requests(4, vocab, seed=99)
         run_load(stack.address, warm, rate=100.0, seed=0, timeout_s=args.timeout_s)
-        for workload_name in args.workloads:
-            workload = Workload.parse(workload_name)
-            rates = list(args.rates)
+        for spec in args.workloads:
+            workload = Workload.parse(spec)
+            workload_name = workload.name
+            rates = list(workload.rates or args.rates)
+            first_rates = len(rates)
             sweep_best = None
             i = 0
             while i < len(rates):
@@ -219,7 +226,7 @@ def bench_config(args: argparse.Namespace, model: Path, config: str, vocab: int)
                         sweep_best = rate
                         if i == len(rates) - 1 and rate < args.max_rate:
                             rates.append(round(rate * 1.5, 2))
-                    elif i >= len(args.rates) - 1:
+                    elif i >= first_rates - 1:
                         break
                 i += 1
             if args.sweep:
@@ -234,7 +241,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shape", default="llama-3-8b")
     parser.add_argument("--configs", nargs="+", choices=sorted(CONFIGS), default=list(CONFIGS))
-    parser.add_argument("--workloads", nargs="+", default=["1024/128", "4096/256"])
+    parser.add_argument(
+        "--workloads", nargs="+", default=["1024/128@4,12", "4096/256@2"],
+        help="IN/OUT or mixed, each optionally @RATE,RATE (req/s)",
+    )  # fmt: skip
     parser.add_argument("--rates", nargs="+", type=float, default=[4.0, 12.0])
     parser.add_argument("--duration-s", type=float, default=20.0, help="arrivals per rate")
     parser.add_argument("--min-requests", type=int, default=40)
