@@ -5,11 +5,14 @@ lease in Redis expires because the prefill side died). A push is checked against
 fence, blocks) before its blocks count as landed; a receiver that writes the blocks itself does
 so under `hold`, which keeps the reservation from being reclaimed meanwhile (reclaiming takes
 the same lock and marks it dead first, so no push lands in freed blocks). `Decode` waits on it
-until every needed block has landed, or a push was refused.
+(`wait_complete_async`, on the server's event loop, holding no thread) until every needed block
+has landed, or a push was refused.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import threading
 import time
 from collections import OrderedDict
@@ -34,9 +37,22 @@ class LocalReservation:
     refusal: str | None = None  # why a push for it was refused (it can't complete then)
     lock: threading.Lock = field(default_factory=threading.Lock)
     changed: threading.Condition = field(init=False)
+    # Coroutines waiting in `wait_complete_async`: woken on their loops by `notify`.
+    _async_waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Future[None]]] = field(
+        default_factory=list, init=False, repr=False
+    )
 
     def __post_init__(self) -> None:
         self.changed = threading.Condition(self.lock)
+
+    def notify(self) -> None:
+        """Wake every waiter, threads and coroutines (call with `changed` held)."""
+        self.changed.notify_all()
+        waiters, self._async_waiters = self._async_waiters, []
+        for loop, future in waiters:
+            # NOTE: a closed loop raises RuntimeError; nobody waits there any more.
+            with contextlib.suppress(RuntimeError):
+                loop.call_soon_threadsafe(_wake, future)
 
     @property
     def needed(self) -> frozenset[int]:
@@ -58,6 +74,35 @@ class LocalReservation:
                 lambda: self.complete or self.dead or self.refusal is not None, timeout_s
             )
             return self.complete and not self.dead and self.refusal is None
+
+    async def wait_complete_async(self, timeout_s: float) -> bool:
+        """`wait_complete` for a coroutine: the same answer, awaited on the running loop
+        without holding a thread."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        while True:
+            with self.changed:
+                if self.complete or self.dead or self.refusal is not None:
+                    return self.complete and not self.dead and self.refusal is None
+                future: asyncio.Future[None] = loop.create_future()
+                self._async_waiters.append((loop, future))
+            remaining = deadline - loop.time()
+            if remaining <= 0:
+                return False
+            try:
+                await asyncio.wait_for(future, remaining)
+            except asyncio.TimeoutError:
+                with self.changed:
+                    return self.complete and not self.dead and self.refusal is None
+            finally:
+                with self.changed:
+                    if (loop, future) in self._async_waiters:
+                        self._async_waiters.remove((loop, future))
+
+
+def _wake(future: asyncio.Future[None]) -> None:
+    if not future.done():
+        future.set_result(None)
 
 
 class ReservationBook:
@@ -90,7 +135,7 @@ class ReservationBook:
         if reservation is not None:
             with reservation.changed:
                 reservation.dead = True
-                reservation.changed.notify_all()
+                reservation.notify()
         return reservation
 
     def ids(self) -> list[str]:
@@ -115,7 +160,7 @@ class ReservationBook:
             self._check(res, fence, dst_block_ids)
             res.received.update(dst_block_ids)
             res.num_bytes += num_bytes
-            res.changed.notify_all()
+            res.notify()
 
     def refused(self, request_id: str, reason: str) -> None:
         res = self.get(request_id)
@@ -123,7 +168,7 @@ class ReservationBook:
             return
         with res.changed:
             res.refusal = reason
-            res.changed.notify_all()
+            res.notify()
 
     @contextmanager
     def hold(
@@ -135,7 +180,7 @@ class ReservationBook:
             yield
             res.received.update(dst_block_ids)
             res.num_bytes += num_bytes
-            res.changed.notify_all()
+            res.notify()
 
     def _live(self, request_id: str, fence: int) -> LocalReservation:
         with self._lock:

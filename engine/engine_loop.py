@@ -1,15 +1,21 @@
 """Runs an `LLMEngine` on a thread of its own, for the services.
 
-gRPC handler threads never touch the engine: they `call` a function, which the engine thread
-runs between steps, and read a request's outputs from the queue they `subscribe`d. Hooks run on
-the engine thread after each step (a prefill worker uses one to start pushing finished blocks).
+gRPC handlers never touch the engine: they `call` a function, which the engine thread runs
+between steps, and read a request's outputs from the queue they `subscribe`d. Hooks run on the
+engine thread after each step (a prefill worker uses one to start pushing finished blocks).
 
     handler ──call(fn)──▶ [commands] ──▶ engine thread: commands, step(), hooks ──▶ [outputs]
     handler ◀──────────────────────────────────────────────── subscribe(request_id) queue
+
+Handlers on an asyncio loop use `call_async` and `subscribe_async`: the engine thread completes
+their futures and feeds their queues with `loop.call_soon_threadsafe`, so waiting for the engine
+holds no thread and never blocks the loop.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 import queue
 import threading
@@ -36,7 +42,8 @@ class EngineLoop:
     def __init__(self, engine: LLMEngine, idle_wait_s: float = 0.05) -> None:
         self.engine = engine
         self._commands: queue.Queue[tuple[Callable[[LLMEngine], Any], Future[Any]]] = queue.Queue()
-        self._subscribers: dict[str, queue.Queue[RequestOutput | BaseException]] = {}
+        # request id -> how to hand it an output (or the exception that ended the engine)
+        self._subscribers: dict[str, Callable[[RequestOutput | BaseException], None]] = {}
         self._hooks: list[StepHook] = []
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -64,12 +71,38 @@ class EngineLoop:
         self._commands.put((fn, future))
         return future.result(timeout_s)
 
+    async def call_async(self, fn: Callable[[LLMEngine], T], timeout_s: float | None = 30.0) -> T:
+        """`call` for a coroutine: awaits the result without blocking the event loop (the engine
+        thread completes the future through `loop.call_soon_threadsafe`). A command cancelled
+        before the engine thread took it up does not run."""
+        if not self.running:
+            raise EngineStopped("the engine is not running") from self.failure
+        future: Future[T] = Future()
+        self._commands.put((fn, future))
+        return await asyncio.wait_for(asyncio.wrap_future(future), timeout_s)
+
     def subscribe(self, request_id: str) -> queue.Queue[RequestOutput | BaseException]:
         """A queue that receives every output of `request_id` (or the exception that ended the
         engine). Subscribe before the request is added so nothing is missed."""
         q: queue.Queue[RequestOutput | BaseException] = queue.Queue()
         with self._lock:
-            self._subscribers[request_id] = q
+            self._subscribers[request_id] = q.put
+        return q
+
+    def subscribe_async(
+        self, request_id: str, loop: asyncio.AbstractEventLoop
+    ) -> asyncio.Queue[RequestOutput | BaseException]:
+        """`subscribe` for a coroutine on `loop`: an asyncio queue that the engine thread feeds
+        through `loop.call_soon_threadsafe`."""
+        q: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+
+        def deliver(item: RequestOutput | BaseException) -> None:
+            # NOTE: a closed loop raises RuntimeError; nobody waits for this any more.
+            with contextlib.suppress(RuntimeError):
+                loop.call_soon_threadsafe(q.put_nowait, item)
+
+        with self._lock:
+            self._subscribers[request_id] = deliver
         return q
 
     def unsubscribe(self, request_id: str) -> None:
@@ -102,8 +135,8 @@ class EngineLoop:
             self._stop.set()
             with self._lock:
                 subscribers = list(self._subscribers.values())
-            for q in subscribers:
-                q.put(EngineStopped(f"engine failed: {exc!r}"))
+            for deliver in subscribers:
+                deliver(EngineStopped(f"engine failed: {exc!r}"))
             self.engine.kv_connector.fail_all(EngineStopped(f"engine failed: {exc!r}"))
         finally:
             self._fail_pending_commands()
@@ -129,9 +162,9 @@ class EngineLoop:
         some, e.g. a request finished on admission)."""
         with self._lock:
             for out in outputs:
-                q = self._subscribers.get(out.request_id)
-                if q is not None:
-                    q.put(out)
+                deliver = self._subscribers.get(out.request_id)
+                if deliver is not None:
+                    deliver(out)
 
     def _fail_pending_commands(self) -> None:
         while True:
