@@ -1,8 +1,10 @@
-"""gRPC face of the decode worker: protobuf in, `DecodeWorker` call, protobuf out."""
+"""gRPC face of the decode worker: protobuf in, `DecodeWorker` call, protobuf out. Its methods
+are coroutines and async generators on the server's event loop: a stream waiting for tokens
+holds no thread."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import AsyncIterator
 
 import grpc
 
@@ -17,12 +19,14 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         self.worker = worker
         self.observer = observer
 
-    def Reserve(
-        self, request: worker_pb2.ReserveRequest, context: grpc.ServicerContext
+    async def Reserve(
+        self, request: worker_pb2.ReserveRequest, context: grpc.aio.ServicerContext
     ) -> worker_pb2.ReserveResponse:
         params = convert.sampling_from_proto(request.sampling)
         with self.observer.reserve(request.request_id, context) as span:
-            res = self.worker.reserve(request.request_id, list(request.prompt_token_ids), params)
+            res = await self.worker.reserve(
+                request.request_id, list(request.prompt_token_ids), params
+            )
             settings = self.worker.settings
             destination = worker_pb2.KVDestination(
                 worker_id=settings.worker_id,
@@ -35,9 +39,9 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
             self.observer.reserved(span, destination)
         return worker_pb2.ReserveResponse(destination=destination)
 
-    def Decode(
-        self, request: worker_pb2.DecodeRequest, context: grpc.ServicerContext
-    ) -> Iterator[worker_pb2.DecodeResponse]:
+    async def Decode(
+        self, request: worker_pb2.DecodeRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[worker_pb2.DecodeResponse]:
         params = convert.sampling_from_proto(request.sampling)
         tracker = convert.DeltaTracker.for_params(params)
         obs = self.observer.decode(request.request_id, params, context)
@@ -46,11 +50,10 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
             params,
             convert.first_tokens_from_proto(request.first_tokens),
             request.priority,
-            context.is_active,
             on_admitted=obs.admitted,
         )
         try:
-            for out in outputs:
+            async for out in outputs:
                 obs.on_output()
                 for delta in tracker.deltas(out):
                     yield worker_pb2.DecodeResponse(chunk=delta)
@@ -64,20 +67,20 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
             obs.end(exc)
             raise
         finally:
-            outputs.close()  # NOTE: now (frees the request), not whenever the GC gets to it
+            await outputs.aclose()  # NOTE: now (frees the request), not whenever the GC gets to it
         obs.end(None)
 
-    def Abort(
-        self, request: common_pb2.AbortRequest, context: grpc.ServicerContext
+    async def Abort(
+        self, request: common_pb2.AbortRequest, context: grpc.aio.ServicerContext
     ) -> common_pb2.AbortResponse:
-        return common_pb2.AbortResponse(aborted=self.worker.abort(request.request_id))
+        return common_pb2.AbortResponse(aborted=await self.worker.abort(request.request_id))
 
-    def GetStats(
-        self, request: worker_pb2.GetStatsRequest, context: grpc.ServicerContext
+    async def GetStats(
+        self, request: worker_pb2.GetStatsRequest, context: grpc.aio.ServicerContext
     ) -> worker_pb2.WorkerStats:
         worker = self.worker
         return convert.stats_to_proto(
-            worker.loop.call(lambda e: e.stats()),
+            await worker.loop.call_async(lambda e: e.stats()),
             worker.settings.worker_id,
             num_reservations=len(worker.reservations),
             kv_bytes_received=worker.num_bytes_received,

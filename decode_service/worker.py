@@ -1,5 +1,9 @@
 """The decode worker's logic: reserve blocks, receive KV, admit into the batch, stream tokens.
 
+Its gRPC handlers run on the server's event loop: `reserve`, `decode` and `abort` are coroutines
+that wait for the engine (`call_async`, `subscribe_async`), for KV landing and for Redis (in a
+thread) without blocking the loop; `housekeeping` runs on the heartbeat thread.
+
 Ownership in Redis follows each request: `reserve` (here, at Reserve) -> `begin_write` (the
 prefill worker, before its first push) -> `handoff` (here, at Decode) -> `release` (here, when
 the request finishes or is aborted). Reservations whose record expired are reclaimed.
@@ -7,10 +11,10 @@ the request finishes or is aborted). Reservations whose record expired are recla
 
 from __future__ import annotations
 
+import asyncio
 import logging
-import queue
 import threading
-from collections.abc import Callable, Generator
+from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass
 
 from splitserve.decode_service.reservations import LocalReservation, ReservationBook
@@ -52,23 +56,41 @@ class DecodeWorker:
         self.num_reclaimed = 0
         self.num_bytes_received = 0  # KV of admitted requests (pushes of others are dropped)
         self.num_blocks_received = 0
+        self._background: set[asyncio.Future[bool]] = set()  # aborts of abandoned reservations
 
     @property
     def engine(self) -> LLMEngine:
         """For read-only lookups (config, sizes); changes go through `loop.call`."""
         return self.loop.engine
 
-    def reserve(
+    async def reserve(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
     ) -> LocalReservation:
-        """Hold blocks for the prompt and record the reservation (with a lease) in Redis."""
-        res = self.loop.call(lambda e: e.reserve(request_id, prompt_token_ids, params))
+        """Hold blocks for the prompt and record the reservation (with a lease) in Redis.
+
+        NOTE: runs to its end even if the caller goes away meanwhile (blocks held by the engine
+        must be recorded or given back), and then gives them back."""
+        task = asyncio.ensure_future(self._reserve(request_id, prompt_token_ids, params))
         try:
-            record = self.registry.reserve(
-                request_id, self.settings.worker_id, list(res.block_ids), self.settings.lease_s
+            return await asyncio.shield(task)
+        except asyncio.CancelledError:
+            task.add_done_callback(lambda t: self._undo_reserve(t, request_id))
+            raise
+
+    async def _reserve(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
+    ) -> LocalReservation:
+        res = await self.loop.call_async(lambda e: e.reserve(request_id, prompt_token_ids, params))
+        try:
+            record = await asyncio.to_thread(
+                self.registry.reserve,
+                request_id,
+                self.settings.worker_id,
+                list(res.block_ids),
+                self.settings.lease_s,
             )
-        except Exception:
-            self.loop.call(lambda e: e.abort_request(request_id))
+        except BaseException:
+            await self._abort_engine_async(request_id)
             raise
         local = LocalReservation(
             request_id=request_id,
@@ -80,71 +102,92 @@ class DecodeWorker:
         self.reservations.add(local)
         return local
 
-    def decode(
+    def _undo_reserve(self, task: asyncio.Task[LocalReservation], request_id: str) -> None:
+        if task.cancelled() or task.exception() is not None:
+            return
+        undo = asyncio.ensure_future(self.abort(request_id))
+        self._background.add(undo)
+        undo.add_done_callback(self._background.discard)
+
+    async def decode(
         self,
         request_id: str,
         params: SamplingParams,
         first_tokens: list[SampledToken],
         priority: int,
-        is_active: Callable[[], bool],
         on_admitted: Callable[[], None] | None = None,
-    ) -> Generator[RequestOutput, None, None]:
+    ) -> AsyncGenerator[RequestOutput, None]:
         """Admit a reserved request and yield its outputs until it finishes.
 
         With no `first_tokens` the prompt is prefilled here (colocated or short prompts).
-        The request is aborted, and its blocks freed, if the caller goes away.
+        The request is aborted, and its blocks freed, if the caller goes away (the task that
+        iterates this is cancelled, or closes it early).
         """
         res = self.reservations.get(request_id)
         if res is None:
             raise NotFound(f"no reservation for request {request_id!r}")
-        if first_tokens and not res.wait_complete(self.settings.landing_timeout_s):
+        if first_tokens and not await res.wait_complete_async(self.settings.landing_timeout_s):
             why = res.refusal or ("reclaimed" if res.dead else "timed out")
-            self.abort(request_id)  # NOTE: never admitted with partial KV; nothing is kept
+            await self.abort(request_id)  # NOTE: never admitted with partial KV; nothing is kept
             raise FailedPrecondition(
                 f"KV for request {request_id!r} is incomplete ({why}): {res.progress()} received"
             )
         self.reservations.pop(request_id)
         self.num_bytes_received += res.num_bytes
         self.num_blocks_received += len(res.received)
-        outputs = self.loop.subscribe(request_id)
+        outputs = self.loop.subscribe_async(request_id, asyncio.get_running_loop())
         finished = False
         try:
-            self.registry.handoff(
-                request_id, self.settings.worker_id, res.fence, self.settings.lease_s
+            await asyncio.to_thread(
+                self.registry.handoff,
+                request_id,
+                self.settings.worker_id,
+                res.fence,
+                self.settings.lease_s,
             )
             with self._active_lock:
                 self._active[request_id] = res.fence
             self.loop.publish(
-                self.loop.call(lambda e: e.admit(request_id, params, first_tokens, priority))
+                await self.loop.call_async(
+                    lambda e: e.admit(request_id, params, first_tokens, priority)
+                )
             )
             if on_admitted is not None:
                 on_admitted()
             while not finished:
-                try:
-                    item = outputs.get(timeout=0.1)
-                except queue.Empty:
-                    if not is_active():
-                        return
-                    continue
+                item = await outputs.get()
                 if isinstance(item, BaseException):
                     raise item
                 finished = item.finished
                 yield item
         finally:
             self.loop.unsubscribe(request_id)
-            if not finished:
-                self._abort_engine(request_id)
-            with self._active_lock:
-                self._active.pop(request_id, None)
-            self.registry.release(request_id)
+            # NOTE: shielded: a second cancel (the server stopping) must not leave it half done.
+            await asyncio.shield(self._end(request_id, aborted=not finished))
 
-    def abort(self, request_id: str) -> bool:
+    async def _end(self, request_id: str, aborted: bool) -> None:
+        if aborted:
+            await self._abort_engine_async(request_id)
+        with self._active_lock:
+            self._active.pop(request_id, None)
+        await asyncio.to_thread(self.registry.release, request_id)
+
+    async def abort(self, request_id: str) -> bool:
         """Cancel a reservation or a running request; True if there was one."""
-        res = self.reservations.pop(request_id)
-        aborted = self._abort_engine(request_id)
+        return await asyncio.shield(self._abort(request_id))
+
+    async def _abort(self, request_id: str) -> bool:
+        # NOTE: in a thread: `pop` waits for a KV write into the reservation's blocks to end.
+        res = await asyncio.to_thread(self.reservations.pop, request_id)
+        aborted = await self._abort_engine_async(request_id)
         if res is not None:
-            self.registry.release(request_id, res.fence)
+            await asyncio.to_thread(self.registry.release, request_id, res.fence)
         return aborted or res is not None
+
+    async def _abort_engine_async(self, request_id: str) -> bool:
+        if not self.loop.running:
+            return False
+        return bool(await self.loop.call_async(lambda e: e.abort_request(request_id)))
 
     def _abort_engine(self, request_id: str) -> bool:
         if not self.loop.running:

@@ -8,14 +8,21 @@ A prefill worker that fails (dies, or loses its lease) is retried once on anothe
 reservation; a decode worker that refuses the reservation (UNAVAILABLE: it is draining or still
 loading) is replaced once by another. Every in-flight call is cancellable from `abort`, so a
 cancel at the client reaches P and D and frees their blocks.
+
+It runs on the gateway's event loop: the calls to the workers are `grpc.aio` calls awaited by
+the request's task (a waiting request holds no thread), and the registry's blocking Redis reads
+run in threads. A client that goes away cancels that task; `run` then aborts the request on
+every worker it reached, shielded from further cancels.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import threading
 import time
-from collections.abc import Callable, Collection, Generator
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Collection
+from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -61,16 +68,17 @@ class Route:
 
 
 class Stubs:
-    """One channel per worker address, shared by all requests."""
+    """One `grpc.aio` channel per worker address, shared by all requests (made and used on the
+    server's event loop)."""
 
     def __init__(self) -> None:
-        self._channels: dict[str, grpc.Channel] = {}
+        self._channels: dict[str, grpc.aio.Channel] = {}
         self._lock = threading.Lock()
 
-    def channel(self, address: str) -> grpc.Channel:
+    def channel(self, address: str) -> grpc.aio.Channel:
         with self._lock:
             if address not in self._channels:
-                self._channels[address] = grpc.insecure_channel(address)
+                self._channels[address] = grpc.aio.insecure_channel(address)
             return self._channels[address]
 
     def decode(self, address: str) -> worker_pb2_grpc.DecodeWorkerStub:
@@ -79,11 +87,12 @@ class Stubs:
     def prefill(self, address: str) -> worker_pb2_grpc.PrefillWorkerStub:
         return worker_pb2_grpc.PrefillWorkerStub(self.channel(address))
 
-    def close(self) -> None:
+    async def close(self) -> None:
         with self._lock:
-            for channel in self._channels.values():
-                channel.close()
+            channels = list(self._channels.values())
             self._channels.clear()
+        for channel in channels:
+            await channel.close()
 
 
 class Orchestrator:
@@ -99,23 +108,26 @@ class Orchestrator:
         self._warned: set[str] = set()
         self._lock = threading.Lock()
 
-    def run(
+    async def run(
         self,
         job: Job,
         timeout_s: float | None,
         is_active: Callable[[], bool],
         obs: RequestObservation,
-    ) -> Generator[worker_pb2.DecodeResponse, None, None]:
-        """Yield the decode worker's stream for `job`; raise grpc.RpcError / NoWorkerError."""
+    ) -> AsyncGenerator[worker_pb2.DecodeResponse, None]:
+        """Yield the decode worker's stream for `job`; raise grpc.RpcError / NoWorkerError.
+
+        If the caller goes away (its task is cancelled, or it closes this early), the request is
+        aborted on every worker it reached before this returns."""
         deadline = time.monotonic() + (timeout_s or self.settings.default_timeout_s)
-        route = Route(self._pick_decode(job, obs, exclude=()))
+        route = Route(await self._pick_decode(job, obs, exclude=()))
         with self._lock:
             if job.request_id in self._routes:
                 raise AlreadyExists(f"request id {job.request_id!r} is already running")
             self._routes[job.request_id] = route
         self._count(route.decode.worker_id, +1)
         try:
-            first = self._prefill(job, route, deadline, is_active, obs)
+            first = await self._prefill(job, route, deadline, is_active, obs)
             with obs.call(DECODE, route.decode) as call:
                 stream = self.stubs.decode(route.decode.address).Decode(
                     worker_pb2.DecodeRequest(
@@ -128,13 +140,30 @@ class Orchestrator:
                     metadata=call.metadata,
                 )
                 self._track(route, stream)
-                yield from stream
+                async with _aborted_as_cancelled(route, job.request_id):
+                    async for msg in stream:
+                        yield msg
+        except (asyncio.CancelledError, GeneratorExit):
+            # NOTE: the caller went away (cancelled, deadline passed, or closed the stream):
+            # its P and D calls are cancelled and D's blocks freed, even if cancelled again.
+            await asyncio.shield(self.abort(job.request_id))
+            raise
+        except BaseException:
+            for call in list(route.calls):
+                call.cancel()  # NOTE: a call still open would hold its worker's request
+            raise
         finally:
             with self._lock:
                 self._routes.pop(job.request_id, None)
             self._count(route.decode.worker_id, -1)
 
-    def _pick_decode(
+    async def _pick_decode(
+        self, job: Job, obs: RequestObservation, exclude: Collection[str]
+    ) -> WorkerInfo:
+        # NOTE: in a thread: the registry is a blocking Redis client.
+        return await asyncio.to_thread(self._pick_decode_now, job, obs, exclude)
+
+    def _pick_decode_now(
         self, job: Job, obs: RequestObservation, exclude: Collection[str]
     ) -> WorkerInfo:
         workers = [
@@ -152,7 +181,7 @@ class Orchestrator:
         obs.routed("decode", chosen.worker_id, "prefix_hit" if hit else "least_loaded")
         return chosen
 
-    def _reserve(
+    async def _reserve(
         self, job: Job, route: Route, deadline: float, obs: RequestObservation
     ) -> worker_pb2.KVDestination:
         """Blocks on D for the prompt; a D that refuses (draining) is replaced once."""
@@ -165,7 +194,7 @@ class Orchestrator:
             try:
                 with obs.call(RESERVE, route.decode) as call:
                     stub = self.stubs.decode(route.decode.address)
-                    reply = stub.Reserve(
+                    reply = await stub.Reserve(
                         request, timeout=_remaining(deadline), metadata=call.metadata
                     )
                     return reply.destination
@@ -173,12 +202,12 @@ class Orchestrator:
                 if attempt or err.code() != grpc.StatusCode.UNAVAILABLE or route.cancelled:
                     raise
                 refused = route.decode
-                route.decode = self._pick_decode(job, obs, exclude={refused.worker_id})
+                route.decode = await self._pick_decode(job, obs, exclude={refused.worker_id})
                 self._count(refused.worker_id, -1)
                 self._count(route.decode.worker_id, +1)
         raise AssertionError("unreachable")  # pragma: no cover
 
-    def _prefill(
+    async def _prefill(
         self,
         job: Job,
         route: Route,
@@ -190,26 +219,23 @@ class Orchestrator:
         tried: set[str] = set()
         sampling = convert.sampling_to_proto(job.params)
         for attempt in range(self.settings.prefill_attempts):
-            dest = self._reserve(job, route, deadline, obs)
+            dest = await self._reserve(job, route, deadline, obs)
             uncached = len(job.prompt_token_ids) - dest.num_cached_tokens
             if route.decode.kind == "colocated" or uncached <= self.settings.local_prefill_tokens:
                 obs.routed("prefill", route.decode.worker_id, "local")
                 return []
-            candidates = [
-                w
-                for w in self._matching(self.registry.live_workers("prefill"))
-                if w.worker_id not in tried
-            ]
+            live = await asyncio.to_thread(self.registry.live_workers, "prefill")
+            candidates = [w for w in self._matching(live) if w.worker_id not in tried]
             try:
                 prefill = self.policy.pick_prefill(candidates, self._inflight_snapshot())
             except NoWorkerError:
-                self._abort_reservation(route, job.request_id)
+                await self._abort_reservation(route, job.request_id)
                 raise
             route.prefill = prefill
             tried.add(prefill.worker_id)
             obs.routed("prefill", prefill.worker_id, "retry" if attempt else "least_loaded")
             with obs.call(PREFILL, prefill) as call:
-                future = self.stubs.prefill(prefill.address).Prefill.future(
+                rpc = self.stubs.prefill(prefill.address).Prefill(
                     worker_pb2.PrefillRequest(
                         request_id=job.request_id,
                         prompt_token_ids=job.prompt_token_ids,
@@ -220,17 +246,16 @@ class Orchestrator:
                     timeout=_remaining(deadline),
                     metadata=call.metadata,
                 )
-                self._track(route, future)
+                self._track(route, rpc)
                 self._count(prefill.worker_id, +1)
                 try:
-                    response = future.result()
+                    async with _aborted_as_cancelled(route, job.request_id):
+                        response = await rpc
                     obs.prefilled(response)
                     return list(response.first_tokens)
-                except grpc.FutureCancelledError:
-                    raise Cancelled(f"request {job.request_id!r} was cancelled") from None
                 except grpc.RpcError as err:
                     call.fail(err)
-                    self._abort_reservation(route, job.request_id)
+                    await self._abort_reservation(route, job.request_id)
                     retry = attempt + 1 < self.settings.prefill_attempts
                     if not (
                         retry and err.code() in RETRYABLE and is_active() and not route.cancelled
@@ -265,7 +290,7 @@ class Orchestrator:
         with self._lock:
             self._inflight[worker_id] = self._inflight.get(worker_id, 0) + delta
 
-    def abort(self, request_id: str) -> bool:
+    async def abort(self, request_id: str) -> bool:
         """Cancel a running request on every worker it touches; False if it is not running."""
         with self._lock:
             route = self._routes.get(request_id)
@@ -274,12 +299,12 @@ class Orchestrator:
         route.cancelled = True
         for call in list(route.calls):
             call.cancel()
-        self._abort_reservation(route, request_id)
+        await self._abort_reservation(route, request_id)
         return True
 
-    def _abort_reservation(self, route: Route, request_id: str) -> None:
+    async def _abort_reservation(self, route: Route, request_id: str) -> None:
         try:
-            self.stubs.decode(route.decode.address).Abort(
+            await self.stubs.decode(route.decode.address).Abort(
                 common_pb2.AbortRequest(request_id=request_id), timeout=5.0
             )
         except grpc.RpcError as err:
@@ -294,8 +319,29 @@ class Orchestrator:
         with self._lock:
             return dict(self._inflight)
 
-    def close(self) -> None:
-        self.stubs.close()
+    async def close(self) -> None:
+        """Close the channels to the workers (on the server's event loop)."""
+        await self.stubs.close()
+
+
+@asynccontextmanager
+async def _aborted_as_cancelled(route: Route, request_id: str) -> AsyncIterator[None]:
+    """Turns the end of a call that `abort` cancelled into `Cancelled` (CANCELLED for the
+    client). A `grpc.aio` call cancelled locally raises `asyncio.CancelledError` in whoever
+    awaits it; that must not pass for a cancel of this task, which grpc does when the client
+    goes away."""
+    try:
+        yield
+    except asyncio.CancelledError:
+        if route.cancelled and not _cancelling():
+            raise Cancelled(f"request {request_id!r} was cancelled") from None
+        raise
+
+
+def _cancelling() -> bool:
+    """Whether the current task itself was asked to stop (not just a call it awaited)."""
+    task = asyncio.current_task()
+    return task is not None and task.cancelling() > 0
 
 
 def _remaining(deadline: float) -> float:

@@ -1,9 +1,12 @@
-"""The public Gateway service: thin over validation and the orchestrator."""
+"""The public Gateway service: thin over validation and the orchestrator. Its methods are
+coroutines and async generators on the server's event loop: a stream waiting for tokens holds
+no thread, so `max_inflight` alone bounds how many run at once."""
 
 from __future__ import annotations
 
+import asyncio
 import threading
-from collections.abc import Iterator
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 import grpc
@@ -40,22 +43,26 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         self._slots = threading.BoundedSemaphore(max_inflight)
         self.max_inflight = max_inflight
 
-    def Generate(
-        self, request: gateway_pb2.GenerateRequest, context: grpc.ServicerContext
-    ) -> Iterator[gateway_pb2.GenerateResponse]:
-        job = validate_request(request, self.tokenizer, self.model.config, self.model.max_model_len)
+    async def Generate(
+        self, request: gateway_pb2.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[gateway_pb2.GenerateResponse]:
+        # NOTE: in a thread: tokenizing a long prompt would stall every other stream.
+        job = await asyncio.to_thread(
+            validate_request, request, self.tokenizer, self.model.config, self.model.max_model_len
+        )
         if not self._slots.acquire(blocking=False):
             raise Overloaded(
                 f"the gateway is at its limit of {self.max_inflight} requests in flight",
             )
         obs = self.observer.start(job, context)
-        responses = self.orchestrator.run(job, context.time_remaining(), context.is_active, obs)
+        # NOTE: a client that goes away cancels this task; the orchestrator then aborts the
+        # request on P and D before the stream ends.
+        responses = self.orchestrator.run(
+            job, context.time_remaining(), lambda: not (context.done() or context.cancelled()), obs
+        )
         try:
-            # NOTE: runs when the RPC ends for any reason; after a normal finish it finds no
-            # route and does nothing, after a client cancel it reaches P and D.
-            context.add_callback(lambda: self.orchestrator.abort(job.request_id))
             rid = job.request_id
-            for msg in responses:
+            async for msg in responses:
                 if msg.HasField("chunk"):
                     obs.on_chunk()
                     yield gateway_pb2.GenerateResponse(request_id=rid, chunk=msg.chunk)
@@ -71,16 +78,16 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         else:
             obs.end(None)
         finally:
-            responses.close()  # NOTE: now (frees the route), not whenever the GC gets to it
+            await responses.aclose()  # NOTE: now (frees the route), not whenever the GC does
             self._slots.release()
 
-    def Abort(
-        self, request: common_pb2.AbortRequest, context: grpc.ServicerContext
+    async def Abort(
+        self, request: common_pb2.AbortRequest, context: grpc.aio.ServicerContext
     ) -> common_pb2.AbortResponse:
-        return common_pb2.AbortResponse(aborted=self.orchestrator.abort(request.request_id))
+        return common_pb2.AbortResponse(aborted=await self.orchestrator.abort(request.request_id))
 
-    def GetModelInfo(
-        self, request: gateway_pb2.GetModelInfoRequest, context: grpc.ServicerContext
+    async def GetModelInfo(
+        self, request: gateway_pb2.GetModelInfoRequest, context: grpc.aio.ServicerContext
     ) -> gateway_pb2.GetModelInfoResponse:
         cfg = self.model.config
         return gateway_pb2.GetModelInfoResponse(

@@ -13,18 +13,22 @@ GrpcKVSender.push ── header ────────────────
 
 The copy out of the pool runs on a side stream into pinned host memory, off the engine thread;
 the payload is checksummed in place and sliced without copies until protobuf takes each chunk.
+The receiver is a coroutine on the decode worker's asyncio server: each chunk is copied and
+checksummed on a thread while the next one is read, and the final write into the pool runs on a
+thread too, so a large push never stalls the event loop (the sender side is synchronous).
 The push carries the sender's trace context (W3C `traceparent` metadata); a servicer given a
 tracer records a `kv.receive` span under it, and reports every push to `on_push`.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import threading
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import AsyncIterable, AsyncIterator, Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import Any, TypeVar
 
 import grpc
 import torch
@@ -56,6 +60,7 @@ from splitserve.kv_transfer.wire import (
 from splitserve.protos.v1 import kv_transfer_pb2, kv_transfer_pb2_grpc
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 # A data message is <= 4 MiB plus framing; the headroom lets a large header through.
 MAX_MESSAGE_BYTES = 2 * MAX_CHUNK_BYTES
@@ -177,9 +182,7 @@ class GrpcKVSender(KVSender):
                 for i, (header, part) in enumerate(parts)
             ]
             results = [f.result() for f in futures]  # NOTE: all settle before `buf` is reused
-            return PushResult(
-                sum(r.num_blocks for r in results), sum(r.num_bytes for r in results)
-            )
+            return PushResult(sum(r.num_blocks for r in results), sum(r.num_bytes for r in results))
         finally:
             self._buffers.give(buf)
 
@@ -243,15 +246,15 @@ class KVTransferServicer(kv_transfer_pb2_grpc.KVTransferServicer):
         self._buffers = HostBuffers(pinned=region.device.type == "cuda")
         self._propagator = TraceContextTextMapPropagator()
 
-    def PushBlocks(
+    async def PushBlocks(
         self,
-        request_iterator: Iterable[Part | kv_transfer_pb2.KVTransferMessage],
-        context: grpc.ServicerContext,
+        request_iterator: AsyncIterable[Part | kv_transfer_pb2.KVTransferMessage],
+        context: grpc.aio.ServicerContext,
     ) -> kv_transfer_pb2.PushBlocksResponse:
         start = time.perf_counter()
         span = self._span(context)
         try:
-            response = self._push(iter(request_iterator), span)
+            response = await self._push(aiter(request_iterator), span)
             seconds = time.perf_counter() - start
             if span.is_recording():
                 span.set_attribute("splitserve.kv.transfer_seconds", seconds)
@@ -259,32 +262,39 @@ class KVTransferServicer(kv_transfer_pb2_grpc.KVTransferServicer):
                 self.on_push(response.num_bytes, seconds, True)
             span.end()
             return response
+        except asyncio.CancelledError:
+            # NOTE: the sender hung up (or the server stops): nothing to answer, nothing to log.
+            self._failed(span, start, "CANCELLED: the sender went away")
+            raise
         except SplitserveError as exc:
             code, message = grpc.StatusCode[exc.status], str(exc)
         except Exception as exc:
-            # NOTE: a bug in the receiver must fail this push, not the server. A sender that
-            # hung up mid-stream also lands here; that is not worth a traceback.
-            if context.is_active():
-                log.exception("PushBlocks failed")
+            # NOTE: a bug in the receiver must fail this push, not the server.
+            log.exception("PushBlocks failed")
             code, message = grpc.StatusCode.INTERNAL, f"internal error receiving KV: {exc!r}"
-        if self.on_push is not None:
-            self.on_push(0, time.perf_counter() - start, False)
-        span.set_status(Status(StatusCode.ERROR, f"{code.name}: {message}"))
-        span.end()
-        context.abort(code, message)
+        self._failed(span, start, f"{code.name}: {message}")
+        await context.abort(code, message)
         raise AssertionError("context.abort returned")  # abort always raises
 
-    def _span(self, context: grpc.ServicerContext) -> Span:
+    def _failed(self, span: Span, start: float, description: str) -> None:
+        if self.on_push is not None:
+            self.on_push(0, time.perf_counter() - start, False)
+        span.set_status(Status(StatusCode.ERROR, description))
+        span.end()
+
+    def _span(self, context: grpc.aio.ServicerContext) -> Span:
         if self.tracer is None:
             return trace.INVALID_SPAN
-        carrier = {k: v for k, v in context.invocation_metadata() if isinstance(v, str)}
+        carrier = {k: v for k, v in context.invocation_metadata() or () if isinstance(v, str)}
         parent = self._propagator.extract(carrier)
         return self.tracer.start_span("kv.receive", context=parent, kind=SpanKind.SERVER)
 
-    def _push(
-        self, messages: Iterator[Part | kv_transfer_pb2.KVTransferMessage], span: Span
+    async def _push(
+        self,
+        messages: AsyncIterator[Part | kv_transfer_pb2.KVTransferMessage],
+        span: Span,
     ) -> kv_transfer_pb2.PushBlocksResponse:
-        header = _as_part(next(messages, None))
+        header = _as_part(await anext(messages, None))
         if not isinstance(header, kv_transfer_pb2.KVTransferHeader):
             raise KVTransferError("a PushBlocks stream must start with the header")
         if span.is_recording():
@@ -301,59 +311,118 @@ class KVTransferServicer(kv_transfer_pb2_grpc.KVTransferServicer):
         validate_header(header, self.layout, self.num_blocks, None)
         allowed = self.landing.allowed_blocks(header.request_id, header.fence)
         validate_header(header, self.layout, self.num_blocks, allowed)
-        buf = self._buffers.take(header.payload_bytes)
+        # NOTE: allocating (pinning) a large buffer takes a while: off the loop.
+        buf = await asyncio.to_thread(self._buffers.take, header.payload_bytes)
         try:
             payload = buf.numpy()
-            checksum = self._receive(header, messages, payload)
+            checksum = await self._receive(header, messages, payload)
             if checksum != header.crc32c:
                 raise ChecksumError(
                     f"{header.request_id}: checksum mismatch: payload CRC-32C "
                     f"{checksum:#010x}, header {header.crc32c:#010x}"
                 )
-            dst = list(header.dst_block_ids)
-            with self.landing.hold(header.request_id, header.fence, dst, len(payload)):
-                self.connector.write_blocks(dst, as_blocks(buf, self.layout))
+            await _in_thread(self._land, header, buf)
         finally:
             self._buffers.give(buf)
         return kv_transfer_pb2.PushBlocksResponse(
             num_blocks=len(header.dst_block_ids), num_bytes=header.payload_bytes
         )
 
+    def _land(self, header: kv_transfer_pb2.KVTransferHeader, buf: torch.Tensor) -> None:
+        """Write the payload into the reserved blocks, under the reservation's hold (which
+        waits for, and keeps out, a reclaim of its blocks)."""
+        dst = list(header.dst_block_ids)
+        with self.landing.hold(header.request_id, header.fence, dst, header.payload_bytes):
+            self.connector.write_blocks(dst, as_blocks(buf, self.layout))
+
     @staticmethod
-    def _receive(
+    async def _receive(
         header: kv_transfer_pb2.KVTransferHeader,
-        messages: Iterator[Part | kv_transfer_pb2.KVTransferMessage],
+        messages: AsyncIterator[Part | kv_transfer_pb2.KVTransferMessage],
         payload: Any,
     ) -> int:
         """Fill `payload` from the data messages; returns its CRC-32C, computed as the chunks
-        arrive (the checksum pass overlaps the transfer instead of following it)."""
+        arrive (the checksum pass overlaps the transfer instead of following it).
+
+        Each chunk is copied and checksummed on a thread while the loop reads the next one; at
+        most one copy is in flight, and all are settled before this returns or raises (the
+        buffer is reused after)."""
         rid = header.request_id
         out = memoryview(payload).cast("B")
         received = checksum = 0
-        for message in messages:
-            data = _as_part(message)
-            if isinstance(data, kv_transfer_pb2.KVTransferHeader):
-                raise KVTransferError(f"{rid}: a second header in one PushBlocks stream")
-            if data is None:
-                raise KVTransferError(f"{rid}: an empty message in a PushBlocks stream")
-            size = len(data)
-            if size > MAX_CHUNK_BYTES:
-                raise KVTransferError(
-                    f"{rid}: data message of {size} bytes exceeds {MAX_CHUNK_BYTES}"
-                )
-            if received + size > header.payload_bytes:
-                raise KVTransferError(
-                    f"{rid}: more data than declared: {received + size} bytes so far, "
-                    f"header declares {header.payload_bytes}"
-                )
-            out[received : received + size] = data
-            checksum = crc32c(data, checksum)
-            received += size
+        copying: asyncio.Future[int] | None = None
+        try:
+            async for message in messages:
+                data = _as_part(message)
+                if isinstance(data, kv_transfer_pb2.KVTransferHeader):
+                    raise KVTransferError(f"{rid}: a second header in one PushBlocks stream")
+                if data is None:
+                    raise KVTransferError(f"{rid}: an empty message in a PushBlocks stream")
+                size = len(data)
+                if size > MAX_CHUNK_BYTES:
+                    raise KVTransferError(
+                        f"{rid}: data message of {size} bytes exceeds {MAX_CHUNK_BYTES}"
+                    )
+                if received + size > header.payload_bytes:
+                    raise KVTransferError(
+                        f"{rid}: more data than declared: {received + size} bytes so far, "
+                        f"header declares {header.payload_bytes}"
+                    )
+                if copying is not None:
+                    checksum = await _in_thread_done(copying)
+                    copying = None
+                if size < INLINE_COPY_BYTES:  # a thread hop would cost more than the copy
+                    checksum = _copy_chunk(out, received, data, checksum)
+                else:
+                    copying = asyncio.get_running_loop().run_in_executor(
+                        None, _copy_chunk, out, received, data, checksum
+                    )
+                received += size
+            if copying is not None:
+                checksum = await _in_thread_done(copying)
+                copying = None
+        finally:
+            if copying is not None:
+                await _settled(copying)
         if received != header.payload_bytes:
             raise KVTransferError(
                 f"{rid}: stream ended after {received} of {header.payload_bytes} payload bytes"
             )
         return checksum
+
+
+INLINE_COPY_BYTES = 64 << 10
+"""Data chunks smaller than this are copied on the event loop; larger ones on a thread."""
+
+
+def _copy_chunk(out: memoryview, offset: int, data: memoryview, checksum: int) -> int:
+    out[offset : offset + len(data)] = data
+    return crc32c(data, checksum)
+
+
+async def _in_thread(fn: Callable[..., T], *args: Any) -> T:
+    """`fn(*args)` on the loop's default executor; a cancel waits for it to end first (it
+    works on buffers that are reused once this returns)."""
+    return await _in_thread_done(asyncio.get_running_loop().run_in_executor(None, fn, *args))
+
+
+async def _in_thread_done(future: asyncio.Future[T]) -> T:
+    try:
+        return await asyncio.shield(future)
+    except asyncio.CancelledError:
+        await _settled(future)
+        raise
+
+
+async def _settled(future: asyncio.Future[Any]) -> None:
+    """Until `future` is done, whatever cancels the waiter meanwhile (its outcome is dropped)."""
+    while not future.done():
+        try:
+            await asyncio.wait([future])
+        except asyncio.CancelledError:
+            continue
+    if not future.cancelled():
+        future.exception()  # NOTE: retrieved, so asyncio does not log it as never retrieved
 
 
 # -- the wire codec: KVTransferMessage bytes, with data chunks encoded and decoded directly -----
@@ -412,7 +481,7 @@ def _as_part(message: object) -> Part | None:
     return None
 
 
-def add_kv_transfer_servicer(servicer: Any, server: grpc.Server) -> None:
+def add_kv_transfer_servicer(servicer: Any, server: grpc.Server | grpc.aio.Server) -> None:
     """Serve KVTransfer with the direct data codec (the generated `add_*_to_server` would parse
     every chunk into a message first, one more copy)."""
     handler = grpc.stream_unary_rpc_method_handler(

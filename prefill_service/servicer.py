@@ -1,32 +1,58 @@
-"""gRPC face of the prefill worker."""
+"""gRPC face of the prefill worker.
+
+Its methods are coroutines on the server's event loop. A prefill's send loop blocks (it waits
+for the engine's finished blocks and pushes them), so it runs on a thread of this servicer's
+own pool; the gateway bounds how many prefills one worker gets. A cancelled call (the gateway
+gave up, or its deadline passed) tells the send loop to stop and waits until it has settled, so
+the worker's blocks are free once the call is over.
+"""
 
 from __future__ import annotations
 
+import asyncio
+import functools
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
 import grpc
 
-from splitserve.prefill_service.worker import PrefillWorker
+from splitserve.prefill_service.worker import PrefillResult, PrefillWorker
 from splitserve.protos import convert
 from splitserve.protos.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from splitserve.runtime.tracing import Tracing
 
+MAX_PREFILL_THREADS = 256
+
 
 class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
-    def __init__(self, worker: PrefillWorker, tracing: Tracing) -> None:
+    def __init__(
+        self, worker: PrefillWorker, tracing: Tracing, max_threads: int = MAX_PREFILL_THREADS
+    ) -> None:
         self.worker = worker
         self.tracing = tracing
+        self._threads = ThreadPoolExecutor(max_threads, thread_name_prefix="prefill")
 
-    def Prefill(
-        self, request: worker_pb2.PrefillRequest, context: grpc.ServicerContext
+    async def Prefill(
+        self, request: worker_pb2.PrefillRequest, context: grpc.aio.ServicerContext
     ) -> worker_pb2.PrefillResponse:
-        result = self.worker.prefill(
+        cancelled = threading.Event()
+        prefill = functools.partial(
+            self.worker.prefill,
             request.request_id,
             list(request.prompt_token_ids),
             convert.sampling_from_proto(request.sampling),
             request.destination,
             request.priority,
-            context.is_active,
+            lambda: not cancelled.is_set(),
             self.tracing.extract(context),
         )
+        running = asyncio.get_running_loop().run_in_executor(self._threads, prefill)
+        try:
+            result: PrefillResult = await asyncio.shield(running)
+        except asyncio.CancelledError:
+            cancelled.set()
+            await _settled(running)
+            raise
         return worker_pb2.PrefillResponse(
             first_tokens=convert.first_tokens_to_proto(result.output),
             num_blocks_sent=result.num_blocks_sent,
@@ -34,17 +60,31 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
             num_cached_tokens=result.output.num_cached_tokens,
         )
 
-    def Abort(
-        self, request: common_pb2.AbortRequest, context: grpc.ServicerContext
+    async def Abort(
+        self, request: common_pb2.AbortRequest, context: grpc.aio.ServicerContext
     ) -> common_pb2.AbortResponse:
-        return common_pb2.AbortResponse(aborted=self.worker.abort(request.request_id))
+        return common_pb2.AbortResponse(aborted=await self.worker.abort(request.request_id))
 
-    def GetStats(
-        self, request: worker_pb2.GetStatsRequest, context: grpc.ServicerContext
+    async def GetStats(
+        self, request: worker_pb2.GetStatsRequest, context: grpc.aio.ServicerContext
     ) -> worker_pb2.WorkerStats:
         worker = self.worker
         return convert.stats_to_proto(
-            worker.loop.call(lambda e: e.stats()),
+            await worker.loop.call_async(lambda e: e.stats()),
             worker.settings.worker_id,
             kv_bytes_sent=worker.num_bytes_sent,
         )
+
+    def close(self) -> None:
+        self._threads.shutdown(wait=False, cancel_futures=True)
+
+
+async def _settled(future: asyncio.Future) -> None:
+    """Until `future` is done, whatever cancels the waiter meanwhile (its outcome is dropped)."""
+    while not future.done():
+        try:
+            await asyncio.wait([future])
+        except asyncio.CancelledError:
+            continue
+    if not future.cancelled():
+        future.exception()  # NOTE: retrieved, so asyncio does not log it as never retrieved

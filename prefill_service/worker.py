@@ -1,4 +1,6 @@
-"""The prefill worker's logic: take the write lease, prefill, push blocks, return first tokens."""
+"""The prefill worker's logic: take the write lease, prefill, push blocks, return first tokens.
+
+`prefill` blocks until every block is pushed: the servicer runs it on a thread of its own."""
 
 from __future__ import annotations
 
@@ -134,8 +136,8 @@ class PrefillWorker:
                 # NOTE: settled before the caller hears back: blocks are free once it does.
                 self.loop.call(lambda e: _settle(e, request_id, aborted=not finished))
 
-    def abort(self, request_id: str) -> bool:
-        return bool(self.loop.call(lambda e: e.abort_request(request_id)))
+    async def abort(self, request_id: str) -> bool:
+        return bool(await self.loop.call_async(lambda e: e.abort_request(request_id)))
 
     def close(self) -> None:
         self.senders.close()

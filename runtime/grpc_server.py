@@ -1,13 +1,27 @@
-"""What every splitserve gRPC server shares: health, reflection, and one interceptor that maps
-exceptions to status codes, so servicers stay thin (protobuf -> domain -> engine -> protobuf)."""
+"""What every splitserve gRPC server shares: an asyncio server on an event loop of its own,
+health, reflection, and one interceptor that maps exceptions to status codes, so servicers stay
+thin (protobuf -> domain -> engine -> protobuf).
+
+    main thread ── start_server / set_serving / stop ──run_coroutine_threadsafe──┐
+                                                                                 ▼
+    "grpc-loop" thread: asyncio loop ── grpc.aio server ── handlers (coroutines, async generators)
+                              └── default executor ("grpc-blocking" threads): blocking work the
+                                  handlers hand off with `asyncio.to_thread` (Redis, copies)
+
+A waiting stream holds no thread: a server holds as many calls as its handlers admit. The rest
+of a service process stays synchronous; only the handlers run on the loop, and they must never
+block it (engine calls go through `EngineLoop.call_async`, blocking calls through threads).
+"""
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
+import inspect
 import logging
-from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass
-from typing import Any
+import threading
+from collections.abc import Awaitable, Callable, Coroutine, Iterable
+from typing import Any, TypeVar
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -15,15 +29,24 @@ from grpc_reflection.v1alpha import reflection
 
 from splitserve.engine.errors import SplitserveError
 
+try:  # the asyncio health servicer ships with grpcio-health-checking >= 1.32
+    from grpc_health.v1._async import HealthServicer as AsyncHealthServicer
+except ImportError:  # pragma: no cover - older grpcio-health-checking
+    AsyncHealthServicer = None  # type: ignore[assignment,misc]
+
 log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+MAX_MESSAGE_BYTES = 8 * 1024 * 1024
+DEFAULT_BLOCKING_THREADS = 256
 
 
 def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
     """The status code and message a client should see for `exc`.
 
     Domain errors (`engine.errors`) carry their status; a worker's status met on a call the
-    handler made (a `grpc.RpcError`) is passed on as it came. Anything else is a bug here, not
-    the caller's fault: INTERNAL.
+    handler made (a `grpc.RpcError`, `grpc.aio.AioRpcError` included) is passed on as it came.
+    Anything else is a bug here, not the caller's fault: INTERNAL.
     """
     if isinstance(exc, SplitserveError):
         return grpc.StatusCode[exc.status], str(exc)
@@ -32,11 +55,20 @@ def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
     return grpc.StatusCode.INTERNAL, f"internal error ({type(exc).__name__}); see the server log"
 
 
-class StatusInterceptor(grpc.ServerInterceptor):
-    """Turns any exception a handler raises into `context.abort(code, message)`."""
+class StatusInterceptor(grpc.aio.ServerInterceptor):
+    """Turns any exception a handler raises into `context.abort(code, message)`.
 
-    def intercept_service(self, continuation: Callable, details: Any) -> Any:
-        handler = continuation(details)
+    Works for handlers that are coroutines, async generators or plain functions (called on the
+    loop: fine for trivial ones only). A cancelled call (the client went away, its deadline
+    passed, the server stops) raises `asyncio.CancelledError`, which passes through unlogged.
+    """
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        details: grpc.HandlerCallDetails,
+    ) -> Any:
+        handler = await continuation(details)
         if handler is None:
             return None
         if handler.unary_unary:
@@ -48,49 +80,88 @@ class StatusInterceptor(grpc.ServerInterceptor):
         return handler
 
 
-def _is_abort(exc: Exception) -> bool:
-    # NOTE: context.abort() ends a handler by raising a bare Exception; let it through.
-    return type(exc) is Exception
-
-
-def _abort(context: grpc.ServicerContext, exc: Exception) -> None:
+async def _abort(context: grpc.aio.ServicerContext, exc: Exception) -> None:
+    # NOTE: context.abort() ends a handler by raising AbortError; a finished call (or a
+    # stopping server) has nothing left to tell the client: let those through as they are.
+    if isinstance(exc, grpc.aio.BaseError) or context.done():
+        raise exc
     code, message = status_for(exc)
     if code is grpc.StatusCode.INTERNAL:
         log.exception("handler failed", exc_info=exc)
-    context.abort(code, message)
+    await context.abort(code, message)
 
 
 def _wrap_unary(fn: Callable) -> Callable:
-    def wrapper(request: Any, context: grpc.ServicerContext) -> Any:
+    async def wrapper(request: Any, context: grpc.aio.ServicerContext) -> Any:
         try:
-            return fn(request, context)
+            result = fn(request, context)
+            if inspect.isawaitable(result):
+                result = await result
+            return result
         except Exception as exc:
-            if _is_abort(exc):
-                raise
-            _abort(context, exc)
+            await _abort(context, exc)
 
     return wrapper
 
 
 def _wrap_stream(fn: Callable) -> Callable:
-    def wrapper(request: Any, context: grpc.ServicerContext) -> Iterator[Any]:
+    # NOTE: a coroutine that writes each response itself (grpc's reader/writer API) rather than
+    # an async generator that grpc iterates: a cancel that lands while a response is written
+    # then ends here too, and the handler's generators are closed (their cleanup run: abort the
+    # request, free its blocks) at once, not whenever the garbage collector finds them.
+    async def wrapper(request: Any, context: grpc.aio.ServicerContext) -> None:
+        responses: Any = None
         try:
-            yield from fn(request, context)
+            responses = fn(request, context)
+            if inspect.isawaitable(responses):  # a reader/writer handler: it writes itself
+                await responses
+            elif hasattr(responses, "__aiter__"):
+                async for response in responses:
+                    await context.write(response)
+            elif responses is not None:
+                for response in responses:
+                    await context.write(response)
         except Exception as exc:
-            if _is_abort(exc):
-                raise
-            _abort(context, exc)
+            await _abort(context, exc)
+        finally:
+            if inspect.isasyncgen(responses):
+                await responses.aclose()
 
     return wrapper
 
 
-@dataclass
 class Server:
-    """A started server: its bound port and the health servicer to flip."""
+    """A started server: its bound port, its health, and the loop it runs on.
 
-    server: grpc.Server
-    port: int
-    health: health.HealthServicer
+    Every method is for the main thread (or any thread but the loop's own)."""
+
+    def __init__(
+        self,
+        server: grpc.aio.Server,
+        port: int,
+        health_servicer: Any,
+        loop: asyncio.AbstractEventLoop,
+        thread: threading.Thread,
+        executor: concurrent.futures.ThreadPoolExecutor,
+    ) -> None:
+        self.server = server
+        self.port = port
+        self.health = health_servicer
+        self.loop = loop
+        self._thread = thread
+        self._executor = executor
+        self._stop_hooks: list[Callable[[], Awaitable[Any]]] = []
+        self._stopped = False
+        self._background: set[asyncio.Task[None]] = set()
+
+    def run(self, coro: Coroutine[Any, Any, T], timeout_s: float | None = 30.0) -> T:
+        """Run `coro` on the server's loop and wait for its result."""
+        future = asyncio.run_coroutine_threadsafe(coro, self.loop)
+        try:
+            return future.result(timeout_s)
+        except concurrent.futures.TimeoutError:
+            future.cancel()
+            raise
 
     def set_serving(self, serving: bool, services: Iterable[str] = ("",)) -> None:
         status = (
@@ -98,42 +169,134 @@ class Server:
             if serving
             else health_pb2.HealthCheckResponse.NOT_SERVING
         )
-        for name in services:
-            self.health.set(name, status)
+        names = list(services)
+
+        async def flip() -> None:
+            for name in names:
+                await _maybe_await(self.health.set(name, status))
+
+        if threading.current_thread() is self._thread:  # from a handler: no waiting on itself
+            task = self.loop.create_task(flip())
+            self._background.add(task)
+            task.add_done_callback(self._background.discard)
+        else:
+            self.run(flip())
+
+    def on_stop(self, hook: Callable[[], Awaitable[Any]]) -> None:
+        """Await `hook()` on the loop once the server has stopped (e.g. to close aio channels
+        the handlers used), before the loop ends."""
+        self._stop_hooks.append(hook)
 
     def stop(self, grace_s: float = 1.0) -> None:
-        self.health.enter_graceful_shutdown()
-        self.server.stop(grace_s).wait()
+        """Stop serving (calls still running get `grace_s`, then are cancelled), then the loop."""
+        if self._stopped:
+            return
+        self._stopped = True
+
+        async def shutdown() -> None:
+            await _maybe_await(self.health.enter_graceful_shutdown())
+            await self.server.stop(grace_s)
+            for hook in self._stop_hooks:
+                try:
+                    await hook()
+                except Exception:  # noqa: BLE001 - the other hooks and the loop still stop
+                    log.exception("stop hook failed")
+
+        try:
+            self.run(shutdown(), timeout_s=grace_s + 30.0)
+        finally:
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self._thread.join(30.0)
+            self._executor.shutdown(wait=False, cancel_futures=True)
+
+
+async def _maybe_await(result: Any) -> Any:
+    return await result if inspect.isawaitable(result) else result
 
 
 def start_server(
-    register: Callable[[grpc.Server], None],
+    register: Callable[[grpc.aio.Server], None],
     service_names: Iterable[str],
     host: str = "127.0.0.1",
     port: int = 0,
-    max_workers: int = 64,
+    blocking_threads: int = DEFAULT_BLOCKING_THREADS,
 ) -> Server:
-    """Start a server with health (NOT_SERVING until `set_serving`) and reflection.
+    """Start a `grpc.aio` server on a new event loop thread, with health (NOT_SERVING until
+    `set_serving`) and reflection; `register` adds the servicers (on the loop's thread).
 
-    Port 0 picks a free port; the bound one is returned.
+    Port 0 picks a free port; the bound one is returned. `blocking_threads` bounds the loop's
+    default executor, where handlers run what blocks (`asyncio.to_thread`).
     """
-    server = grpc.server(
-        concurrent.futures.ThreadPoolExecutor(max_workers=max_workers),
-        interceptors=[StatusInterceptor()],
-        options=[
-            ("grpc.max_receive_message_length", 8 * 1024 * 1024),
-            ("grpc.max_send_message_length", 8 * 1024 * 1024),
-        ],
+    names = list(service_names)
+    loop = asyncio.new_event_loop()
+    executor = concurrent.futures.ThreadPoolExecutor(
+        blocking_threads, thread_name_prefix="grpc-blocking"
     )
-    register(server)
-    health_servicer = health.HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    names = [*service_names, health.SERVICE_NAME, reflection.SERVICE_NAME]
-    reflection.enable_server_reflection(names, server)
-    bound = server.add_insecure_port(f"{host}:{port}")
-    if bound == 0:
-        raise RuntimeError(f"could not bind {host}:{port}")
-    server.start()
-    result = Server(server, bound, health_servicer)
-    result.set_serving(False, ["", *service_names])
-    return result
+    loop.set_default_executor(executor)
+    started: concurrent.futures.Future[tuple[grpc.aio.Server, int, Any]] = (
+        concurrent.futures.Future()
+    )
+
+    async def start() -> tuple[grpc.aio.Server, int, Any]:
+        server = grpc.aio.server(
+            interceptors=[StatusInterceptor()],
+            options=[
+                ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+                ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+            ],
+        )
+        register(server)
+        health_servicer = (
+            AsyncHealthServicer() if AsyncHealthServicer is not None else health.HealthServicer()
+        )
+        health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+        reflection.enable_server_reflection(
+            [*names, health.SERVICE_NAME, reflection.SERVICE_NAME], server
+        )
+        for name in ["", *names]:
+            await _maybe_await(
+                health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+            )
+        bound = server.add_insecure_port(f"{host}:{port}")
+        if bound == 0:
+            raise RuntimeError(f"could not bind {host}:{port}")
+        await server.start()
+        return server, bound, health_servicer
+
+    def run() -> None:
+        asyncio.set_event_loop(loop)
+        try:
+            started.set_result(loop.run_until_complete(start()))
+        except BaseException as exc:  # noqa: BLE001 - handed to the caller
+            started.set_exception(exc)
+            loop.close()
+            return
+        try:
+            loop.run_forever()
+        finally:
+            _close(loop)
+
+    thread = threading.Thread(target=run, name="grpc-loop", daemon=True)
+    thread.start()
+    try:
+        server, bound, health_servicer = started.result()
+    except BaseException:
+        thread.join(5.0)
+        executor.shutdown(wait=False)
+        raise
+    return Server(server, bound, health_servicer, loop, thread, executor)
+
+
+def _close(loop: asyncio.AbstractEventLoop) -> None:
+    """End what is left on a stopped loop (tasks of cancelled calls, async generators)."""
+    try:
+        tasks = [t for t in asyncio.all_tasks(loop) if not t.done()]
+        for task in tasks:
+            task.cancel()
+        if tasks:
+            loop.run_until_complete(asyncio.wait(tasks, timeout=5.0))
+        loop.run_until_complete(loop.shutdown_asyncgens())
+    except Exception:  # noqa: BLE001 - the loop closes either way
+        log.exception("closing the gRPC event loop")
+    finally:
+        loop.close()

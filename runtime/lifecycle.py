@@ -7,7 +7,8 @@
 
 gRPC needs its servicers before the server starts, so each service is registered through a
 `GatedServicer` that stands in for the real one until `bind`, and that also counts the calls in
-flight so that draining knows when it is done.
+flight (coroutines and async generators on the server's event loop) so that draining knows when
+it is done.
 """
 
 from __future__ import annotations
@@ -17,10 +18,8 @@ import inspect
 import logging
 import threading
 import time
-from collections.abc import Callable, Collection, Iterator
+from collections.abc import AsyncIterator, Callable, Collection
 from typing import Any
-
-import grpc
 
 from splitserve.engine.errors import Unavailable
 from splitserve.runtime.grpc_server import Server
@@ -98,7 +97,11 @@ class Lifecycle:
 
 class GatedServicer:
     """Forwards every RPC method to the servicer given to `bind`; until then each answers
-    UNAVAILABLE "loading". Registered in place of the real servicer."""
+    UNAVAILABLE "loading". Registered in place of the real servicer.
+
+    A forwarded call is a coroutine (unary responses) or an async generator (a stream), after
+    the bound method; the server's interceptor awaits or iterates whichever it gets. Plain
+    methods and generators of a bound servicer work too (run on the caller's loop)."""
 
     def __init__(self, lifecycle: Lifecycle, admitting: frozenset[str]) -> None:
         self._lifecycle = lifecycle
@@ -108,37 +111,52 @@ class GatedServicer:
     def bind(self, target: Any) -> None:
         self._target = target
 
-    def __getattr__(self, method: str) -> Callable[[Any, grpc.ServicerContext], Any]:
+    def __getattr__(self, method: str) -> Callable[[Any, Any], Any]:
         if method.startswith("_"):
             raise AttributeError(method)
         admitting = method in self._admitting
 
-        def call(request: Any, context: grpc.ServicerContext) -> Any:
+        def call(request: Any, context: Any) -> Any:
             target = self._target
             if target is None:
                 raise Unavailable(State.LOADING.value)
             handler = getattr(target, method)
-            if inspect.isgeneratorfunction(handler):
+            if inspect.isasyncgenfunction(handler) or inspect.isgeneratorfunction(handler):
                 return self._stream(handler, admitting, request, context)
-            self._lifecycle.enter()
-            try:
-                if admitting:
-                    self._lifecycle.check_admitting()
-                return handler(request, context)
-            finally:
-                self._lifecycle.exit()
+            return self._unary(handler, admitting, request, context)
 
         return call
 
-    def _stream(
-        self, handler: Callable, admitting: bool, request: Any, context: grpc.ServicerContext
-    ) -> Iterator:
-        # NOTE: counted before the admission check, so that draining never misses a call that
-        # passed it; and only from the first message on: a stream never started counts nothing.
+    async def _unary(self, handler: Callable, admitting: bool, request: Any, context: Any) -> Any:
         self._lifecycle.enter()
         try:
             if admitting:
                 self._lifecycle.check_admitting()
-            yield from handler(request, context)
+            result = handler(request, context)
+            if inspect.isawaitable(result):
+                result = await result
+            return result
         finally:
+            self._lifecycle.exit()
+
+    async def _stream(
+        self, handler: Callable, admitting: bool, request: Any, context: Any
+    ) -> AsyncIterator[Any]:
+        # NOTE: counted before the admission check, so that draining never misses a call that
+        # passed it; and only from the first message on: a stream never started counts nothing.
+        self._lifecycle.enter()
+        responses = None
+        try:
+            if admitting:
+                self._lifecycle.check_admitting()
+            responses = handler(request, context)
+            if inspect.isasyncgen(responses):
+                async for response in responses:
+                    yield response
+            else:
+                for response in responses:
+                    yield response
+        finally:
+            if inspect.isasyncgen(responses):
+                await responses.aclose()  # NOTE: the handler's cleanup runs before the count
             self._lifecycle.exit()

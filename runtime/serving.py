@@ -1,6 +1,9 @@
 """The scaffolding of a service process: its gRPC server up before anything is loaded (health
 NOT_SERVING, every method answering UNAVAILABLE "loading" through a `GatedServicer`), its
-/metrics endpoint, and the handle of the running service (`Running`: drain, then stop)."""
+/metrics endpoint, and the handle of the running service (`Running`: drain, then stop).
+
+The server runs on an asyncio event loop of its own thread (`runtime/grpc_server.py`); the rest
+of the process, this handle included, stays synchronous."""
 
 from __future__ import annotations
 
@@ -23,7 +26,7 @@ class ServiceSpec:
     that take new work (refused while draining)."""
 
     name: str
-    add: Callable[[Any, grpc.Server], None]
+    add: Callable[[Any, grpc.aio.Server], None]
     admitting: tuple[str, ...] = ()
 
 
@@ -62,19 +65,17 @@ class Opened:
         self.metrics.close()
 
 
-def open_service(
-    service: ServiceSettings, specs: Sequence[ServiceSpec], max_workers: int = 64
-) -> Opened:
+def open_service(service: ServiceSettings, specs: Sequence[ServiceSpec]) -> Opened:
+    """Start the service's gRPC server (its own event loop thread; health NOT_SERVING, every
+    method UNAVAILABLE "loading") and its /metrics endpoint."""
     lifecycle = Lifecycle([spec.name for spec in specs])
     gates = [lifecycle.gate(spec.admitting) for spec in specs]
 
-    def register(server: grpc.Server) -> None:
+    def register(server: grpc.aio.Server) -> None:
         for spec, gate in zip(specs, gates, strict=True):
             spec.add(gate, server)
 
-    server = start_server(
-        register, [s.name for s in specs], service.host, service.port, max_workers=max_workers
-    )
+    server = start_server(register, [s.name for s in specs], service.host, service.port)
     lifecycle.attach(server)
     metrics = Metrics(service.served_model_name)
     try:

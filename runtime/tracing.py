@@ -4,14 +4,15 @@ names an exporter), and W3C trace context (`traceparent`) carried in gRPC metada
     gateway ─ metadata: traceparent ─▶ prefill ─ PushBlocks metadata ─▶ decode (kv.receive)
             ─ metadata: traceparent ─▶ decode (reserve, decode)
 
-NOTE: spans are started with explicit parents, never "the current span": gRPC streaming
-handlers are generators, and a context attached in one would leak into whatever else runs on
-that thread between two of its messages. Callers check `span.is_recording()` before building
-attributes, so that with tracing off a request pays for nothing but a few no-op calls.
+NOTE: spans are started with explicit parents, never "the current span": streaming handlers
+are (async) generators, and a context attached in one would leak into whatever iterates it
+between two of its messages. Callers check `span.is_recording()` before building attributes, so
+that with tracing off a request pays for nothing but a few no-op calls.
 """
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any
@@ -104,7 +105,7 @@ class Tracing:
 def record_error(span: Span, exc: BaseException) -> None:
     if not span.is_recording():
         return
-    if isinstance(exc, GeneratorExit):
+    if isinstance(exc, GeneratorExit | asyncio.CancelledError):
         span.set_status(Status(StatusCode.ERROR, "cancelled by the caller"))
         return
     code = getattr(exc, "code", None)

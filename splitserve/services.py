@@ -66,13 +66,17 @@ def start_decode(
         reservations = ReservationBook()
         tracer = tracing.tracer if tracing.enabled else None
         received = KVTransferMetrics(metrics)
-        receivers, offered = ([], ()) if kind == "colocated" else start_receivers(
-            worker.kv_transport,
-            engine.kv_connector,
-            reservations,
-            service.worker_id,
-            tracer,
-            received.observe,
+        receivers, offered = (
+            ([], ())
+            if kind == "colocated"
+            else start_receivers(
+                worker.kv_transport,
+                engine.kv_connector,
+                reservations,
+                service.worker_id,
+                tracer,
+                received.observe,
+            )
         )
         decode = DecodeWorker(
             loop,
@@ -162,7 +166,8 @@ def start_prefill(
             observer,
         )
         metrics.registry.register(EngineCollector(loop, metrics.model_name))
-        opened.gates[0].bind(PrefillServicer(prefill, tracing))
+        servicer = PrefillServicer(prefill, tracing)
+        opened.gates[0].bind(servicer)
         presence = Presence(
             registry,
             lambda: worker_info(
@@ -180,6 +185,7 @@ def start_prefill(
         opened.lifecycle.start_draining()
         presence.stop()
         opened.server.stop()
+        servicer.close()
         prefill.close()
         loop.stop()
         registry.close()
@@ -199,7 +205,6 @@ def start_gateway(
                 GATEWAY_SERVICE, gateway_pb2_grpc.add_GatewayServicer_to_server, ("Generate",)
             )
         ],
-        max_workers=gateway.max_inflight + 16,
     )
     metrics = opened.metrics
     try:
@@ -230,6 +235,8 @@ def start_gateway(
         opened.gates[0].bind(
             GatewayServicer(orchestrator, tokenizer, info, gateway.max_inflight, observer)
         )
+        # NOTE: its channels to the workers live on the server's loop: closed there, at stop.
+        opened.server.on_stop(orchestrator.close)
     except BaseException:
         opened.close()
         raise
@@ -238,7 +245,6 @@ def start_gateway(
     def stop() -> None:
         opened.lifecycle.start_draining()
         opened.server.stop()
-        orchestrator.close()
         registry.close()
         metrics.close()
 

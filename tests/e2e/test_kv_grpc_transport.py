@@ -1,6 +1,6 @@
 """KV blocks over the gRPC transport, end to end on loopback with real components.
 
-A real `start_server` gRPC server (its own threads, in this process) serves a
+A real `start_server` gRPC server (asyncio, on its own loop thread in this process) serves a
 `KVTransferServicer` over a receiver pool, landing pushes through the decode worker's real
 `ReservationBook`; a `GrpcKVSender` pushes from a separate sender pool. Both pools sit behind
 real `KVConnector`s (no model). Proven here: multi-chunk pushes land bit-exact in shuffled
@@ -132,9 +132,7 @@ def start_receiver(
     servicer = KVTransferServicer(
         make_connector(pool), book, tracer, lambda n, s, ok: pushes.append((n, s, ok))
     )
-    server = start_server(
-        lambda s: add_kv_transfer_servicer(servicer, s), [KV_SERVICE]
-    )
+    server = start_server(lambda s: add_kv_transfer_servicer(servicer, s), [KV_SERVICE])
     server.set_serving(True, ["", KV_SERVICE])
     return Receiver(pool, book, servicer, server, pushes)
 
