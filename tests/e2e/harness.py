@@ -29,15 +29,21 @@ WORKER_ARGS = (
 
 @contextmanager
 def running_stack(
-    model_dir: str, prefill: int, decode: int, kv_transport: str = "auto", **settings: Any
+    model_dir: str,
+    prefill: int,
+    decode: int,
+    kv_transport: str = "auto",
+    worker_args: tuple[str, ...] = (),
+    **settings: Any,
 ) -> Iterator[Stack]:
-    """A ready stack; `settings` are more `StackSettings` fields (metrics, env, …)."""
+    """A ready stack; `worker_args` go to every worker after `WORKER_ARGS` (so they win);
+    `settings` are more `StackSettings` fields (metrics, env, …)."""
     stack = start_stack(
         StackSettings(
             model=str(model_dir),
             prefill=prefill,
             decode=decode,
-            extra_worker_args=(*WORKER_ARGS, "--kv-transport", kv_transport),
+            extra_worker_args=(*WORKER_ARGS, "--kv-transport", kv_transport, *worker_args),
             **settings,
         )
     )
