@@ -29,11 +29,6 @@ from grpc_reflection.v1alpha import reflection
 
 from splitserve.engine.errors import SplitserveError
 
-try:  # the asyncio health servicer ships with grpcio-health-checking >= 1.32
-    from grpc_health.v1._async import HealthServicer as AsyncHealthServicer
-except ImportError:  # pragma: no cover - older grpcio-health-checking
-    AsyncHealthServicer = None  # type: ignore[assignment,misc]
-
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
@@ -246,9 +241,7 @@ def start_server(
             ],
         )
         register(server)
-        health_servicer = (
-            AsyncHealthServicer() if AsyncHealthServicer is not None else health.HealthServicer()
-        )
+        health_servicer = health.aio.HealthServicer()  # grpcio-health-checking >= 1.32
         health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
         reflection.enable_server_reflection(
             [*names, health.SERVICE_NAME, reflection.SERVICE_NAME], server
