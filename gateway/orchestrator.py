@@ -4,10 +4,14 @@
             ──Prefill──▶ P ──PushBlocks──▶ D    (returns the first token once D has all KV)
             ──Decode───▶ D ══ tokens ══▶ gateway ══▶ client
 
-A prefill worker that fails (dies, or loses its lease) is retried once on another, with a fresh
-reservation; a decode worker that refuses the reservation (UNAVAILABLE: it is draining or still
-loading) is replaced once by another. Every in-flight call is cancellable from `abort`, so a
-cancel at the client reaches P and D and frees their blocks.
+A request that needs a prefill first waits in the gateway (`admission.PrefillBudget`) until a
+prefill worker has room for its prompt; only then is its KV reserved on D, so no lease runs while
+it queues. A decode worker whose pool is full (RESOURCE_EXHAUSTED) is asked again, with back-off,
+until the request's deadline: the request waits rather than fails. A prefill that fails is
+retried once with a fresh reservation (on another worker if the first one is gone); a decode
+worker that refuses the reservation (UNAVAILABLE: it is draining or still loading) is replaced by
+another. Every in-flight call is cancellable from `abort`, so a cancel at the client reaches P
+and D and frees their blocks.
 
 It runs on the gateway's event loop: the calls to the workers are `grpc.aio` calls awaited by
 the request's task (a waiting request holds no thread), and the registry's blocking Redis reads
@@ -30,6 +34,7 @@ import grpc
 
 from splitserve.engine.errors import AlreadyExists, Cancelled, DeadlineExceeded
 from splitserve.engine.prefix_hash import prefix_block_hashes
+from splitserve.gateway.admission import PrefillBudget
 from splitserve.gateway.observability import DECODE, PREFILL, RESERVE, RequestObservation
 from splitserve.gateway.router import NoWorkerError, RoutingPolicy
 from splitserve.gateway.validation import Job
@@ -55,6 +60,9 @@ class OrchestratorSettings:
     local_prefill_tokens: int = 0
     prefill_attempts: int = 2
     default_timeout_s: float = 600.0
+    # Prompt tokens given to one prefill worker at once; the rest wait in the gateway.
+    max_prefill_tokens_per_worker: int = 16384
+    reserve_backoff_s: tuple[float, float] = (0.02, 0.5)  # first and longest wait when D is full
 
 
 @dataclass
@@ -63,6 +71,7 @@ class Route:
 
     decode: WorkerInfo
     prefill: WorkerInfo | None = None
+    prefix_blocks: int = 0  # leading prompt blocks D holds (the registry's view when picked)
     calls: list[Any] = field(default_factory=list)  # cancellable futures / streams
     cancelled: bool = False
 
@@ -107,6 +116,7 @@ class Orchestrator:
         self._inflight: dict[str, int] = {}
         self._warned: set[str] = set()
         self._lock = threading.Lock()
+        self.budget = PrefillBudget(settings.max_prefill_tokens_per_worker)
 
     async def run(
         self,
@@ -120,7 +130,7 @@ class Orchestrator:
         If the caller goes away (its task is cancelled, or it closes this early), the request is
         aborted on every worker it reached before this returns."""
         deadline = time.monotonic() + (timeout_s or self.settings.default_timeout_s)
-        route = Route(await self._pick_decode(job, obs, exclude=()))
+        route = Route(*await self._pick_decode(job, obs, exclude=()))
         with self._lock:
             if job.request_id in self._routes:
                 raise AlreadyExists(f"request id {job.request_id!r} is already running")
@@ -159,13 +169,14 @@ class Orchestrator:
 
     async def _pick_decode(
         self, job: Job, obs: RequestObservation, exclude: Collection[str]
-    ) -> WorkerInfo:
+    ) -> tuple[WorkerInfo, None, int]:
+        """(decode worker, no prefill worker yet, prompt blocks it already holds)."""
         # NOTE: in a thread: the registry is a blocking Redis client.
         return await asyncio.to_thread(self._pick_decode_now, job, obs, exclude)
 
     def _pick_decode_now(
         self, job: Job, obs: RequestObservation, exclude: Collection[str]
-    ) -> WorkerInfo:
+    ) -> tuple[WorkerInfo, None, int]:
         workers = [
             w
             for kind in ("decode", "colocated")
@@ -177,20 +188,24 @@ class Orchestrator:
         with self._lock:
             inflight = dict(self._inflight)
         chosen = self.policy.pick_decode(workers, inflight, prefix)
-        hit = bool(prefix.get(chosen.worker_id))
+        hit = prefix.get(chosen.worker_id, 0)
         obs.routed("decode", chosen.worker_id, "prefix_hit" if hit else "least_loaded")
-        return chosen
+        return chosen, None, hit
 
     async def _reserve(
         self, job: Job, route: Route, deadline: float, obs: RequestObservation
     ) -> worker_pb2.KVDestination:
-        """Blocks on D for the prompt; a D that refuses (draining) is replaced once."""
+        """Blocks on D for the prompt. A D that refuses (draining) is replaced by another; one
+        whose pool is full is asked again (another D may be picked) with back-off until the
+        deadline, so the request waits for memory rather than fails."""
         request = worker_pb2.ReserveRequest(
             request_id=job.request_id,
             prompt_token_ids=job.prompt_token_ids,
             sampling=convert.sampling_to_proto(job.params),
         )
-        for attempt in range(2):
+        wait, longest = self.settings.reserve_backoff_s
+        refused: set[str] = set()
+        while True:
             try:
                 with obs.call(RESERVE, route.decode) as call:
                     stub = self.stubs.decode(route.decode.address)
@@ -199,13 +214,24 @@ class Orchestrator:
                     )
                     return reply.destination
             except grpc.RpcError as err:
-                if attempt or err.code() != grpc.StatusCode.UNAVAILABLE or route.cancelled:
+                full = err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+                draining = err.code() == grpc.StatusCode.UNAVAILABLE
+                if route.cancelled or not (full or draining):
                     raise
-                refused = route.decode
-                route.decode = await self._pick_decode(job, obs, exclude={refused.worker_id})
-                self._count(refused.worker_id, -1)
+                if draining:
+                    refused.add(route.decode.worker_id)
+                else:
+                    await asyncio.sleep(min(wait, max(0.0, deadline - time.monotonic())))
+                    wait = min(longest, wait * 1.5)
+                _remaining(deadline)
+                previous = route.decode
+                try:
+                    picked = await self._pick_decode(job, obs, exclude=refused)
+                except NoWorkerError:
+                    raise err from None
+                route.decode, _, route.prefix_blocks = picked
+                self._count(previous.worker_id, -1)
                 self._count(route.decode.worker_id, +1)
-        raise AssertionError("unreachable")  # pragma: no cover
 
     async def _prefill(
         self,
@@ -216,60 +242,78 @@ class Orchestrator:
         obs: RequestObservation,
     ) -> list[worker_pb2.FirstToken]:
         """Reserve on D and, unless D prefills itself, run the prefill on some P."""
-        tried: set[str] = set()
+        uncached = len(job.prompt_token_ids) - route.prefix_blocks * self.settings.block_size
+        if route.decode.kind == "colocated" or uncached <= self.settings.local_prefill_tokens:
+            await self._reserve(job, route, deadline, obs)
+            obs.routed("prefill", route.decode.worker_id, "local")
+            return []
+        gone: set[str] = set()
         sampling = convert.sampling_to_proto(job.params)
         for attempt in range(self.settings.prefill_attempts):
-            dest = await self._reserve(job, route, deadline, obs)
-            uncached = len(job.prompt_token_ids) - dest.num_cached_tokens
-            if route.decode.kind == "colocated" or uncached <= self.settings.local_prefill_tokens:
-                obs.routed("prefill", route.decode.worker_id, "local")
-                return []
-            live = await asyncio.to_thread(self.registry.live_workers, "prefill")
-            candidates = [w for w in self._matching(live) if w.worker_id not in tried]
+
+            async def candidates() -> list[WorkerInfo]:
+                live = await asyncio.to_thread(self.registry.live_workers, "prefill")
+                return [w for w in self._matching(live) if w.worker_id not in gone]
+
+            # NOTE: the gateway queue comes first: no reservation (and no lease) while waiting.
+            prefill = await self.budget.acquire(
+                candidates, uncached, deadline, self.policy.pick_prefill
+            )
             try:
-                prefill = self.policy.pick_prefill(candidates, self._inflight_snapshot())
-            except NoWorkerError:
+                dest = await self._reserve(job, route, deadline, obs)
+                route.prefill = prefill
+                obs.routed("prefill", prefill.worker_id, "retry" if attempt else "least_loaded")
+                first = await self._prefill_on(job, route, prefill, dest, sampling, deadline, obs)
+                return first
+            except grpc.RpcError as err:
                 await self._abort_reservation(route, job.request_id)
-                raise
-            route.prefill = prefill
-            tried.add(prefill.worker_id)
-            obs.routed("prefill", prefill.worker_id, "retry" if attempt else "least_loaded")
-            with obs.call(PREFILL, prefill) as call:
-                rpc = self.stubs.prefill(prefill.address).Prefill(
-                    worker_pb2.PrefillRequest(
-                        request_id=job.request_id,
-                        prompt_token_ids=job.prompt_token_ids,
-                        sampling=sampling,
-                        destination=dest,
-                        priority=job.priority,
-                    ),
-                    timeout=_remaining(deadline),
-                    metadata=call.metadata,
-                )
-                self._track(route, rpc)
-                self._count(prefill.worker_id, +1)
-                try:
-                    async with _aborted_as_cancelled(route, job.request_id):
-                        response = await rpc
-                    obs.prefilled(response)
-                    return list(response.first_tokens)
-                except grpc.RpcError as err:
-                    call.fail(err)
-                    await self._abort_reservation(route, job.request_id)
-                    retry = attempt + 1 < self.settings.prefill_attempts
-                    if not (
-                        retry and err.code() in RETRYABLE and is_active() and not route.cancelled
-                    ):
-                        raise
-                    log.warning(
-                        "prefill of %s on %s failed (%s); retrying elsewhere",
-                        job.request_id,
-                        prefill.worker_id,
-                        err.code(),
-                    )
-                finally:
-                    self._count(prefill.worker_id, -1)
+                retry = attempt + 1 < self.settings.prefill_attempts
+                if not (retry and err.code() in RETRYABLE and is_active() and not route.cancelled):
+                    raise
+                if err.code() == grpc.StatusCode.UNAVAILABLE:
+                    gone.add(prefill.worker_id)  # dead or draining: try another
+                log.warning(
+                    "prefill of %s on %s failed (%s: %s); retrying with a fresh reservation",
+                    job.request_id, prefill.worker_id, err.code().name, err.details(),
+                )  # fmt: skip
+            finally:
+                await self.budget.release(prefill.worker_id, uncached)
         raise AssertionError("unreachable")  # pragma: no cover
+
+    async def _prefill_on(
+        self,
+        job: Job,
+        route: Route,
+        prefill: WorkerInfo,
+        dest: worker_pb2.KVDestination,
+        sampling: Any,
+        deadline: float,
+        obs: RequestObservation,
+    ) -> list[worker_pb2.FirstToken]:
+        with obs.call(PREFILL, prefill) as call:
+            rpc = self.stubs.prefill(prefill.address).Prefill(
+                worker_pb2.PrefillRequest(
+                    request_id=job.request_id,
+                    prompt_token_ids=job.prompt_token_ids,
+                    sampling=sampling,
+                    destination=dest,
+                    priority=job.priority,
+                ),
+                timeout=_remaining(deadline),
+                metadata=call.metadata,
+            )
+            self._track(route, rpc)
+            self._count(prefill.worker_id, +1)
+            try:
+                async with _aborted_as_cancelled(route, job.request_id):
+                    response = await rpc
+            except grpc.RpcError as err:
+                call.fail(err)
+                raise
+            finally:
+                self._count(prefill.worker_id, -1)
+            obs.prefilled(response)
+            return list(response.first_tokens)
 
     def _matching(self, workers: list[WorkerInfo]) -> list[WorkerInfo]:
         """Workers whose KV block size is the gateway's; the others are logged and skipped."""
@@ -314,10 +358,6 @@ class Orchestrator:
         route.calls.append(call)
         if route.cancelled:
             call.cancel()
-
-    def _inflight_snapshot(self) -> dict[str, int]:
-        with self._lock:
-            return dict(self._inflight)
 
     async def close(self) -> None:
         """Close the channels to the workers (on the server's event loop)."""

@@ -26,14 +26,17 @@ class RoutingPolicy(ABC):
 
     @abstractmethod
     def pick_prefill(
-        self, workers: Sequence[WorkerInfo], inflight: Mapping[str, int]
+        self, workers: Sequence[WorkerInfo], queued_tokens: Mapping[str, int]
     ) -> WorkerInfo:
-        """The prefill worker for a request."""
+        """The prefill worker for a request; `queued_tokens[w]` is the prompt tokens this
+        gateway has given worker w that it has not finished (its prefill queue)."""
 
 
 class LeastLoadedPrefixAware(RoutingPolicy):
-    """Least loaded wins; each cached prefix block takes `prefix_weight` requests off a decode
-    worker's load, since it saves that much transfer and compute."""
+    """Decode: least loaded wins (running, waiting and reserved requests, or what this gateway
+    sent it, whichever is more); each cached prefix block takes `prefix_weight` requests off its
+    load, since it saves that much transfer and compute; among equals, the most free KV blocks.
+    Prefill: the fewest queued prompt tokens."""
 
     def __init__(self, prefix_weight: float = 0.5) -> None:
         self.prefix_weight = prefix_weight
@@ -47,18 +50,20 @@ class LeastLoadedPrefixAware(RoutingPolicy):
         if not workers:
             raise NoWorkerError("no decode worker is alive")
 
-        def score(w: WorkerInfo) -> tuple[float, str]:
+        def score(w: WorkerInfo) -> tuple[float, float, str]:
             load = max(w.load, inflight.get(w.worker_id, 0))
-            return load - self.prefix_weight * prefix_blocks.get(w.worker_id, 0), w.worker_id
+            bonus = self.prefix_weight * prefix_blocks.get(w.worker_id, 0)
+            used = 1.0 - w.num_free_blocks / w.num_total_blocks if w.num_total_blocks else 0.0
+            return load - bonus, used, w.worker_id
 
         return min(workers, key=score)
 
     def pick_prefill(
-        self, workers: Sequence[WorkerInfo], inflight: Mapping[str, int]
+        self, workers: Sequence[WorkerInfo], queued_tokens: Mapping[str, int]
     ) -> WorkerInfo:
         if not workers:
             raise NoWorkerError("no prefill worker is alive")
-        return min(workers, key=lambda w: (max(w.load, inflight.get(w.worker_id, 0)), w.worker_id))
+        return min(workers, key=lambda w: (queued_tokens.get(w.worker_id, 0), w.worker_id))
 
 
 POLICIES: dict[str, Callable[[], RoutingPolicy]] = {

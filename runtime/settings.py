@@ -72,6 +72,8 @@ class GatewaySettings:
     routing_policy: str = "least-loaded-prefix"
     request_timeout_s: float = 600.0
     block_size: int = 16
+    # Prompt tokens given to one prefill worker at once; more requests wait in the gateway
+    max_prefill_tokens_per_worker: int = 16384
 
 
 TRACE_EXPORTERS = ("otlp", "console")

@@ -218,6 +218,7 @@ def start_gateway(
                 block_size=gateway.block_size,
                 local_prefill_tokens=gateway.local_prefill_tokens,
                 default_timeout_s=gateway.request_timeout_s,
+                max_prefill_tokens_per_worker=gateway.max_prefill_tokens_per_worker,
             ),
         )
         info = ModelInfo(

@@ -1,0 +1,101 @@
+"""Back-pressure at the gateway: how much prompt each prefill worker is given at once.
+
+A request that needs a prefill waits here, in arrival order, until some live prefill worker has
+room for its uncached prompt tokens under `max_tokens_per_worker`; only then is its KV reserved on
+a decode worker and its prefill sent. So a long prefill queue builds up in the gateway, where no
+reservation's lease runs, instead of on a worker; and the least-busy worker (fewest prompt tokens
+in flight) gets the next request.
+
+    request ─▶ wait (FIFO) ─▶ P with room ─▶ Reserve on D ─▶ Prefill on P ─▶ release ─▶ Decode
+
+A prompt longer than the limit still goes, alone, to an idle worker.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+
+from splitserve.engine.errors import DeadlineExceeded
+from splitserve.gateway.router import NoWorkerError
+from splitserve.kv_transfer.registry import WorkerInfo
+
+Candidates = Callable[[], Awaitable[Sequence[WorkerInfo]]]
+Pick = Callable[[Sequence[WorkerInfo], Mapping[str, int]], WorkerInfo]
+
+
+class PrefillBudget:
+    """Prompt tokens in flight per prefill worker, and the requests waiting for room."""
+
+    def __init__(self, max_tokens_per_worker: int, poll_s: float = 0.5) -> None:
+        if max_tokens_per_worker < 1:
+            raise ValueError("max_tokens_per_worker must be >= 1")
+        self.max_tokens_per_worker = max_tokens_per_worker
+        self.poll_s = poll_s  # NOTE: re-read the live workers this often while waiting
+        self._tokens: dict[str, int] = {}
+        self._changed = asyncio.Condition()
+        self._queue: list[object] = []  # waiting requests, in arrival order
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._queue)
+
+    def tokens(self) -> dict[str, int]:
+        """Prompt tokens in flight on each prefill worker (what routing ranks them by)."""
+        return dict(self._tokens)
+
+    async def acquire(
+        self, candidates: Candidates, num_tokens: int, deadline: float, pick: Pick
+    ) -> WorkerInfo:
+        """The prefill worker this request may use now (`pick` among those with room, given
+        their prompt tokens in flight), its tokens counted against it. Waits (first come, first
+        served) while every live worker is full; raises NoWorkerError if no prefill worker is
+        alive, DeadlineExceeded when `deadline` passes first."""
+        ticket = object()
+        self._queue.append(ticket)
+        try:
+            async with self._changed:
+                while True:
+                    workers = await candidates()
+                    if not workers:
+                        raise NoWorkerError("no prefill worker is alive")
+                    roomy = self._room(workers, num_tokens) if self._queue[0] is ticket else []
+                    chosen = pick(roomy, self.tokens()) if roomy else None
+                    if chosen is not None:
+                        self._tokens[chosen.worker_id] = (
+                            self._tokens.get(chosen.worker_id, 0) + num_tokens
+                        )
+                        return chosen
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        raise DeadlineExceeded(
+                            f"the request's deadline passed while it waited for a prefill "
+                            f"worker ({len(self._queue)} requests waiting, prompt tokens in "
+                            f"flight {self.tokens()})"
+                        )
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(self._changed.wait(), min(left, self.poll_s))
+        finally:
+            self._queue.remove(ticket)
+            async with self._changed:
+                self._changed.notify_all()
+
+    async def release(self, worker_id: str, num_tokens: int) -> None:
+        left = self._tokens.get(worker_id, 0) - num_tokens
+        if left > 0:
+            self._tokens[worker_id] = left
+        else:
+            self._tokens.pop(worker_id, None)
+        async with self._changed:
+            self._changed.notify_all()
+
+    def _room(self, workers: Sequence[WorkerInfo], num_tokens: int) -> list[WorkerInfo]:
+        """Workers with room for `num_tokens` more (an idle one always has room)."""
+        return [
+            w
+            for w in workers
+            if (used := self._tokens.get(w.worker_id, 0)) == 0
+            or used + num_tokens <= self.max_tokens_per_worker
+        ]
