@@ -120,6 +120,7 @@ class EngineLoop:
 
     def _run(self) -> None:
         try:
+            self.engine.platform.activate()  # NOTE: the current GPU is per thread
             while not self._stop.is_set():
                 self._run_commands(block=not self.engine.has_unfinished_requests())
                 self.engine.housekeeping()

@@ -92,6 +92,7 @@ class LLMEngine:
                 f"max_model_len {max_len} exceeds the model's {self.model_config.max_model_len}"
             )
         self.platform = Platform.resolve(config)
+        self.platform.activate()
         config = self.platform.apply(dataclasses.replace(config, max_model_len=max_len))
         self.tokenizer = load_tokenizer(model_dir)
         self.model = load_model(model_dir, self.model_config, config, self.platform)

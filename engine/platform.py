@@ -76,6 +76,12 @@ class Platform:
     def is_gpu(self) -> bool:
         return self.device.type == "cuda"
 
+    def activate(self) -> None:
+        """Make this engine's GPU the current one on the calling thread: Triton launches on the
+        current device, whatever device its tensors are on (cuda:1 beside a default cuda:0)."""
+        if self.is_gpu and self.device.index is not None:
+            torch.cuda.set_device(self.device)
+
     def ops(self) -> TorchOps:
         """The elementwise/GEMV kernels the model layers call."""
         return TritonOps(pdl=self.pdl) if self.triton_ops else TorchOps()
