@@ -138,20 +138,26 @@ class DecodeWorker:
         outputs = self.loop.subscribe_async(request_id, asyncio.get_running_loop())
         finished = False
         try:
-            await asyncio.to_thread(
-                self.registry.handoff,
-                request_id,
-                self.settings.worker_id,
-                res.fence,
-                self.settings.lease_s,
+            # NOTE: the ownership hand-off (Redis) and the admission (the engine's next turn)
+            # run at once: the first token streams as soon as both are done.
+            handoff, admitted = await asyncio.gather(
+                asyncio.to_thread(
+                    self.registry.handoff,
+                    request_id,
+                    self.settings.worker_id,
+                    res.fence,
+                    self.settings.lease_s,
+                ),
+                self.loop.call_async(lambda e: e.admit(request_id, params, first_tokens, priority)),
+                return_exceptions=True,  # NOTE: both settle before either's error is raised
             )
+            for result in (handoff, admitted):
+                if isinstance(result, BaseException):
+                    raise result
+            assert not isinstance(admitted, BaseException)
             with self._active_lock:
                 self._active[request_id] = res.fence
-            self.loop.publish(
-                await self.loop.call_async(
-                    lambda e: e.admit(request_id, params, first_tokens, priority)
-                )
-            )
+            self.loop.publish(admitted)
             if on_admitted is not None:
                 on_admitted()
             while not finished:

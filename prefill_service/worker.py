@@ -109,7 +109,14 @@ class PrefillWorker:
             output: RequestOutput | None = None
             while output is None or not pusher.done:
                 if output is None:
-                    output = _finished_output(outputs)
+                    # NOTE: once every block is out, wait on the first token itself (published
+                    # just after the last batch), not on an outbox that has nothing more.
+                    output = _finished_output(outputs, 0.02 if pusher.done else 0.0)
+                    if pusher.done:
+                        if output is None and not is_active():
+                            raise Cancelled(f"prefill of {request_id!r} cancelled by the caller")
+                        lease.renew_if_due()
+                        continue
                 try:
                     batch = outbox.get(timeout_s=0.02)
                 except queue.Empty:
@@ -149,11 +156,12 @@ def _settle(engine: LLMEngine, request_id: str, aborted: bool) -> None:
     engine.housekeeping()
 
 
-def _finished_output(outputs: queue.Queue) -> RequestOutput | None:
-    """The request's final output if it is there (raises what ended the engine)."""
+def _finished_output(outputs: queue.Queue, timeout_s: float = 0.0) -> RequestOutput | None:
+    """The request's final output if it comes within `timeout_s` (raises what ended the
+    engine)."""
     while True:
         try:
-            item = outputs.get_nowait()
+            item = outputs.get(timeout=timeout_s) if timeout_s > 0 else outputs.get_nowait()
         except queue.Empty:
             return None
         if isinstance(item, BaseException):
