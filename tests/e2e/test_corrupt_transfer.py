@@ -19,6 +19,8 @@ from splitserve.protos.v1 import gateway_pb2_grpc, worker_pb2, worker_pb2_grpc
 from splitserve.runtime.settings import GatewaySettings, ServiceSettings, WorkerSettings
 from splitserve.services import start_decode, start_gateway, start_prefill
 
+pytestmark = pytest.mark.slow
+
 
 class CorruptingSender(GrpcKVSender):
     """Flips one payload byte after the header (and its CRC) was made: a bit error in flight."""

@@ -14,6 +14,8 @@ from splitserve.engine import LLM, SamplingParams
 from tests.e2e.harness import assert_nothing_leaks, gateway, running_stack, stats, workers
 from tests.engine.hf_oracle import random_prompts
 
+pytestmark = pytest.mark.slow
+
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 LENGTHS = [1, 3, 17, 40, 64, 90, 130, 200, 250, 300, 12, 33, 77, 150, 5, 48]
 

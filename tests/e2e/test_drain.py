@@ -20,6 +20,8 @@ from splitserve.protos.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from splitserve.up import StackSettings, start_stack, wait_ready
 from tests.e2e.harness import WORKER_ARGS, assert_nothing_leaks, gateway, stats, workers
 
+pytestmark = pytest.mark.slow
+
 LONG = SamplingParams(temperature=0, max_tokens=1200, ignore_eos=True)
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING

@@ -18,6 +18,8 @@ from splitserve.protos.v1 import worker_pb2, worker_pb2_grpc
 from tests.e2e.harness import assert_nothing_leaks, gateway, running_stack, stats, workers
 from tests.engine.hf_oracle import random_prompts
 
+pytestmark = pytest.mark.slow
+
 GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
 
 

@@ -46,6 +46,8 @@ from splitserve.kv_transfer.wire import MAX_CHUNK_BYTES, CacheLayout, crc32c, ma
 from splitserve.protos.v1 import kv_transfer_pb2, kv_transfer_pb2_grpc
 from splitserve.runtime.grpc_server import Server, start_server
 
+pytestmark = pytest.mark.slow
+
 # One block over all layers: 4 layers * 2 (k, v) * 16 tokens * 4 heads * 64 dims * 4 B = 128 KiB
 # in float32, so 72 blocks are 9 MiB: three data messages of at most 4 MiB.
 NUM_BLOCKS, NUM_LAYERS, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM = 96, 4, 16, 4, 64

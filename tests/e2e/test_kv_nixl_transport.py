@@ -30,6 +30,8 @@ from splitserve.engine.kv_connector import KVConnector
 from splitserve.kv_transfer.nixl_transport import NixlReceiver, NixlSender
 from splitserve.kv_transfer.transport import Peer, Push, PushRefused, TransferError
 
+pytestmark = pytest.mark.slow
+
 # One block over all layers: 2 layers * 2 (k, v) * 16 tokens * 2 heads * 32 dims.
 NUM_BLOCKS, NUM_LAYERS, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM = 64, 2, 16, 2, 32
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}

@@ -22,6 +22,8 @@ from splitserve.protos import convert
 from splitserve.protos.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from tests.e2e.harness import assert_nothing_leaks, running_stack, workers
 
+pytestmark = pytest.mark.slow
+
 GREEDY = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
 PROMPT = list(range(10, 60))  # 50 tokens: 4 blocks of 16
 

@@ -15,6 +15,8 @@ from splitserve.client import collect, stream
 from splitserve.engine import SamplingParams
 from tests.e2e.harness import assert_nothing_leaks, gateway, running_stack, stats, workers
 
+pytestmark = pytest.mark.slow
+
 NUM_STREAMS = 100
 OLD_THREAD_POOL = 64  # what every server's ThreadPoolExecutor had (a stream held a thread)
 PARAMS = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)

@@ -14,6 +14,8 @@ from splitserve.engine import SamplingParams
 from tests.e2e.harness import assert_nothing_leaks, gateway, running_stack
 from tests.engine.hf_oracle import random_prompts
 
+pytestmark = pytest.mark.slow
+
 PARAMS = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 ENGINE_SERIES = [
     "splitserve:num_requests_running",

@@ -6,11 +6,15 @@ from __future__ import annotations
 
 import time
 
+import pytest
+
 from splitserve.client import collect, stream
 from splitserve.engine import SamplingParams
 from tests.e2e.harness import gateway, running_stack
 from tests.e2e.otlp_receiver import OtlpReceiver, ReceivedSpan
 from tests.engine.hf_oracle import random_prompts
+
+pytestmark = pytest.mark.slow
 
 SERVER, CLIENT = 2, 3  # OTLP SpanKind values
 PROMPT_LEN = 300  # > 2 chunks at the test workers' --max-num-batched-tokens 128

@@ -5,7 +5,11 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from bench.kv_transfer import main
+
+pytestmark = pytest.mark.slow
 
 TRANSPORTS = ("nixl", "grpc")
 TOKENS = (40, 130)

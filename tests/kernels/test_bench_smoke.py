@@ -4,7 +4,11 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from bench.kernels import main
+
+pytestmark = pytest.mark.slow
 
 
 def test_kernel_benchmark_smoke_run_writes_json(tmp_path):

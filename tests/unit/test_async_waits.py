@@ -21,6 +21,11 @@ class FakeConnector:
         pass
 
 
+class FakePlatform:
+    def activate(self) -> None:
+        """A CPU engine has no GPU to make current."""
+
+
 class FakeEngine:
     """Emits one output per step for each request in `running`, finishing after `steps`."""
 
@@ -28,6 +33,7 @@ class FakeEngine:
         self.steps = steps
         self.running: dict[str, int] = {}
         self.kv_connector = FakeConnector()
+        self.platform = FakePlatform()
         self.fail_next_step = False
 
     def has_unfinished_requests(self) -> bool:
