@@ -54,7 +54,8 @@ from splitserve.engine.kv_connector import KVConnector, KVOutbox
 from splitserve.engine.llm_engine import LLMEngine
 from splitserve.engine.outputs import SampledToken
 from splitserve.engine.sampling_params import SamplingParams
-from splitserve.kv_transfer.grpc_transport import KVTransferServicer, add_kv_transfer_servicer
+from splitserve.kv_transfer.grpc_codec import add_kv_transfer_servicer
+from splitserve.kv_transfer.grpc_transport import KVTransferServicer
 from splitserve.kv_transfer.transport import KVSender, Peer, Push, TransferError, transport_kind
 from splitserve.kv_transfer.wire import CacheLayout, as_blocks, crc32c
 from splitserve.protos.v1 import kv_transfer_pb2

@@ -38,6 +38,13 @@ from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapProp
 
 from splitserve.engine.errors import SplitserveError
 from splitserve.engine.kv_connector import KVConnector
+from splitserve.kv_transfer.grpc_codec import (
+    PUSH_BLOCKS,
+    Part,
+    as_part,
+    encode_part,
+)
+from splitserve.kv_transfer.host_buffers import HostBuffers
 from splitserve.kv_transfer.transport import (
     KVSender,
     Landing,
@@ -71,33 +78,6 @@ CHANNEL_OPTIONS = (
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
 )
 """Options for channels and servers that carry KVTransfer."""
-
-
-class HostBuffers:
-    """Reusable host byte buffers (pinned when the pool is on a GPU, so device copies are
-    asynchronous and fast). Pinning is slow, so buffers are kept and reused."""
-
-    def __init__(self, pinned: bool, keep: int = 4) -> None:
-        self.pinned = pinned
-        self.keep = keep
-        self._free: list[torch.Tensor] = []
-        self._lock = threading.Lock()
-
-    def take(self, num_bytes: int) -> torch.Tensor:
-        """A uint8 tensor of exactly `num_bytes` (a view of a buffer at least that large)."""
-        with self._lock:
-            for i, buf in enumerate(self._free):
-                if buf.numel() >= num_bytes:
-                    return self._free.pop(i)[:num_bytes]
-        size = 1 << max(20, (num_bytes - 1).bit_length())  # powers of two from 1 MiB
-        return torch.empty(size, dtype=torch.uint8, pin_memory=self.pinned)[:num_bytes]
-
-    def give(self, buf: torch.Tensor) -> None:
-        base = buf._base if buf._base is not None else buf
-        with self._lock:
-            self._free.append(base)
-            self._free.sort(key=lambda b: b.numel())
-            del self._free[: max(0, len(self._free) - self.keep)]
 
 
 class GrpcKVSender(KVSender):
@@ -294,7 +274,7 @@ class KVTransferServicer(kv_transfer_pb2_grpc.KVTransferServicer):
         messages: AsyncIterator[Part | kv_transfer_pb2.KVTransferMessage],
         span: Span,
     ) -> kv_transfer_pb2.PushBlocksResponse:
-        header = _as_part(await anext(messages, None))
+        header = as_part(await anext(messages, None))
         if not isinstance(header, kv_transfer_pb2.KVTransferHeader):
             raise KVTransferError("a PushBlocks stream must start with the header")
         if span.is_recording():
@@ -353,7 +333,7 @@ class KVTransferServicer(kv_transfer_pb2_grpc.KVTransferServicer):
         copying: asyncio.Future[int] | None = None
         try:
             async for message in messages:
-                data = _as_part(message)
+                data = as_part(message)
                 if isinstance(data, kv_transfer_pb2.KVTransferHeader):
                     raise KVTransferError(f"{rid}: a second header in one PushBlocks stream")
                 if data is None:
@@ -423,72 +403,3 @@ async def _settled(future: asyncio.Future[Any]) -> None:
             continue
     if not future.cancelled():
         future.exception()  # NOTE: retrieved, so asyncio does not log it as never retrieved
-
-
-# -- the wire codec: KVTransferMessage bytes, with data chunks encoded and decoded directly -----
-
-PUSH_BLOCKS = "/splitserve.v1.KVTransfer/PushBlocks"
-Part = kv_transfer_pb2.KVTransferHeader | memoryview
-"""One message of a PushBlocks stream, decoded: the header, or a slice of the payload."""
-
-_DATA_TAG = b"\x12"  # KVTransferMessage field 2 (`data`), length-delimited
-
-
-def _varint(value: int) -> bytes:
-    out = bytearray()
-    while True:
-        byte, value = value & 0x7F, value >> 7
-        out.append(byte | (0x80 if value else 0))
-        if not value:
-            return bytes(out)
-
-
-def encode_part(part: Part | kv_transfer_pb2.KVTransferMessage) -> bytes:
-    """A KVTransferMessage's wire bytes. A data chunk is framed by hand (tag, length, bytes):
-    one copy, where building the message and serialising it would make two."""
-    if isinstance(part, kv_transfer_pb2.KVTransferMessage):
-        return part.SerializeToString()
-    if isinstance(part, kv_transfer_pb2.KVTransferHeader):
-        return kv_transfer_pb2.KVTransferMessage(header=part).SerializeToString()
-    return b"".join((_DATA_TAG, _varint(len(part)), part))
-
-
-def decode_part(raw: bytes) -> Part | kv_transfer_pb2.KVTransferMessage:
-    """The inverse of `encode_part`: a data message becomes a view of `raw` (no copy); anything
-    else is parsed by protobuf (and checked by the servicer)."""
-    if raw[:1] == _DATA_TAG:
-        size, shift, pos = 0, 0, 1
-        while pos < len(raw) and pos <= 10:
-            byte = raw[pos]
-            size |= (byte & 0x7F) << shift
-            pos, shift = pos + 1, shift + 7
-            if not byte & 0x80:
-                if pos + size == len(raw):
-                    return memoryview(raw)[pos:]
-                break
-    return kv_transfer_pb2.KVTransferMessage.FromString(raw)
-
-
-def _as_part(message: object) -> Part | None:
-    """The header or data of a decoded message (None for an empty or unknown one)."""
-    if isinstance(message, kv_transfer_pb2.KVTransferMessage):
-        kind = message.WhichOneof("part")
-        if kind == "header":
-            return message.header
-        return memoryview(message.data) if kind == "data" else None
-    if isinstance(message, kv_transfer_pb2.KVTransferHeader | memoryview):
-        return message
-    return None
-
-
-def add_kv_transfer_servicer(servicer: Any, server: grpc.Server | grpc.aio.Server) -> None:
-    """Serve KVTransfer with the direct data codec (the generated `add_*_to_server` would parse
-    every chunk into a message first, one more copy)."""
-    handler = grpc.stream_unary_rpc_method_handler(
-        servicer.PushBlocks,
-        request_deserializer=decode_part,
-        response_serializer=kv_transfer_pb2.PushBlocksResponse.SerializeToString,
-    )
-    server.add_generic_rpc_handlers(
-        (grpc.method_handlers_generic_handler("splitserve.v1.KVTransfer", {"PushBlocks": handler}),)
-    )

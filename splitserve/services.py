@@ -18,7 +18,8 @@ from splitserve.gateway.observability import GatewayObserver
 from splitserve.gateway.orchestrator import Orchestrator, OrchestratorSettings
 from splitserve.gateway.router import make_policy
 from splitserve.gateway.servicer import GatewayServicer, ModelInfo
-from splitserve.kv_transfer.grpc_transport import KVTransferServicer, add_kv_transfer_servicer
+from splitserve.kv_transfer.grpc_codec import add_kv_transfer_servicer
+from splitserve.kv_transfer.grpc_transport import KVTransferServicer
 from splitserve.kv_transfer.presence import Presence
 from splitserve.kv_transfer.registry import Registry
 from splitserve.kv_transports import start_receivers, start_senders

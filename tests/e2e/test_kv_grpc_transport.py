@@ -34,12 +34,12 @@ from splitserve.engine.block_manager import BlockManager
 from splitserve.engine.kv_cache import KVCache
 from splitserve.engine.kv_connector import KVConnector
 from splitserve.kv_transfer import transport as kv_transport
+from splitserve.kv_transfer.grpc_codec import add_kv_transfer_servicer
 from splitserve.kv_transfer.grpc_transport import (
     CHANNEL_OPTIONS,
     MAX_MESSAGE_BYTES,
     GrpcKVSender,
     KVTransferServicer,
-    add_kv_transfer_servicer,
 )
 from splitserve.kv_transfer.transport import Peer, Push, PushResult, TransferError
 from splitserve.kv_transfer.wire import MAX_CHUNK_BYTES, CacheLayout, crc32c, make_header

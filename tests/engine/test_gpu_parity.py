@@ -1,6 +1,6 @@
 """On a GPU in bf16: the engine (Triton kernels, CUDA graphs) against HF transformers bf16 on the
 same weights. Logits within bf16 tolerance; greedy tokens over 32 steps agree for most prompts.
-Skipped without CUDA (CI has none); run on the device with `pytest tests/engine -k gpu -s`."""
+Skipped without CUDA (CI has none); run on a GPU host with `pytest tests/engine -k gpu -s`."""
 
 from __future__ import annotations
 
