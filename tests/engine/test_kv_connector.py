@@ -103,12 +103,12 @@ def test_read_blocks_returns_the_kv_the_engine_computed(tiny_models):
     assert region.block_bytes == out[0].numel() * out.element_size()
 
 
-def test_blocks_written_through_the_connector_decode_like_hf(tiny_models):
-    model = tiny_models["llama"]
-    prefill = _engine(model)
-    decode = _engine(model)
-    prompt = random_prompts([45], prefill.model_config.vocab_size, seed=4)[0]
-    outbox = _watch(prefill, prompt, "r")
+def _prefill_elsewhere(
+    prefill: LLMEngine, prompt: list[int], rid: str
+) -> tuple[list[SampledToken], torch.Tensor]:
+    """Prefill `prompt` on `prefill` as a prefill worker does: its first token and the KV of
+    all its blocks, read out of the pool through the connector."""
+    outbox = _watch(prefill, prompt, rid)
     first: list[SampledToken] = []
     while prefill.has_unfinished_requests():
         for out in prefill.step():
@@ -117,6 +117,16 @@ def test_blocks_written_through_the_connector_decode_like_hf(tiny_models):
     region = prefill.kv_connector.region()
     data = torch.empty((len(batch.block_ids), *region.tensor.shape[1:]), dtype=region.dtype)
     prefill.kv_connector.read_blocks(batch.block_ids, data, batch)
+    prefill.kv_connector.unwatch(rid)
+    return first, data
+
+
+def test_blocks_written_through_the_connector_decode_like_hf(tiny_models):
+    model = tiny_models["llama"]
+    prefill = _engine(model)
+    decode = _engine(model)
+    prompt = random_prompts([45], prefill.model_config.vocab_size, seed=4)[0]
+    first, data = _prefill_elsewhere(prefill, prompt, "r")
     reservation = decode.reserve("r", prompt, GREEDY)
     decode.kv_connector.write_blocks(reservation.block_ids, data)
     outputs = decode.admit("r", GREEDY, first)
@@ -132,16 +142,7 @@ def test_prefilled_requests_queue_for_a_batch_slot_and_decode_like_hf(tiny_model
     prompts = random_prompts([20, 33, 47], prefill.model_config.vocab_size, seed=6)
     for i, prompt in enumerate(prompts):
         rid = f"r{i}"
-        outbox = _watch(prefill, prompt, rid)
-        first: list[SampledToken] = []
-        while prefill.has_unfinished_requests():
-            for out in prefill.step():
-                first = [SampledToken(t) for t in out.outputs[0].token_ids]
-        (batch,) = _drain(outbox)
-        region = prefill.kv_connector.region()
-        data = torch.empty((len(batch.block_ids), *region.tensor.shape[1:]), dtype=region.dtype)
-        prefill.kv_connector.read_blocks(batch.block_ids, data, batch)
-        prefill.kv_connector.unwatch(rid)
+        first, data = _prefill_elsewhere(prefill, prompt, rid)
         decode.kv_connector.write_blocks(decode.reserve(rid, prompt, GREEDY).block_ids, data)
         decode.admit(rid, GREEDY, first)
     stats = decode.stats()
