@@ -36,6 +36,7 @@ from opentelemetry import trace
 from opentelemetry.trace import Span, SpanKind, Status, StatusCode
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
+from splitserve.engine.aio import settled
 from splitserve.engine.errors import SplitserveError
 from splitserve.engine.kv_connector import KVConnector
 from splitserve.kv_transfer.grpc_codec import (
@@ -363,7 +364,7 @@ class KVTransferServicer(kv_transfer_pb2_grpc.KVTransferServicer):
                 copying = None
         finally:
             if copying is not None:
-                await _settled(copying)
+                await settled(copying)
         if received != header.payload_bytes:
             raise KVTransferError(
                 f"{rid}: stream ended after {received} of {header.payload_bytes} payload bytes"
@@ -390,16 +391,5 @@ async def _in_thread_done(future: asyncio.Future[T]) -> T:
     try:
         return await asyncio.shield(future)
     except asyncio.CancelledError:
-        await _settled(future)
+        await settled(future)
         raise
-
-
-async def _settled(future: asyncio.Future[Any]) -> None:
-    """Until `future` is done, whatever cancels the waiter meanwhile (its outcome is dropped)."""
-    while not future.done():
-        try:
-            await asyncio.wait([future])
-        except asyncio.CancelledError:
-            continue
-    if not future.cancelled():
-        future.exception()  # NOTE: retrieved, so asyncio does not log it as never retrieved

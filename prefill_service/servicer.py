@@ -16,6 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 
+from splitserve.engine.aio import settled
 from splitserve.prefill_service.worker import PrefillResult, PrefillWorker
 from splitserve.protos import convert
 from splitserve.protos.v1 import common_pb2, worker_pb2, worker_pb2_grpc
@@ -51,7 +52,7 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
             result: PrefillResult = await asyncio.shield(running)
         except asyncio.CancelledError:
             cancelled.set()
-            await _settled(running)
+            await settled(running)
             raise
         return worker_pb2.PrefillResponse(
             first_tokens=convert.first_tokens_to_proto(result.output),
@@ -77,14 +78,3 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
 
     def close(self) -> None:
         self._threads.shutdown(wait=False, cancel_futures=True)
-
-
-async def _settled(future: asyncio.Future) -> None:
-    """Until `future` is done, whatever cancels the waiter meanwhile (its outcome is dropped)."""
-    while not future.done():
-        try:
-            await asyncio.wait([future])
-        except asyncio.CancelledError:
-            continue
-    if not future.cancelled():
-        future.exception()  # NOTE: retrieved, so asyncio does not log it as never retrieved
