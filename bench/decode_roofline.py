@@ -1,12 +1,16 @@
 """DESIGN.md benchmark 2: decode step time against its memory floor.
 
     python -m bench.decode_roofline [--shape llama-3-8b] [--context 1024] [--out F]
+        [--quantization none|fp8|both] [--pdl on|off|both]
 
 For batch 1 and 8 (Llama-3-8B shape, bf16, random weights), the median wall time of a whole
 engine step while every sequence decodes, against (weights read + KV read) / the copy bandwidth
 measured in the same run. Weights read per step: every parameter except the embedding table
-(a decode step reads only B of its rows). By default each batch runs twice, with the kernels'
-programmatic dependent launch off and on (kernels/pdl.py), each on a freshly captured engine.
+(a decode step reads only B of its rows), in the bytes they are stored in: FP8 weights
+(`--quantization fp8`, engine/quantization.py) count one byte each, so their floor is their own.
+By default each batch runs twice, with the kernels' programmatic dependent launch off and on
+(kernels/pdl.py), each on a freshly captured engine; `--quantization both` runs bf16 and FP8
+side by side in the same run.
 """
 
 from __future__ import annotations
@@ -148,20 +152,25 @@ def main() -> None:
         default="both",
         help="programmatic dependent launch in the kernels (kernels/pdl.py); both = A/B",
     )
+    parser.add_argument("--quantization", choices=["none", "fp8", "both"], default="none")
+    parser.add_argument("--kv-cache-dtype", choices=["auto", "fp8"], default="auto")
     args = parser.parse_args()
     assert torch.cuda.is_available(), "this benchmark needs a GPU"
     from splitserve.engine import LLMEngine
     from splitserve.engine.config import EngineConfig
+    from splitserve.engine.quantization import weight_bytes as stored_bytes
 
     max_model_len = args.max_model_len or args.context + 4 * args.steps + 64
     if max_model_len < args.context + 4 * args.steps + 64:
         parser.error(f"--max-model-len must be at least {args.context + 4 * args.steps + 64}")
     bandwidth = measure_copy_bandwidth()
     rows = []
-    modes = {"on": [True], "off": [False], "both": [False, True]}[args.pdl]
+    pdl_modes = {"on": [True], "off": [False], "both": [False, True]}[args.pdl]
+    quant_modes = {"none": ["none"], "fp8": ["fp8"], "both": ["none", "fp8"]}[args.quantization]
+    modes = [(q, pdl) for q in quant_modes for pdl in pdl_modes]
     with tempfile.TemporaryDirectory() as tmp:
         path = model_dir(args.shape, Path(tmp))
-        for pdl in modes:
+        for quant, pdl in modes:
             engine = None
             gc.collect()
             torch.cuda.empty_cache()
@@ -174,20 +183,24 @@ def main() -> None:
                     max_num_seqs=8,
                     max_model_len=max_model_len,
                     enable_pdl=pdl,
+                    quantization=quant,
+                    kv_cache_dtype=args.kv_cache_dtype,
                 ),
             )
             cfg = engine.model_config
-            params = sum(p.numel() for p in engine.model.parameters())
-            weight_bytes = 2 * (
-                params - cfg.vocab_size * cfg.hidden_size * (not cfg.tie_word_embeddings)
+            embedding = engine.model.model.embed_tokens.weight
+            weight_bytes = stored_bytes(engine.model) - (
+                embedding.numel() * embedding.element_size() * (not cfg.tie_word_embeddings)
             )
-            kv_per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 2
+            kv_elem = 1 if args.kv_cache_dtype == "fp8" else 2
+            kv_per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * kv_elem
             for batch in (1, 8):
                 times = decode_step_times(engine, batch, args.context, args.steps)
                 kv_bytes = batch * (args.context + args.steps // 2) * kv_per_token
                 rows.append(
                     {
                         "batch": batch,
+                        "weights": "fp8" if quant == "fp8" else "bf16",
                         "PDL": "on" if pdl else "off",
                         "step ms": statistics.median(times) * 1e3,
                         "bytes": weight_bytes + kv_bytes,
@@ -205,6 +218,8 @@ def main() -> None:
         "device": device_name(),
         "shape": args.shape,
         "dtype": "bfloat16",
+        "quantization": quant_modes,
+        "kv_cache_dtype": args.kv_cache_dtype,
         "context": args.context,
         "max_model_len": max_model_len,
         "copy_bandwidth_GBps": bandwidth / 1e9,
@@ -219,11 +234,25 @@ def main() -> None:
     if args.profile:
         print(profile_steps(engine, 1, args.context))
     print(
-        f"device: {device_name()}  shape: {args.shape}  bf16  context {args.context}  "
+        f"device: {device_name()}  shape: {args.shape}  bf16 activations  "
+        f"KV cache {args.kv_cache_dtype}  context {args.context}  "
         f"max_model_len {max_model_len}  "
         f"copy bandwidth {bandwidth / 1e9:.0f} GB/s"
     )
-    print(table(rows, ["batch", "PDL", "step ms", "floor ms", "ratio", "weights GB", "KV MB"]))
+    columns = ["weights", "batch", "PDL", "step ms", "floor ms", "ratio", "weights GB", "KV MB"]
+    print(table(rows, columns))
+    speedups = [
+        {"batch": r8["batch"], "PDL": r8["PDL"], "fp8 speed-up": r16["step ms"] / r8["step ms"]}
+        for r16 in rows
+        for r8 in rows
+        if r16["weights"] == "bf16"
+        and r8["weights"] == "fp8"
+        and (r16["batch"], r16["PDL"]) == (r8["batch"], r8["PDL"])
+    ]
+    if speedups:
+        results["fp8_speedup"] = speedups
+        write_results(args.out, results)
+        print(table(speedups, ["batch", "PDL", "fp8 speed-up"]))
 
 
 if __name__ == "__main__":

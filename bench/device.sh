@@ -18,6 +18,9 @@
 #   gemv            bench/gemv.py against cuBLAS at M = 1
 #   kv-transfer     bench/kv_transfer.py between two worker processes (two GPUs)
 #   serving         bench/serving.py, disaggregated against colocated (two GPUs)
+#   structured      bench/structured.py (sampler step, batch 64, half constrained vs free)
+#   fp8             FP8 weights and KV cache: GEMV tiles, decode floor, throughput, accuracy
+#   fp8-profile     where an FP8 batch-1 decode step's time goes (graph replay, host, kernels)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1 PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH}
@@ -69,6 +72,19 @@ for step in "$@"; do
     gemv) run gemv 16 python3 -m bench.gemv --out "$OUT/gemv.json" ;;
     kv-transfer) run kv_transfer 30 python3 -m bench.kv_transfer --out "$OUT/kv_transfer.json" ;;
     serving) run serving 40 python3 -m bench.serving --out "$OUT/serving.json" ;;
+    fp8-profile)
+      run roofline_fp8_profile 60 python3 -m bench.decode_roofline --quantization fp8 --pdl on \
+        --breakdown --profile --out "$OUT/roofline_fp8_profile.json" ;;
+    structured) run structured 12 python3 -m bench.structured --out "$OUT/structured.json" ;;
+    fp8)
+      run gemv_fp8 16 python3 -m bench.gemv --fp8 --sweep --out "$OUT/gemv_fp8.json"
+      run roofline_fp8 10 python3 -m bench.decode_roofline --quantization both --pdl on \
+        --out "$OUT/roofline_fp8.json"
+      run roofline_fp8_kv 10 python3 -m bench.decode_roofline --quantization fp8 --pdl on \
+        --kv-cache-dtype fp8 --out "$OUT/roofline_fp8_kv.json"
+      run throughput_fp8 8 python3 -m bench.offline_throughput --shape llama-3-8b \
+        --quantization fp8 --kv-cache-dtype fp8 --skip-hf --out "$OUT/throughput_fp8.json"
+      run fp8_accuracy 10 python3 -m bench.fp8_accuracy --out "$OUT/fp8_accuracy.json" ;;
     *) echo "unknown step: $step" >&2 ;;
   esac
 done

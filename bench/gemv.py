@@ -1,13 +1,15 @@
 """Batch-1 decode projections: kernels/gemv.py against cuBLAS (F.linear).
 
-    python -m bench.gemv [--sweep] [--out F]
+    python -m bench.gemv [--sweep] [--fp8] [--out F]
 
 Every projection of the Llama-3-8B and Qwen3-0.6B shapes, bf16, timed from CUDA-graph replays
 over disjoint weight copies totalling >= 2x L2 (as in a model, where no layer finds its weights
 in L2); GB/s counts the weight, input and output bytes. Back-to-back calls overlap through
 programmatic dependent launch (kernels/pdl.py); "no-PDL" times the same kernel without it.
 "down+silu" times the SwiGLU activation kernel and then the down projection, as the MLP runs.
-`--sweep` times every candidate tile config and reports the best one per shape.
+`--sweep` times every candidate tile config and reports the best one per shape. `--fp8` times
+the kernel on FP8 (e4m3) weights with per-channel scales (engine/quantization.py) against the
+same bf16 cuBLAS baseline; its GB/s count one byte per weight.
 """
 
 from __future__ import annotations
@@ -22,6 +24,10 @@ from bench.common import SHAPES, device_name, table, write_results
 from bench.kernels import copies_beyond_l2, copy_bandwidth, time_graph_us
 
 CANDIDATES = [(8, 512, 4), (8, 1024, 8), (16, 256, 4), (16, 512, 4), (16, 1024, 8), (32, 256, 4)]
+FP8_CANDIDATES = [
+    (8, 1024, 4), (8, 2048, 8), (16, 512, 4), (16, 1024, 4), (16, 1024, 8), (16, 2048, 8),
+    (32, 512, 4), (32, 1024, 8), (64, 256, 4), (4, 2048, 4),
+]  # fmt: skip
 
 
 def projections(shape: str) -> list[tuple[str, int, int, str | None]]:
@@ -39,17 +45,21 @@ def projections(shape: str) -> list[tuple[str, int, int, str | None]]:
     ]
 
 
-def bench_one(n: int, k: int, activation: str | None, sweep: bool, device: torch.device) -> dict:
+def bench_one(
+    n: int, k: int, activation: str | None, sweep: bool, device: torch.device, fp8: bool = False
+) -> dict:
+    from splitserve.engine.quantization import quantize_weight
     from splitserve.kernels.activation import silu_and_mul
     from splitserve.kernels.gemv import gemv, pick_config
 
     dtype = torch.bfloat16
     copies = copies_beyond_l2(n * k * 2, device)
     weights = [torch.randn(n, k, device=device, dtype=dtype) / k**0.5 for _ in range(copies)]
+    quantized = [quantize_weight(w) for w in weights] if fp8 else []
     width = 2 * k if activation else k
     x = torch.randn(1, width, device=device, dtype=dtype)
     out = torch.empty(1, n, device=device, dtype=dtype)
-    moved = n * k * 2 + (width + n) * 2
+    moved = n * k * (1 if fp8 else 2) + (width + n) * 2
 
     act = torch.empty(1, k, device=device, dtype=dtype)
 
@@ -58,26 +68,31 @@ def bench_one(n: int, k: int, activation: str | None, sweep: bool, device: torch
             return lambda: torch.matmul(silu_and_mul(x, out=act), w.t(), out=out)
         return lambda: torch.matmul(x, w.t(), out=out)
 
-    def ours(
-        w: torch.Tensor, config: tuple[int, int, int], pdl: bool = True
-    ) -> Callable[[], object]:
+    def ours(i: int, config: tuple[int, int, int], pdl: bool = True) -> Callable[[], object]:
+        w, scale = quantized[i] if fp8 else (weights[i], None)
         if activation:
             return lambda: gemv(
-                silu_and_mul(x, out=act, pdl=pdl), w, out=out, config=config, pdl=pdl
+                silu_and_mul(x, out=act, pdl=pdl),
+                w,
+                weight_scale=scale,
+                out=out,
+                config=config,
+                pdl=pdl,
             )
-        return lambda: gemv(x, w, out=out, config=config, pdl=pdl)
+        return lambda: gemv(x, w, weight_scale=scale, out=out, config=config, pdl=pdl)
 
     want = F.linear(silu_and_mul(x) if activation else x, weights[0]).float()
-    ours(weights[0], pick_config(n, k))()
-    torch.testing.assert_close(out.float(), want, atol=0.05, rtol=0.02)
+    ours(0, pick_config(n, k, fp8))()
+    torch.testing.assert_close(out.float(), want, atol=0.05 * (1 + 3 * fp8), rtol=0.02)
 
     cublas_us = time_graph_us([cublas(w) for w in weights], device)
-    configs = [pick_config(n, k)]
+    configs = [pick_config(n, k, fp8)]
     if sweep:
-        configs += [c for c in CANDIDATES if c not in configs]
-    timed = [(time_graph_us([ours(w, c) for w in weights], device), c) for c in configs]
+        configs += [c for c in (FP8_CANDIDATES if fp8 else CANDIDATES) if c not in configs]
+    mine = range(len(weights))
+    timed = [(time_graph_us([ours(i, c) for i in mine], device), c) for c in configs]
     picked_us = timed[0][0]
-    no_pdl_us = time_graph_us([ours(w, configs[0], pdl=False) for w in weights], device)
+    no_pdl_us = time_graph_us([ours(i, configs[0], pdl=False) for i in mine], device)
     best_us, best = min(timed)
     return {
         "N": n,
@@ -97,16 +112,19 @@ def bench_one(n: int, k: int, activation: str | None, sweep: bool, device: torch
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sweep", action="store_true", help="also time other tile configs")
+    parser.add_argument("--fp8", action="store_true", help="FP8 weights (Llama-3-8B shape)")
     parser.add_argument("--out", default="bench/results/gemv.json")
     args = parser.parse_args(argv)
     assert torch.cuda.is_available(), "this benchmark needs a GPU"
     device = torch.device("cuda")
     copy = copy_bandwidth(2 << 30, device)
     rows = []
-    for shape in ("llama-3-8b", "qwen3-0.6b"):
+    for shape in ("llama-3-8b",) if args.fp8 else ("llama-3-8b", "qwen3-0.6b"):
         for name, n, k, activation in projections(shape):
+            if args.fp8 and name == "lm_head":
+                continue  # the LM head stays bf16
             row = {"shape": shape, "proj": name}
-            row.update(bench_one(n, k, activation, args.sweep, device))
+            row.update(bench_one(n, k, activation, args.sweep, device, args.fp8))
             row["% of copy"] = 100 * row["gemv GB/s"] / copy["GB_per_s"]
             rows.append(row)
             print(row, flush=True)
@@ -114,6 +132,7 @@ def main(argv: list[str] | None = None) -> dict:
         "benchmark": "gemv",
         "device": device_name(),
         "dtype": "bfloat16",
+        "weights": "fp8" if args.fp8 else "bfloat16",
         "copy_bandwidth": copy,
         "method": "median of CUDA-graph replays over disjoint weight copies >= 2x L2",
         "rows": rows,

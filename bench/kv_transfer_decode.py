@@ -17,12 +17,8 @@ from splitserve.engine.kv_connector import KVConnector
 from splitserve.engine.llm_engine import LLMEngine
 from splitserve.engine.outputs import SampledToken
 from splitserve.engine.sampling_params import SamplingParams
-from splitserve.kv_transfer.grpc_codec import add_kv_transfer_servicer
-from splitserve.kv_transfer.grpc_transport import KVTransferServicer
 from splitserve.kv_transfer.transport import transport_kind
 from splitserve.kv_transfer.wire import CacheLayout, as_blocks, crc32c
-from splitserve.protos.v1 import kv_transfer_pb2
-from splitserve.runtime.grpc_server import Server, start_server
 
 PARAMS = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
 TIMEOUT_S = 120.0
@@ -48,37 +44,22 @@ def decode_main(conn: Connection, model_path: str, config: EngineConfig, names: 
     if config.device.startswith("cuda"):
         torch.cuda.set_device(config.device)
     engine = LLMEngine(model_path, config)
-    book, receivers, server, address = ReservationBook(), [], None, ""
+    book, receivers = ReservationBook(), []
     endpoints: dict[str, dict[str, bytes]] = {}
     skipped: dict[str, str] = {}
     for name in names:
         try:
-            make_receiver = transport_kind(name).receiver
-            if make_receiver is None:  # served over gRPC
-                server = start_grpc(KVTransferServicer(engine.kv_connector, book))
-                address, endpoints[name] = f"127.0.0.1:{server.port}", {}
-            else:
-                receivers.append(make_receiver(engine.kv_connector, book, "bench-d"))
-                endpoints[name] = receivers[-1].endpoint()
+            receivers.append(transport_kind(name).receiver(engine.kv_connector, book, "bench-d"))
+            endpoints[name] = receivers[-1].endpoint()
         except Exception as e:
             skipped[name] = f"decode side: {e!r}"
-    hello = {"address": address, "endpoints": endpoints, "skipped": skipped}
+    hello = {"address": "unused:0", "endpoints": endpoints, "skipped": skipped}
     conn.send(hello | {"device": device_label(config.device)})
     try:
         serve(conn, engine, book)
     finally:
         for receiver in receivers:
             receiver.close()
-        if server is not None:
-            server.stop(0)
-
-
-def start_grpc(servicer: KVTransferServicer) -> Server:
-    service = kv_transfer_pb2.DESCRIPTOR.services_by_name["KVTransfer"].full_name
-    add = add_kv_transfer_servicer
-    server = start_server(lambda s: add(servicer, s), [service])
-    server.set_serving(True)
-    return server
 
 
 def serve(conn: Connection, engine: LLMEngine, book: ReservationBook) -> None:

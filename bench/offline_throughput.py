@@ -31,12 +31,21 @@ def workload(num: int, seed: int, lo: int = 100, hi: int = 1024, vocab: int = 10
     return prompts, [n_out for _, n_out in lens]
 
 
-def run_engine(path: Path, prompts, outputs, dtype: str) -> dict[str, Any]:
+def run_engine(
+    path: Path,
+    prompts,
+    outputs,
+    dtype: str,
+    quantization: str | None = None,
+    kv_cache_dtype: str = "auto",
+) -> dict[str, Any]:
     from splitserve.engine import LLM, SamplingParams
 
     llm = LLM(
         path,
         dtype=dtype,
+        quantization=quantization,
+        kv_cache_dtype=kv_cache_dtype,
         load_format="dummy",
         max_num_seqs=256,
         max_num_batched_tokens=8192,
@@ -54,7 +63,12 @@ def run_engine(path: Path, prompts, outputs, dtype: str) -> dict[str, Any]:
     assert produced == sum(outputs), "every request must produce its full output"
     del llm
     torch.cuda.empty_cache()
-    return {"seconds": seconds, "output_tokens": produced, "prompt_tokens": sum(map(len, prompts))}
+    return {
+        "seconds": seconds,
+        "output_tokens": produced,
+        "prompt_tokens": sum(map(len, prompts)),
+        "num_requests": len(prompts),
+    }
 
 
 def run_hf(shape: str, prompts, outputs, dtype: torch.dtype, batches: int | None):
@@ -104,6 +118,19 @@ def run_hf(shape: str, prompts, outputs, dtype: torch.dtype, batches: int | None
     }
 
 
+def _rate(result: dict[str, Any]) -> float:
+    return result["output_tokens"] / result["seconds"]
+
+
+def _row(system: str, result: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "system": system,
+        "requests": result["num_requests"],
+        "out tok/s": _rate(result),
+        "seconds": result["seconds"],
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shape", choices=sorted(SHAPES), default="qwen3-0.6b")
@@ -112,6 +139,16 @@ def main() -> None:
     parser.add_argument("--grid", action="store_true", help="also the fixed-length grid")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default="bench/results/offline_throughput.json")
+    parser.add_argument(
+        "--quantization", choices=["none", "fp8"], default="none", help="fp8: also FP8 weights"
+    )
+    parser.add_argument(
+        "--kv-cache-dtype",
+        choices=["auto", "fp8"],
+        default="auto",
+        help="fp8 (with --quantization fp8): also FP8 weights with an FP8 KV cache",
+    )
+    parser.add_argument("--skip-hf", action="store_true", help="no HF baseline (FP8 A/B only)")
     args = parser.parse_args()
     assert torch.cuda.is_available(), "this benchmark needs a GPU"
     dtype = torch.bfloat16
@@ -119,22 +156,33 @@ def main() -> None:
         path = model_dir(args.shape, Path(tmp))
         prompts, outputs = workload(args.num_requests, args.seed)
         ours = run_engine(path, prompts, outputs, "bfloat16")
-        hf = run_hf(args.shape, prompts, outputs, dtype, args.baseline_batches or None)
         rows = [
             {
                 "system": "splitserve LLM",
                 "requests": len(prompts),
                 "out tok/s": ours["output_tokens"] / ours["seconds"],
                 "seconds": ours["seconds"],
-            },
-            {
-                "system": "HF static batch 32",
-                "requests": 32 * hf["batches_timed"],
-                "out tok/s": hf["output_tokens"] / hf["seconds"],
-                "seconds": hf["seconds"],
-            },
+            }
         ]
-        speedup = rows[0]["out tok/s"] / rows[1]["out tok/s"]
+        fp8 = fp8_kv = None
+        if args.quantization == "fp8":
+            fp8 = run_engine(path, prompts, outputs, "bfloat16", "fp8")
+            rows.append(_row("splitserve LLM, FP8 weights", fp8))
+            if args.kv_cache_dtype == "fp8":
+                fp8_kv = run_engine(path, prompts, outputs, "bfloat16", "fp8", "fp8")
+                rows.append(_row("splitserve LLM, FP8 weights + KV", fp8_kv))
+        hf = None
+        if not args.skip_hf:
+            hf = run_hf(args.shape, prompts, outputs, dtype, args.baseline_batches or None)
+            rows.append(
+                {
+                    "system": "HF static batch 32",
+                    "requests": 32 * hf["batches_timed"],
+                    "out tok/s": hf["output_tokens"] / hf["seconds"],
+                    "seconds": hf["seconds"],
+                }
+            )
+        speedup = rows[0]["out tok/s"] / rows[-1]["out tok/s"] if hf else None
         grid = []
         if args.grid:
             for n_in, n_out in ((128, 128), (1024, 128), (128, 1024)):
@@ -157,6 +205,10 @@ def main() -> None:
         "ignore_eos": True,
         "workload": f"{args.num_requests} requests, in/out uniform 100-1024, seed {args.seed}",
         "splitserve": ours,
+        "splitserve_fp8": fp8,
+        "fp8_speedup": fp8 and _rate(fp8) / rows[0]["out tok/s"],
+        "splitserve_fp8_kv": fp8_kv,
+        "fp8_kv_speedup": fp8_kv and _rate(fp8_kv) / rows[0]["out tok/s"],
         "hf_baseline": hf,
         "speedup": speedup,
         "grid": grid,
@@ -164,7 +216,12 @@ def main() -> None:
     write_results(args.out, results)
     print(f"device: {device_name()}  shape: {args.shape}  dtype: bf16  EOS ignored")
     print(table(rows, ["system", "requests", "out tok/s", "seconds"]))
-    print(f"speedup over HF static batching: {speedup:.1f}x")
+    if speedup is not None:
+        print(f"speedup over HF static batching: {speedup:.1f}x")
+    if fp8 is not None:
+        print(f"FP8 weights against bf16: {results['fp8_speedup']:.2f}x")
+    if fp8_kv is not None:
+        print(f"FP8 weights and KV cache against bf16: {results['fp8_kv_speedup']:.2f}x")
     if grid:
         print(table(grid, ["in/out", "out tok/s", "total tok/s"]))
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hmac
 import threading
 import time
 from collections import OrderedDict
@@ -35,6 +36,8 @@ class LocalReservation:
     num_bytes: int = 0
     dead: bool = False
     refusal: str | None = None  # why a push for it was refused (it can't complete then)
+    # What every push must carry (KVDestination.capability); b"": none asked (in-process use)
+    capability: bytes = b""
     lock: threading.Lock = field(default_factory=threading.Lock)
     changed: threading.Condition = field(init=False)
     # Coroutines waiting in `wait_complete_async`: woken on their loops by `notify`.
@@ -151,6 +154,14 @@ class ReservationBook:
     def allowed_blocks(self, request_id: str, fence: int) -> frozenset[int]:
         res = self._live(request_id, fence)
         return res.needed
+
+    def check_capability(self, request_id: str, capability: bytes) -> None:
+        res = self.get(request_id)
+        if res is not None and not hmac.compare_digest(res.capability, capability):
+            raise PushRefused(
+                "PERMISSION_DENIED",
+                f"a push for {request_id!r} does not carry its reservation's capability",
+            )
 
     def landed(
         self, request_id: str, fence: int, dst_block_ids: Sequence[int], num_bytes: int

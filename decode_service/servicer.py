@@ -24,8 +24,11 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
     ) -> worker_pb2.ReserveResponse:
         params = convert.sampling_from_proto(request.sampling)
         with self.observer.reserve(request.request_id, context) as span:
+            resume = None
+            if request.HasField("resume"):
+                resume = convert.resume_from_proto(request.resume)
             res = await self.worker.reserve(
-                request.request_id, list(request.prompt_token_ids), params
+                request.request_id, list(request.prompt_token_ids), params, resume
             )
             settings = self.worker.settings
             destination = worker_pb2.KVDestination(
@@ -35,6 +38,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
                 num_cached_tokens=res.num_cached_tokens,
                 fence=res.fence,
                 kv_transports=settings.kv_transports,
+                capability=res.capability,
             )
             self.observer.reserved(span, destination)
         return worker_pb2.ReserveResponse(destination=destination)
@@ -44,6 +48,8 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
     ) -> AsyncIterator[worker_pb2.DecodeResponse]:
         params = convert.sampling_from_proto(request.sampling)
         tracker = convert.DeltaTracker.for_params(params)
+        if request.HasField("resume"):
+            tracker.resume_after(request.resume)
         obs = self.observer.decode(request.request_id, params, context)
         outputs = self.worker.decode(
             request.request_id,

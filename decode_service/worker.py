@@ -6,24 +6,28 @@ thread) without blocking the loop; `housekeeping` runs on the heartbeat thread.
 
 Ownership in Redis follows each request: `reserve` (here, at Reserve) -> `begin_write` (the
 prefill worker, before its first push) -> `handoff` (here, at Decode) -> `release` (here, when
-the request finishes or is aborted). Reservations whose record expired are reclaimed.
+the request finishes or is aborted). Reservations whose record expired are reclaimed; records
+that Redis lost in a restart are re-published from what this worker holds (`housekeeping`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import secrets
 import threading
+import time
 from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass
 
 from splitserve.decode_service.reservations import LocalReservation, ReservationBook
 from splitserve.engine.engine_loop import EngineLoop
-from splitserve.engine.errors import FailedPrecondition, NotFound
+from splitserve.engine.errors import FailedPrecondition, NotFound, quoted
 from splitserve.engine.llm_engine import LLMEngine
-from splitserve.engine.outputs import RequestOutput, SampledToken
+from splitserve.engine.outputs import RequestOutput, Resume, SampledToken
 from splitserve.engine.sampling_params import SamplingParams
-from splitserve.kv_transfer.registry import Registry
+from splitserve.kv_transfer.registry import BlockRecord, Registry, RegistryUnavailable
 
 log = logging.getLogger(__name__)
 
@@ -51,12 +55,20 @@ class DecodeWorker:
         self.registry = registry
         self.settings = settings
         self.reservations = reservations
-        self._active: dict[str, int] = {}  # admitted request id -> fence (leases to renew)
+        # admitted request id -> (fence, block ids): leases to renew, records to re-publish
+        self._active: dict[str, tuple[int, tuple[int, ...]]] = {}
         self._active_lock = threading.Lock()
         self.num_reclaimed = 0
         self.num_bytes_received = 0  # KV of admitted requests (pushes of others are dropped)
         self.num_blocks_received = 0
         self._background: set[asyncio.Future[bool]] = set()  # aborts of abandoned reservations
+        self._next_prefix_sweep = 0.0
+        # NOTE: a worker restarted under the same id holds none of the blocks its last life
+        # indexed: routing must not prefer it for them.
+        registry.clear_prefix_blocks(settings.worker_id)
+        self._since = 0  # the registry's mark of its data's start, at the last `restore`
+        self._prefix: dict[bytes, bool] = {}  # prefix-index changes not yet published
+        self._prefix_held: set[bytes] = set()  # what the registry's prefix index should list
 
     @property
     def engine(self) -> LLMEngine:
@@ -64,13 +76,18 @@ class DecodeWorker:
         return self.loop.engine
 
     async def reserve(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        resume: Resume | None = None,
     ) -> LocalReservation:
-        """Hold blocks for the prompt and record the reservation (with a lease) in Redis.
+        """Hold blocks for the prompt (and a resumed sample's tokens) and record the reservation
+        (with a lease) in Redis.
 
         NOTE: runs to its end even if the caller goes away meanwhile (blocks held by the engine
         must be recorded or given back), and then gives them back."""
-        task = asyncio.ensure_future(self._reserve(request_id, prompt_token_ids, params))
+        task = asyncio.ensure_future(self._reserve(request_id, prompt_token_ids, params, resume))
         try:
             return await asyncio.shield(task)
         except asyncio.CancelledError:
@@ -78,9 +95,15 @@ class DecodeWorker:
             raise
 
     async def _reserve(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        resume: Resume | None,
     ) -> LocalReservation:
-        res = await self.loop.call_async(lambda e: e.reserve(request_id, prompt_token_ids, params))
+        res = await self.loop.call_async(
+            lambda e: e.reserve(request_id, prompt_token_ids, params, resume)
+        )
         try:
             record = await asyncio.to_thread(
                 self.registry.reserve,
@@ -98,6 +121,7 @@ class DecodeWorker:
             block_ids=res.block_ids,
             num_cached_tokens=res.num_cached_tokens,
             block_size=self.engine.config.block_size,
+            capability=secrets.token_bytes(16),  # handed only to the prefill worker chosen
         )
         self.reservations.add(local)
         return local
@@ -156,7 +180,7 @@ class DecodeWorker:
                     raise result
             assert not isinstance(admitted, BaseException)
             with self._active_lock:
-                self._active[request_id] = res.fence
+                self._active[request_id] = (res.fence, tuple(res.block_ids))
             self.loop.publish(admitted)
             if on_admitted is not None:
                 on_admitted()
@@ -176,7 +200,13 @@ class DecodeWorker:
             await self._abort_engine_async(request_id)
         with self._active_lock:
             self._active.pop(request_id, None)
-        await asyncio.to_thread(self.registry.release, request_id)
+        await asyncio.to_thread(self._release, request_id)
+
+    def _release(self, request_id: str, fence: int | None = None) -> None:
+        # NOTE: never fails the request (its last message may be out already): a record left
+        # behind while Redis is unreachable lapses with its lease.
+        with contextlib.suppress(RegistryUnavailable):
+            self.registry.release(request_id, fence)
 
     async def abort(self, request_id: str) -> bool:
         """Cancel a reservation or a running request; True if there was one."""
@@ -187,7 +217,7 @@ class DecodeWorker:
         res = await asyncio.to_thread(self.reservations.pop, request_id)
         aborted = await self._abort_engine_async(request_id)
         if res is not None:
-            await asyncio.to_thread(self.registry.release, request_id, res.fence)
+            await asyncio.to_thread(self._release, request_id, res.fence)
         return aborted or res is not None
 
     async def _abort_engine_async(self, request_id: str) -> bool:
@@ -201,33 +231,71 @@ class DecodeWorker:
         return bool(self.loop.call(lambda e: e.abort_request(request_id)))
 
     def housekeeping(self) -> None:
-        """Reclaim reservations whose lease expired; renew leases of running requests; mirror
-        prefix-cache changes into the registry's prefix index."""
+        """Re-publish records Redis lost; reclaim reservations whose lease expired; renew leases
+        of running requests; mirror prefix-cache changes into the registry's prefix index."""
+        # NOTE: before the reclaim, which would take a lost record for a lapsed one.
+        self._since, restored = self.registry.restore(
+            self._records(), self.settings.lease_s, self._since
+        )
+        if restored:
+            log.warning("re-published %d block record(s) that Redis lost", restored)
         self._publish_prefix_events()
+        self._sweep_prefix_index()
         pending = self.reservations.ids()
         if pending:
             for request_id in self.registry.expired_requests(pending):
                 if self.reservations.pop(request_id) is not None:
-                    log.warning("reclaiming blocks of %s: its lease expired", request_id)
+                    log.warning("reclaiming blocks of %s: its lease expired", quoted(request_id))
                     self._abort_engine(request_id)
                     self.num_reclaimed += 1
         with self._active_lock:
             active = dict(self._active)
-        for request_id, fence in active.items():
+        for request_id, (fence, _) in active.items():
             self.registry.renew(request_id, fence, self.settings.lease_s)
 
+    def _records(self) -> list[BlockRecord]:
+        """The block records this worker holds: its reservations and running requests."""
+        me = self.settings.worker_id
+        records = []
+        for request_id in self.reservations.ids():
+            res = self.reservations.get(request_id)
+            if res is not None:
+                records.append(
+                    BlockRecord(request_id, "reserved", me, "", res.fence, res.block_ids, None)
+                )
+        with self._active_lock:
+            active = dict(self._active)
+        for request_id, (fence, block_ids) in active.items():
+            records.append(BlockRecord(request_id, "owned", me, "", fence, block_ids, None))
+        return records
+
+    def _sweep_prefix_index(self) -> None:
+        """Drop the prefix entries of decode workers that died without leaving (every lease)."""
+        now = time.monotonic()
+        if now < self._next_prefix_sweep:
+            return
+        self._next_prefix_sweep = now + self.settings.lease_s
+        live = [w.worker_id for k in ("decode", "colocated") for w in self.registry.live_workers(k)]
+        for worker_id in self.registry.drop_stale_prefix_blocks([*live, self.settings.worker_id]):
+            log.warning("dropped the prefix index of %s: it is gone", worker_id)
+
     def _publish_prefix_events(self) -> None:
-        events = self.loop.call(lambda e: e.take_prefix_events())
-        final: dict[bytes, bool] = {}
-        for added, block_hash in events:
-            final[block_hash] = added  # only the last change of each hash matters
-        added_hashes = [h for h, added in final.items() if added]
-        removed = [h for h, added in final.items() if not added]
+        # NOTE: changes that could not be published (Redis unreachable) wait for the next turn.
+        for added, block_hash in self.loop.call(lambda e: e.take_prefix_events()):
+            self._prefix[block_hash] = added  # only the last change of each hash matters
+            (self._prefix_held.add if added else self._prefix_held.discard)(block_hash)
+        added_hashes = [h for h, added in self._prefix.items() if added]
+        removed = [h for h, added in self._prefix.items() if not added]
         worker_id = self.settings.worker_id
         if added_hashes:
             self.registry.add_prefix_blocks(worker_id, added_hashes)
         if removed:
             self.registry.remove_prefix_blocks(worker_id, removed)
+        self._prefix.clear()
+
+    def republish_prefix_index(self) -> None:
+        """After Redis lost its data: list again every block this worker holds."""
+        self.registry.add_prefix_blocks(self.settings.worker_id, list(self._prefix_held))
 
     def leave_prefix_index(self) -> None:
         self.registry.clear_prefix_blocks(self.settings.worker_id)

@@ -37,6 +37,9 @@ def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
     return _DTYPES[key]
 
 
+KV_CACHE_DTYPES = ("auto", "fp8")
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """The engine's own settings. Defaults suit the CPU; `LLM(**options)` overrides them.
@@ -65,6 +68,12 @@ class EngineConfig:
     # "safetensors" reads the checkpoint; "dummy" fills random weights of the config's shape
     # (for benchmarks of large shapes without writing their checkpoints).
     load_format: str = "safetensors"
+    # FP8 weights (engine/quantization.py): None runs the checkpoint as stored (FP8 if it is);
+    # "fp8" quantizes a 16/32-bit one at load; "none" refuses an FP8 checkpoint.
+    quantization: str | None = None
+    # The KV cache's dtype: "auto" is the model's; "fp8" stores e4m3 (scale 1: values saturate
+    # at +-448), half the bytes of bf16 per block, so twice the tokens in the same memory.
+    kv_cache_dtype: str = "auto"
     # Detokenize every step (services stream text); off, text is made when a sample finishes.
     stream_text: bool = True
     # Capture CUDA graphs for decode batches (one per batch-size bucket).
@@ -88,10 +97,19 @@ class EngineConfig:
             raise ValueError("num_kv_blocks must be positive")
         if self.scheduling_policy not in ("fcfs", "priority"):
             raise ValueError("scheduling_policy must be 'fcfs' or 'priority'")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {list(KV_CACHE_DTYPES)}")
+        if self.quantization not in (None, "none", "fp8"):
+            raise ValueError("quantization must be 'none' or 'fp8'")
         if self.load_format not in ("safetensors", "dummy"):
             raise ValueError("load_format must be 'safetensors' or 'dummy'")
         if self.max_model_len is not None and self.max_model_len <= 1:
             raise ValueError("max_model_len must be at least 2")
+
+    @property
+    def cache_dtype(self) -> torch.dtype:
+        """What the KV pool holds (`kv_cache_dtype`)."""
+        return torch.float8_e4m3fn if self.kv_cache_dtype == "fp8" else self.dtype
 
     def blocks_for(self, num_tokens: int) -> int:
         return math.ceil(num_tokens / self.block_size)

@@ -3,7 +3,8 @@
 Each names the status a client should see (`status`, a gRPC status code's name; this module
 imports neither torch nor grpc, so any layer may raise these). One interceptor in the service
 runtime maps them to status codes; any other exception is an internal error, answered INTERNAL
-and logged with its traceback.
+and logged with its traceback. `clip` and `quoted` keep what a message echoes of a request
+bounded.
 """
 
 from __future__ import annotations
@@ -63,3 +64,27 @@ class AlreadyExists(SplitserveError):
     """A request id that is already in use (ALREADY_EXISTS)."""
 
     status = "ALREADY_EXISTS"
+
+
+MAX_MESSAGE_BYTES = 1000
+"""Longest status message a client is sent (UTF-8 bytes): input echoed in a message must never
+make it outgrow the client's metadata limit (gRPC clients refuse trailers over 16 KiB)."""
+
+
+def clip(text: str, max_bytes: int = MAX_MESSAGE_BYTES) -> str:
+    """`text` cut to at most `max_bytes` UTF-8 bytes, ending in "…" when it was cut."""
+    raw = text.encode("utf-8", "replace")
+    if len(raw) <= max_bytes:
+        return text
+    ellipsis = "…"
+    keep = raw[: max(0, max_bytes - len(ellipsis.encode()))]
+    return keep.decode("utf-8", "ignore") + ellipsis
+
+
+def quoted(value: object, max_chars: int = 64) -> str:
+    """`repr` of a value taken from a request (an id, a stop string), its start only: control
+    characters come out escaped (no `\\r\\n` can forge a log line) and the length is bounded."""
+    text = str(value)
+    if len(text) <= max_chars:
+        return repr(text)
+    return f"{text[:max_chars]!r}… ({len(text)} characters)"

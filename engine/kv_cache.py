@@ -33,7 +33,7 @@ def size_kv_pool(model: ModelConfig, config: EngineConfig, budget: int) -> Engin
     """Return `config` with `num_kv_blocks` set from `budget` bytes (unless it is given)."""
     if config.num_kv_blocks is not None:
         return config
-    per_block = bytes_per_block(model, config.block_size, config.dtype)
+    per_block = bytes_per_block(model, config.block_size, config.cache_dtype)
     num_blocks = budget // per_block
     if num_blocks < 1:
         raise ValueError(
@@ -60,7 +60,7 @@ class KVCache:
             model.num_kv_heads,
             model.head_dim,
         )
-        pool = torch.zeros(shape, dtype=config.dtype, device=config.device)
+        pool = torch.zeros(shape, dtype=config.cache_dtype, device=config.device)
         return cls.over(pool)
 
     @classmethod

@@ -239,7 +239,7 @@ class KVConnector:
             if ready is not None and ready.ready is not None:
                 torch.cuda.current_stream().wait_event(ready.ready)
             index = torch.tensor(list(block_ids), dtype=torch.long, device=pool.device)
-            out.copy_(pool.index_select(0, index), non_blocking=True)
+            _bytes(out).copy_(_bytes(pool).index_select(0, index), non_blocking=True)
             self._synchronize()
         return out
 
@@ -249,7 +249,7 @@ class KVConnector:
         pool = self._cache.pool
         with self._side_stream():
             index = torch.tensor(list(block_ids), dtype=torch.long, device=pool.device)
-            pool.index_copy_(0, index, data.to(pool.device, non_blocking=True))
+            _bytes(pool).index_copy_(0, index, _bytes(data).to(pool.device, non_blocking=True))
             self._synchronize()
 
     def _side_stream(self) -> torch.cuda.StreamContext | _NoStream:
@@ -258,6 +258,12 @@ class KVConnector:
     def _synchronize(self) -> None:
         if self._stream is not None:
             self._stream.synchronize()
+
+
+def _bytes(blocks: torch.Tensor) -> torch.Tensor:
+    """Blocks [n, ...] as raw bytes [n, ...]: copies move bits, whatever the dtype (the CPU has
+    no indexed copies of FP8)."""
+    return blocks.view(torch.uint8) if blocks.dtype == torch.float8_e4m3fn else blocks
 
 
 class _NoStream:

@@ -11,6 +11,7 @@ from tqdm import tqdm
 
 from splitserve.engine.config import EngineConfig
 from splitserve.engine.llm_engine import LLMEngine, Prompt
+from splitserve.engine.model_config import ModelConfig
 from splitserve.engine.outputs import RequestOutput
 from splitserve.engine.platform import resolve_device, resolve_dtype
 from splitserve.engine.sampling_params import SamplingParams
@@ -21,7 +22,8 @@ _ENGINE_OPTIONS = {f.name for f in dataclasses.fields(EngineConfig)}
 class LLM:
     """Generate completions for a batch of prompts with continuous batching.
 
-    `dtype` "auto" is bfloat16 on a GPU and float32 on the CPU; `device` "auto" is the GPU when
+    `dtype` "auto" is the checkpoint's torch_dtype (float16/bfloat16; otherwise bfloat16 on a
+    GPU and float32 on the CPU); `device` "auto" is the GPU when
     there is one. `options` are `EngineConfig` fields (block_size, max_num_batched_tokens,
     num_kv_blocks, enable_prefix_caching, …); an unknown option is an error, not ignored.
     """
@@ -34,8 +36,16 @@ class LLM:
             raise ValueError(f"unknown LLM option(s) {unknown}; valid: {sorted(_ENGINE_OPTIONS)}")
         device = resolve_device(device)
         options.setdefault("stream_text", False)  # nothing streams: decode text once, at the end
-        config = EngineConfig(dtype=resolve_dtype(dtype, device), device=device, **options)
+        checkpoint_dtype = ModelConfig.from_pretrained(model).torch_dtype
+        config = EngineConfig(
+            dtype=resolve_dtype(dtype, device, checkpoint_dtype), device=device, **options
+        )
         self.engine = LLMEngine(model, config)
+
+    def default_sampling_params(self) -> SamplingParams:
+        """SamplingParams with the model's generation_config.json defaults applied."""
+        defaults: dict[str, Any] = dict(self.engine.model_config.generation_defaults)
+        return SamplingParams(**defaults)
 
     def generate(
         self,
@@ -52,7 +62,7 @@ class LLM:
         """
         batch = _as_batch(prompts)
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
-            params_list = [sampling_params or SamplingParams()] * len(batch)
+            params_list = [sampling_params or self.default_sampling_params()] * len(batch)
         else:
             params_list = list(sampling_params)
         if len(params_list) != len(batch):

@@ -14,8 +14,6 @@ from collections.abc import Sequence as SequenceABC
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
-
 from splitserve.engine.block_manager import BlockManager, KVUsage
 from splitserve.engine.config import EngineConfig
 from splitserve.engine.errors import (
@@ -25,20 +23,20 @@ from splitserve.engine.errors import (
     NotFound,
     Overloaded,
 )
+from splitserve.engine.grammar import Grammars
 from splitserve.engine.kv_cache import KVCache, size_kv_pool
 from splitserve.engine.kv_connector import KVConnector
-from splitserve.engine.model import CausalLM
 from splitserve.engine.model_config import ModelConfig
 from splitserve.engine.model_runner import ModelRunner
 from splitserve.engine.output_processor import OutputProcessor, RequestState
-from splitserve.engine.outputs import RequestOutput, SampledToken
+from splitserve.engine.outputs import RequestOutput, Resume, SampledToken
 from splitserve.engine.platform import Platform
 from splitserve.engine.sampling_params import SamplingParams
 from splitserve.engine.scheduler import Scheduler
 from splitserve.engine.sequence import FinishReason, Sequence
 from splitserve.engine.stats import EngineStats
 from splitserve.engine.tokenizer import load_tokenizer
-from splitserve.engine.weights import fill_dummy_weights, load_weights
+from splitserve.engine.weights import load_model
 
 Prompt = str | SequenceABC[int]
 
@@ -53,31 +51,6 @@ class Reservation:
 
     block_ids: tuple[int, ...]
     num_cached_tokens: int
-
-
-def load_model(
-    model_dir: str | Path, model_cfg: ModelConfig, config: EngineConfig, platform: Platform
-) -> CausalLM:
-    """Build the transformer for `model_cfg` and fill it from the checkpoint's safetensors."""
-    # NOTE: built on the meta device and materialised once in the target dtype, so a large
-    # model never holds a float32 copy or random initial weights.
-    with torch.device("meta"):
-        model = CausalLM(
-            model_cfg,
-            config.max_model_len or model_cfg.max_model_len,
-            platform.attention_backend,
-            platform.ops(),
-        )
-    model = model.to(dtype=config.dtype).to_empty(device=config.device)
-    model.tie_weights()
-    model.model.rotary.reset(config.device)
-    if config.load_format == "dummy":
-        fill_dummy_weights(model, config.seed)
-    else:
-        load_weights(model, model_dir, tied_lm_head=model_cfg.tie_word_embeddings)
-    if platform.merge_projections:
-        model.merge_projections()
-    return model.eval()
 
 
 class LLMEngine:
@@ -95,6 +68,8 @@ class LLMEngine:
         self.platform.activate()
         config = self.platform.apply(dataclasses.replace(config, max_model_len=max_len))
         self.tokenizer = load_tokenizer(model_dir)
+        mc = self.model_config
+        self.grammars = Grammars(self.tokenizer, mc.vocab_size, mc.eos_token_ids)
         self.model = load_model(model_dir, self.model_config, config, self.platform)
         budget = self.platform.kv_cache_budget(config)
         self.config = size_kv_pool(self.model_config, config, budget)
@@ -173,28 +148,31 @@ class LLMEngine:
     ) -> Sequence:
         root = self._new_sequence(request_id, token_ids, params, priority)
         root.pending_children = [root.make_child(i) for i in range(1, params.n)]
+        self.grammars.attach([root, *root.pending_children], params.structured)
         self.outputs.add(RequestState(request_id, text, token_ids, [root, *root.pending_children]))
         return root
 
     def reserve(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
-    ) -> Reservation:
-        """Decode side of disaggregation: hold blocks for a prompt whose KV will be pushed here.
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+        resume: Resume | None = None,
+    ) -> Reservation:  # fmt: skip
+        """Decode side of disaggregation: hold blocks for a prompt whose KV will be pushed here
+        (or, with `resume`, for a broken-off sample's prompt and tokens, computed here).
 
         Blocks this worker already caches for the prompt's prefix are reused; only the rest
-        need to be sent. Raises InvalidRequest on bad input, CapacityError when the pool is full.
-        """
+        need to be sent. Raises InvalidRequest on bad input, CapacityError when full."""
         seq = self._new_sequence(request_id, prompt_token_ids, params)
+        if resume is not None:
+            seq.resume(resume, self.model_config.vocab_size)
         bm = self.block_manager
-        hit = bm.find_prefix_hit(seq.prompt_token_ids)
+        hit = bm.find_prefix_hit(seq.token_ids)
         if bm.allocate(seq.seq_id, seq.num_tokens, hit) is None:
             raise CapacityError(
                 f"no room for {seq.num_tokens} prompt tokens: "
                 f"{bm.usage().num_free_blocks + bm.usage().num_cached_blocks} blocks available"
             )
-        seq.num_computed_tokens = seq.num_cached_prompt_tokens = (
-            hit.num_tokens(bm.block_size) if hit else 0
-        )
+        seq.num_computed_tokens = hit.num_tokens(bm.block_size) if hit else 0
+        seq.num_cached_prompt_tokens = min(seq.num_computed_tokens, len(prompt_token_ids))
         self._reserved[request_id] = seq
         return Reservation(tuple(bm.block_table(seq.seq_id)), seq.num_computed_tokens)
 
@@ -208,11 +186,16 @@ class LLMEngine:
         """Start a reserved request. With `first_tokens` its whole prompt KV has been written
         into the reserved blocks and it joins the running batch; without, it is prefilled here.
         Returns the request's output if the first tokens already finish it."""
-        seq = self._reserved.pop(request_id, None)
+        seq = self._reserved.get(request_id)
         if seq is None:
             raise NotFound(f"no reservation for request {request_id!r}")
+        self._validate(seq.prompt_token_ids, params)  # NOTE: the reservation's were others
         seq.params, seq.priority = params, priority
         seq.pending_children = [seq.make_child(i) for i in range(1, params.n)]
+        # NOTE: resumed tokens the grammar refuses leave the reservation in place (an abort
+        # frees it).
+        self.grammars.attach([seq, *seq.pending_children], params.structured)
+        del self._reserved[request_id]
         self.outputs.add(
             RequestState(request_id, None, seq.prompt_token_ids, [seq, *seq.pending_children])
         )
@@ -256,7 +239,9 @@ class LLMEngine:
         if isinstance(prompt, str):
             if not prompt:
                 raise InvalidRequest("prompt is empty")
-            return prompt, list(self.tokenizer.encode(prompt, add_special_tokens=False))
+            # NOTE: the special tokens the tokenizer's config adds (BOS for Llama and Mistral),
+            # as HF's `tokenizer(prompt)` and vLLM do.
+            return prompt, list(self.tokenizer.encode(prompt, add_special_tokens=True))
         token_ids = list(prompt)
         if any(isinstance(t, bool) or not isinstance(t, int) for t in token_ids):
             raise InvalidRequest("a token-id prompt must be a list of ints")
@@ -272,6 +257,14 @@ class LLMEngine:
                 f"prompt has token ids outside the vocabulary [0, {vocab}): {bad[:5]}"
             )
         params.check_token_ids(vocab)
+        if params.structured is not None:
+            self.grammars.compile(params.structured)  # a bad spec fails here, not mid-batch
+        if params.n > self.config.max_num_seqs:
+            # NOTE: the n samples are scheduled together; more than max_num_seqs never would be.
+            raise InvalidRequest(
+                f"n is {params.n} but this worker runs at most {self.config.max_num_seqs} "
+                "sequences at once (max_num_seqs)"
+            )
         if len(token_ids) >= self.max_model_len:
             raise InvalidRequest(
                 f"prompt has {len(token_ids)} tokens but the model's context is "

@@ -53,12 +53,14 @@ class Attention(nn.Module):
         self.backend = backend
         self.qkv_weight: torch.Tensor | None = None
         self.qkv_bias: torch.Tensor | None = None
+        self.qkv_scales: Scales = (None, None)
 
     def merge_projections(self) -> None:
         """Put q/k/v weights into one tensor (the three Linear weights become views of it)."""
         self.qkv_weight = _merge(self.q_proj, self.k_proj, self.v_proj, "weight")
         if self.cfg.qkv_bias:
             self.qkv_bias = _merge(self.q_proj, self.k_proj, self.v_proj, "bias")
+        self.qkv_scales = _merge_scales(self.q_proj, self.k_proj, self.v_proj)
 
     def forward(
         self,
@@ -69,10 +71,10 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         cfg = self.cfg
         if self.qkv_weight is not None:  # merged projection on a GPU: one GEMM, not three
-            qkv = self.ops.linear(x, self.qkv_weight, self.qkv_bias)
+            qkv = self.ops.linear(x, self.qkv_weight, self.qkv_bias, *self.qkv_scales)
             q, k, v = qkv.split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
         else:
-            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+            q, k, v = (_linear(self.ops, x, m) for m in (self.q_proj, self.k_proj, self.v_proj))
         q = q.reshape(-1, cfg.num_heads, cfg.head_dim)
         k = k.reshape(-1, cfg.num_kv_heads, cfg.head_dim)
         v = v.reshape(-1, cfg.num_kv_heads, cfg.head_dim)
@@ -81,7 +83,7 @@ class Attention(nn.Module):
             q, k = self.q_norm(q.contiguous()), self.k_norm(k.contiguous())
         out = self.backend.rotate_and_forward(positions, q, k, v, self._rotary[0], kv_cache, meta)
         out = out.reshape(-1, cfg.q_size)
-        return self.ops.linear(out, self.o_proj.weight)
+        return _linear(self.ops, out, self.o_proj)
 
 
 class MLP(nn.Module):
@@ -93,16 +95,44 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
         self.gate_up_weight: torch.Tensor | None = None
+        self.gate_up_scales: Scales = (None, None)
 
     def merge_projections(self) -> None:
         self.gate_up_weight = _merge(self.gate_proj, self.up_proj, None, "weight")
+        self.gate_up_scales = _merge_scales(self.gate_proj, self.up_proj, None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        ops = self.ops
         if self.gate_up_weight is not None:
-            ops = self.ops
-            h = ops.silu_and_mul(ops.linear(x, self.gate_up_weight))
-            return ops.linear(h, self.down_proj.weight)
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+            h = ops.silu_and_mul(ops.linear(x, self.gate_up_weight, None, *self.gate_up_scales))
+            return _linear(ops, h, self.down_proj)
+        gate, up = _linear(ops, x, self.gate_proj), _linear(ops, x, self.up_proj)
+        return _linear(ops, F.silu(gate) * up, self.down_proj)
+
+
+Scales = tuple[torch.Tensor | None, torch.Tensor | None]
+"""(weight scale [N], static input scale [1]) of an FP8 projection; (None, None) otherwise."""
+
+
+def _linear(ops: TorchOps, x: torch.Tensor, m: nn.Linear) -> torch.Tensor:
+    """`m(x)` through `ops` (FP8 projections carry their scales: engine/quantization.py)."""
+    return ops.linear(x, m.weight, m.bias, *_scales(m))
+
+
+def _scales(m: nn.Module) -> Scales:
+    return getattr(m, "weight_scale", None), getattr(m, "input_scale", None)
+
+
+def _merge_scales(a: nn.Linear, b: nn.Linear, c: nn.Linear | None) -> Scales:
+    """Merged projections' scales: weight scales concatenated like the weights, one static
+    input scale (the largest: the three share their input)."""
+    if _scales(a)[0] is None:
+        return None, None
+    weight_scale = _merge(a, b, c, "weight_scale")
+    inputs = [_scales(m)[1] for m in (a, b, c) if m is not None]
+    if any(s is None for s in inputs):
+        return weight_scale, None
+    return weight_scale, torch.stack([s.reshape(()) for s in inputs if s is not None]).amax()[None]
 
 
 def _merge(a: nn.Linear, b: nn.Linear, c: nn.Linear | None, name: str) -> torch.Tensor:

@@ -1,6 +1,8 @@
-"""What the transformer needs to know about a checkpoint, read from its config.json.
+"""What the transformer needs to know about a checkpoint, read from its config.json and
+generation_config.json.
 
-Pure Python (no torch), so the gateway reads it without loading the engine.
+Nothing here imports torch at import time, so the gateway reads it without loading the engine;
+`from_pretrained` reads generation_config.json through transformers' `GenerationConfig`.
 """
 
 from __future__ import annotations
@@ -18,6 +20,16 @@ _ARCHITECTURES: dict[str, dict[str, bool]] = {
     "Qwen2ForCausalLM": {"qkv_bias": True, "qk_norm": False},
     "Qwen3ForCausalLM": {"qkv_bias": False, "qk_norm": True},
 }
+
+# generation_config.json fields that are default sampling settings, and their SamplingParams name.
+_GENERATION_DEFAULTS = {
+    "temperature": "temperature",
+    "top_p": "top_p",
+    "top_k": "top_k",
+    "min_p": "min_p",
+    "repetition_penalty": "repetition_penalty",
+}
+
 
 def supported_architectures() -> tuple[str, ...]:
     """The HF `architectures` names this engine can run."""
@@ -75,7 +87,14 @@ class ModelConfig:
     qk_norm: bool
     sliding_window: int | None = None
     bos_token_id: int | None = None
+    # config.json's eos_token_id, then generation_config.json's (instruct models keep their
+    # end-of-turn ids there), without repeats.
     eos_token_ids: tuple[int, ...] = ()
+    # The checkpoint's `torch_dtype` ("bfloat16", …), which `--dtype auto` follows.
+    torch_dtype: str | None = None
+    # Sampling settings from generation_config.json, as (SamplingParams field, value): what a
+    # request that leaves a field unset gets.
+    generation_defaults: tuple[tuple[str, float | int], ...] = ()
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers"):
@@ -107,7 +126,22 @@ class ModelConfig:
                 f"{str(path)!r} has no config.json; is it an HF-format model directory?"
             )
         raw = json.loads(cfg_file.read_text())
-        return cls.from_hf_dict(raw, source=str(cfg_file))
+        config = cls.from_hf_dict(raw, source=str(cfg_file))
+        if not (path / "generation_config.json").is_file():
+            return config
+        return config.with_generation_config(_read_generation_config(path))
+
+    def with_generation_config(self, generation: dict[str, Any]) -> ModelConfig:
+        """This config with generation_config.json's EOS ids added and its sampling defaults."""
+        eos = (*self.eos_token_ids, *_as_ids(generation.get("eos_token_id")))
+        defaults = tuple(
+            (name, generation[key])
+            for key, name in _GENERATION_DEFAULTS.items()
+            if generation.get(key) is not None
+        )
+        return dataclasses.replace(
+            self, eos_token_ids=tuple(dict.fromkeys(eos)), generation_defaults=defaults
+        )
 
     @classmethod
     def from_hf_dict(cls, raw: dict[str, Any], source: str = "config.json") -> ModelConfig:
@@ -135,8 +169,6 @@ class ModelConfig:
         window = raw.get("sliding_window")
         if raw.get("use_sliding_window") is False:
             window = None
-        eos = raw.get("eos_token_id")
-        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
         return cls(
             architecture=arch,
             vocab_size=int(raw["vocab_size"]),
@@ -154,5 +186,24 @@ class ModelConfig:
             qk_norm=traits["qk_norm"],
             sliding_window=int(window) if window else None,
             bos_token_id=raw.get("bos_token_id"),
-            eos_token_ids=eos_ids,
+            eos_token_ids=_as_ids(raw.get("eos_token_id")),
+            torch_dtype=raw.get("torch_dtype") or raw.get("dtype"),
         )
+
+
+def _as_ids(value: Any) -> tuple[int, ...]:
+    if value is None:
+        return ()
+    return tuple(int(v) for v in value) if isinstance(value, list) else (int(value),)
+
+
+def _read_generation_config(path: Path) -> dict[str, Any]:
+    """The fields generation_config.json sets, checked by transformers' `GenerationConfig`."""
+    from transformers import GenerationConfig  # NOTE: here: transformers loads torch
+
+    try:
+        loaded = GenerationConfig.from_pretrained(str(path), local_files_only=True)
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"{str(path)!r}: unreadable generation_config.json: {exc}") from None
+    explicit = json.loads((path / "generation_config.json").read_text())
+    return {key: getattr(loaded, key, explicit[key]) for key in explicit}

@@ -96,7 +96,9 @@ class ModelRunner:
     def _sampling_row(self, seq: Sequence) -> SamplingRow:
         params = seq.params
         banned: frozenset[int] = frozenset()
-        if len(seq.output_token_ids) < params.min_tokens:
+        # NOTE: a grammar alone decides where a structured output ends; banning EOS there
+        # could leave a row with no allowed token at all.
+        if len(seq.output_token_ids) < params.min_tokens and seq.grammar is None:
             banned = frozenset(params.stop_token_ids) | (
                 frozenset() if params.ignore_eos else self.eos_token_ids
             )
@@ -106,6 +108,7 @@ class ModelRunner:
             output_token_ids=seq.output_token_ids,
             generator=step_generator(seq),
             banned_token_ids=banned,
+            grammar=seq.grammar,
         )
 
     def _to_dev(self, values: list, dtype: torch.dtype = torch.int64) -> torch.Tensor:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from splitserve.engine.quantization import fp8_linear_ref
 from splitserve.engine.rotary import RotaryEmbedding
 
 
@@ -35,8 +36,17 @@ class TorchOps:
         return self.rms_norm(residual, weight, eps), residual
 
     def linear(
-        self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+        self,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None = None,
+        weight_scale: torch.Tensor | None = None,
+        input_scale: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        """x @ weight^T + bias; an FP8 weight comes with its scales (engine/quantization.py)
+        and is computed as the reference does: dequantized operands, float32 accumulation."""
+        if weight_scale is not None:
+            return fp8_linear_ref(x, weight, weight_scale, bias, input_scale)
         return F.linear(x, weight, bias)
 
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
@@ -74,14 +84,26 @@ class TritonOps(TorchOps):
         return fused_add_rms_norm(x, residual, weight, eps, pdl=self.pdl)
 
     def linear(
-        self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+        self,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None = None,
+        weight_scale: torch.Tensor | None = None,
+        input_scale: torch.Tensor | None = None,
     ) -> torch.Tensor:
         # A single row (batch-1 decode) goes to the streaming GEMV kernel, which beats cuBLAS
-        # there (bench/gemv.py); cuBLAS keeps every larger batch.
+        # there (bench/gemv.py); cuBLAS keeps every larger batch. FP8: the GEMV reads the FP8
+        # weight and scales each output (the activation stays 16-bit: one row costs nothing
+        # to read); more rows are quantized per token for FP8 tensor cores.
         if x.shape[0] == 1:
             from splitserve.kernels.gemv import gemv
 
-            return gemv(x, weight, bias, pdl=self.pdl)
+            return gemv(x, weight, bias, weight_scale=weight_scale, pdl=self.pdl)
+        if weight_scale is not None:
+            from splitserve.kernels.fp8_quant import quantize_rows
+
+            xq, xs = quantize_rows(x, input_scale, pdl=self.pdl)
+            return fp8_scaled_mm(xq, xs, weight, weight_scale, bias, x.dtype)
         return F.linear(x, weight, bias)
 
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
@@ -100,3 +122,20 @@ class TritonOps(TorchOps):
         from splitserve.kernels.argmax import argmax_rows
 
         return argmax_rows(logits, pdl=self.pdl)
+
+
+def fp8_scaled_mm(
+    xq: torch.Tensor,
+    x_scale: torch.Tensor,
+    weight: torch.Tensor,
+    weight_scale: torch.Tensor,
+    bias: torch.Tensor | None,
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
+    """FP8 tensor cores: quantized rows [M, K] with their scales [M, 1] times the FP8 weight
+    [N, K] with its per-channel scales, both applied inside the GEMM (`torch._scaled_mm`,
+    rowwise), accumulated in float32."""
+    out = torch._scaled_mm(
+        xq, weight.t(), scale_a=x_scale, scale_b=weight_scale[None, :], out_dtype=out_dtype
+    )
+    return out if bias is None else out + bias

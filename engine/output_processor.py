@@ -41,6 +41,15 @@ class OutputProcessor:
 
     def add(self, state: RequestState) -> None:
         self.requests[state.request_id] = state
+        for seq in state.sequences:
+            if seq.output_token_ids and self.tokenizer is not None:
+                # NOTE: a resumed sample (`Sequence.resume`): the text of its earlier tokens is
+                # known before it goes on, and only later text is searched for stop strings,
+                # as on the worker that began it.
+                detok = IncrementalDetokenizer(self.tokenizer, seq.prompt_token_ids)
+                detok.add(seq.output_token_ids)
+                state.detokenizers[seq.seq_id] = detok
+                state.texts[seq.seq_id] = detok.text
 
     def detokenize(self, seqs: list[Sequence]) -> list[StopStringHit]:
         """Extend each sequence's text by its newest token; report stop strings found.

@@ -42,3 +42,12 @@ class SampledToken:
 
     token_id: int
     logprobs: dict[int, float] | None = None
+
+
+@dataclass(frozen=True)
+class Resume:
+    """Sample `sample_index` of a request whose stream broke off elsewhere after
+    `output_token_ids`: it goes on as the worker that began it would have gone on."""
+
+    sample_index: int
+    output_token_ids: tuple[int, ...]

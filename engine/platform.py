@@ -30,12 +30,17 @@ def resolve_device(device: str) -> str:
     return device
 
 
-def resolve_dtype(dtype: str | torch.dtype, device: str) -> torch.dtype:
-    """ "auto" is bfloat16 on a GPU and float32 on the CPU (where HF parity is checked in
-    float32); any other name as `parse_dtype` reads it."""
-    if dtype == "auto":
-        return torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
-    return parse_dtype(dtype)
+def resolve_dtype(
+    dtype: str | torch.dtype, device: str, checkpoint_dtype: str | None = None
+) -> torch.dtype:
+    """ "auto" is the checkpoint's `torch_dtype` (float16 or bfloat16), as in HF and vLLM; a
+    float32 checkpoint, or one that names none, runs in bfloat16 on a GPU and float32 on the
+    CPU (where HF parity is checked in float32). Any other name as `parse_dtype` reads it."""
+    if dtype != "auto":
+        return parse_dtype(dtype)
+    if checkpoint_dtype in ("float16", "bfloat16"):
+        return parse_dtype(checkpoint_dtype)
+    return torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,8 @@
 """Turns one step's logits into next tokens, honouring each row's ``SamplingParams``.
 
-The order of operations follows vLLM v1: logprobs from the raw logits, then bans, penalties,
-greedy argmax, and for random rows temperature, min-p, top-k, top-p and an exponential-race draw.
+The order of operations follows vLLM v1: structured outputs' grammar masks, logprobs from the
+logits so far, then bans, penalties, greedy argmax, and for random rows temperature, min-p,
+top-k, top-p and an exponential-race draw.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from splitserve.engine.grammar import GrammarState, TokenBitmask
 from splitserve.engine.sampling_params import SamplingParams
 
 
@@ -28,6 +30,7 @@ class SamplingRow:
             one on another device works but costs a copy per step.
         banned_token_ids: ids that must not be produced this step, e.g. EOS and stop ids while
             ``min_tokens`` is not yet reached.
+        grammar: the structured output's matcher; only tokens it allows next can be picked.
     """
 
     params: SamplingParams
@@ -35,6 +38,7 @@ class SamplingRow:
     output_token_ids: Sequence[int]
     generator: torch.Generator | None = None
     banned_token_ids: frozenset[int] = frozenset()
+    grammar: GrammarState | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.params, SamplingParams):
@@ -154,6 +158,7 @@ def _plain_greedy(row: SamplingRow) -> bool:
     p = row.params
     return (
         p.is_greedy
+        and row.grammar is None
         and p.logprobs is None
         and not row.banned_token_ids
         and p.repetition_penalty == 1.0
@@ -169,6 +174,9 @@ class Sampler:
     tensor is never modified. Seeded rows draw only from their own generator, so a seeded request
     produces the same tokens whatever else shares its batch.
     """
+
+    def __init__(self) -> None:
+        self._bitmask = TokenBitmask()
 
     def __call__(
         self,
@@ -194,6 +202,8 @@ class Sampler:
             tokens = logits.argmax(dim=-1) if argmax is None else argmax
             return SamplerOutput(tokens.tolist(), [None] * len(rows))
         work = logits.to(dtype=torch.float32, copy=True)
+        # Grammar masks come first: a constrained row's logprobs are over the tokens it allows.
+        self._bitmask.apply(work, [row.grammar for row in rows])
 
         logprob_rows = [i for i, row in enumerate(rows) if row.params.logprobs is not None]
         raw_logprobs = None

@@ -7,7 +7,8 @@ import numbers
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from splitserve.engine.errors import InvalidRequest
+from splitserve.engine.errors import InvalidRequest, quoted
+from splitserve.engine.structured import StructuredOutput
 
 MAX_LOGPROBS = 20
 """Upper bound on ``SamplingParams.logprobs``; larger requests would make every step pay for a
@@ -19,13 +20,13 @@ _MAX_SEED = 2**64 - 1  # the widest value torch.Generator.manual_seed accepts
 def _as_int(name: str, value: object) -> int:
     # bool is an Integral, but True as a token count is almost always a caller bug.
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise InvalidRequest(f"{name} must be an int, got {value!r}")
+        raise InvalidRequest(f"{name} must be an int, got {quoted(value)}")
     return int(value)
 
 
 def _as_float(name: str, value: object) -> float:
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise InvalidRequest(f"{name} must be a number, got {value!r}")
+        raise InvalidRequest(f"{name} must be a number, got {quoted(value)}")
     result = float(value)
     if not math.isfinite(result):
         raise InvalidRequest(f"{name} must be finite, got {result!r}")
@@ -45,13 +46,13 @@ def _as_stop_strings(value: object) -> tuple[str, ...]:
     elif isinstance(value, Iterable):
         items = tuple(value)
     else:
-        raise InvalidRequest(f"stop must be a str or an iterable of str, got {value!r}")
-    for item in items:
+        raise InvalidRequest(f"stop must be a str or an iterable of str, got {quoted(value)}")
+    for i, item in enumerate(items):
         if not isinstance(item, str):
-            raise InvalidRequest(f"stop must contain only str, got {item!r} in {items!r}")
+            raise InvalidRequest(f"stop must contain only str, got {quoted(item)} at index {i}")
         if not item:
             # An empty stop string would match at every position and end generation at once.
-            raise InvalidRequest(f"stop must not contain empty strings, got {items!r}")
+            raise InvalidRequest(f"stop must not contain empty strings, got '' at index {i}")
     return items  # type: ignore[return-value]
 
 
@@ -59,11 +60,11 @@ def _as_token_ids(name: str, value: object) -> tuple[int, ...]:
     if value is None:
         return ()
     if isinstance(value, (str, bytes)) or not isinstance(value, Iterable):
-        raise InvalidRequest(f"{name} must be an iterable of int, got {value!r}")
+        raise InvalidRequest(f"{name} must be an iterable of int, got {quoted(value)}")
     ids = tuple(_as_int(name, item) for item in value)
-    for token_id in ids:
+    for i, token_id in enumerate(ids):
         if token_id < 0:
-            raise InvalidRequest(f"{name} must be >= 0, got {token_id} in {ids!r}")
+            raise InvalidRequest(f"{name} must be >= 0, got {token_id} at index {i}")
     return ids
 
 
@@ -89,8 +90,11 @@ class SamplingParams:
         stop_token_ids: token ids that end generation when sampled.
         ignore_eos: keep generating past the model's end-of-sequence token.
         max_tokens: upper bound on generated tokens, >= 1.
-        min_tokens: EOS and stop ids are suppressed until this many tokens exist.
+        min_tokens: EOS and stop ids are suppressed until this many tokens exist (not in a
+            structured output, whose grammar alone decides where it ends).
         logprobs: None, or how many top logprobs (0 to 20) to return with each token.
+        structured: None, or the grammar the output must follow (a JSON schema, a JSON object,
+            a regex or a choice); the sample ends when the grammar is complete.
     """
 
     n: int = 1
@@ -108,6 +112,7 @@ class SamplingParams:
     max_tokens: int = 16
     min_tokens: int = 0
     logprobs: int | None = None
+    structured: StructuredOutput | None = None
 
     def __post_init__(self) -> None:
         set_field = object.__setattr__  # the dataclass is frozen; normalising must bypass that
@@ -177,6 +182,11 @@ class SamplingParams:
                     f"logprobs must be None or in [0, {MAX_LOGPROBS}], got {logprobs}"
                 )
             set_field(self, "logprobs", logprobs)
+
+        if self.structured is not None and not isinstance(self.structured, StructuredOutput):
+            raise InvalidRequest(
+                f"structured must be a StructuredOutput, got {type(self.structured).__name__}"
+            )
 
     @property
     def is_greedy(self) -> bool:

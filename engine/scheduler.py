@@ -196,7 +196,12 @@ class Scheduler:
             member.output_token_ids.append(token.token_id)
             if token.logprobs is not None:
                 member.output_logprobs.append(token.logprobs)
-            reason = self._stop_reason(member, token.token_id)
+            # NOTE: every token reaches the grammar here, the first one sampled on a prefill
+            # worker included; a complete grammar ends the sample whatever else holds.
+            if member.grammar is not None and member.grammar.advance(token.token_id):
+                reason: tuple[FinishReason, int | None] | None = (FinishReason.STOP, None)
+            else:
+                reason = self._stop_reason(member, token.token_id)
             if reason is not None:
                 self.finish(member, *reason)
         return family

@@ -9,10 +9,16 @@ from __future__ import annotations
 import enum
 import itertools
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
+from splitserve.engine.errors import InvalidRequest
+from splitserve.engine.outputs import Resume
 from splitserve.engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from splitserve.engine.grammar import GrammarState
 
 
 class SequenceStatus(enum.Enum):
@@ -58,6 +64,8 @@ class Sequence:
     # A prefill-only sequence (on a prefill worker) stops after its first token and keeps its
     # blocks until the engine is told they have been sent.
     prefill_only: bool = False
+    # Where a structured output's sample is in its grammar; None for free text.
+    grammar: GrammarState | None = None
     order: int = field(default_factory=itertools.count().__next__)
 
     @property
@@ -105,6 +113,27 @@ class Sequence:
         self.num_computed_tokens = parent.num_computed_tokens
         self.num_cached_prompt_tokens = parent.num_cached_prompt_tokens
         self.status = parent.status
+
+    def resume(self, resume: Resume, vocab_size: int) -> None:
+        """Make this new sequence a sample whose stream broke off elsewhere: its tokens count
+        as generated (penalties, min/max_tokens, the seeded draws' position) and their KV is
+        recomputed, as after a preemption."""
+        bad = [t for t in resume.output_token_ids if not 0 <= t < vocab_size]
+        if bad:
+            raise InvalidRequest(
+                f"resumed tokens outside the vocabulary [0, {vocab_size}): {bad[:5]}"
+            )
+        if len(resume.output_token_ids) >= self.params.max_tokens:
+            raise InvalidRequest(
+                f"resumed after {len(resume.output_token_ids)} tokens, but max_tokens is "
+                f"{self.params.max_tokens}: nothing is left to generate"
+            )
+        self.index = resume.sample_index
+        self.output_token_ids = list(resume.output_token_ids)
+        if self.params.logprobs is not None:
+            # NOTE: placeholders keep logprobs aligned with tokens; they are never sent again.
+            self.output_logprobs = [{t: 0.0} for t in resume.output_token_ids]
+        self.status = SequenceStatus.PREEMPTED
 
 
 def step_generator(seq: Sequence) -> torch.Generator | None:

@@ -13,16 +13,19 @@ import torch
 import torch.nn.functional as F
 
 from splitserve.engine.attention import AttentionBackend, AttentionMetadata
+from splitserve.kernels.fp8_ref import saturate_fp8
 
 
 def write_kv_cache(
     k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
 ) -> None:
-    """Store each token's key and value at its flat slot (block * block_size + offset)."""
+    """Store each token's key and value at its flat slot (block * block_size + offset); an FP8
+    cache (e4m3, scale 1) holds them saturated at +-448 and rounded to nearest even."""
     block_size = kv_cache.shape[2]
     pages, offsets = slot_mapping // block_size, slot_mapping % block_size
-    kv_cache[0][pages, offsets] = k
-    kv_cache[1][pages, offsets] = v
+    fp8 = kv_cache.dtype == torch.float8_e4m3fn
+    kv_cache[0][pages, offsets] = saturate_fp8(k) if fp8 else k
+    kv_cache[1][pages, offsets] = saturate_fp8(v) if fp8 else v
 
 
 def gather_context(
@@ -57,6 +60,7 @@ class TorchPagedAttention(AttentionBackend):
         ):
             end = start + query_len
             keys, values = gather_context(kv_cache, meta.block_tables[i], seq_len, meta.block_size)
+            keys, values = keys.to(q.dtype), values.to(q.dtype)  # an FP8 cache widens here
             if group > 1:
                 keys = keys.repeat_interleave(group, dim=1)
                 values = values.repeat_interleave(group, dim=1)

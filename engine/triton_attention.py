@@ -50,7 +50,9 @@ class TritonPagedAttention(AttentionBackend):
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
     ) -> torch.Tensor:
-        if not self.ops.triton:  # e.g. the interpreter: torch's rotary, as the CPU engine does
+        if not self.ops.triton or kv_cache.dtype != q.dtype:
+            # NOTE: the interpreter: torch's rotary, as the CPU engine does; an FP8 cache: the
+            # rotated keys round to q's dtype first, then the write quantizes them.
             return super().rotate_and_forward(positions, q, k, v, rotary, kv_cache, meta)
         # One launch rotates q and k and writes the keys and values into the cache.
         q = rotary_embedding_write_kv(

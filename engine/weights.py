@@ -1,4 +1,5 @@
-"""Loading weights from safetensors checkpoints (one file, or shards listed in an index)."""
+"""Building the model and loading its weights from safetensors checkpoints (one file, or shards
+listed in an index)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,12 @@ from pathlib import Path
 
 import torch
 from safetensors import safe_open
+
+from splitserve.engine import quantization
+from splitserve.engine.config import EngineConfig
+from splitserve.engine.model import CausalLM
+from splitserve.engine.model_config import ModelConfig
+from splitserve.engine.platform import Platform
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -63,6 +70,8 @@ def load_weights(model: torch.nn.Module, model_dir: str | Path, *, tied_lm_head:
         if param is None:
             unexpected.append(name)
             continue
+        if name.endswith(("weight_scale", "input_scale")):  # FP8: engine/quantization.py
+            tensor = quantization.checkpoint_scale(name, tensor, param.shape[0])
         if tuple(param.shape) != tuple(tensor.shape):
             raise ValueError(
                 f"weight {name!r} has shape {tuple(tensor.shape)} in the checkpoint but the "
@@ -82,10 +91,45 @@ def load_weights(model: torch.nn.Module, model_dir: str | Path, *, tied_lm_head:
 
 @torch.no_grad()
 def fill_dummy_weights(model: torch.nn.Module, seed: int = 0) -> None:
-    """Random weights of the right shapes (norm weights 1): for benchmarks of large shapes."""
+    """Random weights of the right shapes (norm weights 1): for benchmarks of large shapes.
+
+    Drawn in float32 and then cast, so models of one shape and seed in different dtypes hold
+    the same weights (rounded): accuracy comparisons across dtypes need that."""
     gen = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
     for name, param in model.named_parameters():
         if name.endswith("norm.weight"):
             param.fill_(1.0)
         else:
-            param.normal_(0.0, 0.02, generator=gen)
+            drawn = torch.empty(param.shape, device=param.device, dtype=torch.float32)
+            param.copy_(drawn.normal_(0.0, 0.02, generator=gen))
+
+
+def load_model(
+    model_dir: str | Path, model_cfg: ModelConfig, config: EngineConfig, platform: Platform
+) -> CausalLM:
+    """Build the transformer for `model_cfg` and fill it from the checkpoint's safetensors."""
+    # NOTE: built on the meta device and materialised once in the target dtype, so a large
+    # model never holds a float32 copy or random initial weights.
+    with torch.device("meta"):
+        model = CausalLM(
+            model_cfg,
+            config.max_model_len or model_cfg.max_model_len,
+            platform.attention_backend,
+            platform.ops(),
+        )
+        model = model.to(dtype=config.dtype)
+        quant = quantization.resolve(model_dir, config.quantization)
+        if quant is not None and quant.prequantized and config.load_format != "dummy":
+            quantization.prepare(model, quant)  # filled from the checkpoint as stored
+    model = model.to_empty(device=config.device)
+    model.tie_weights()
+    model.model.rotary.reset(config.device)
+    if config.load_format == "dummy":
+        fill_dummy_weights(model, config.seed)
+    else:
+        load_weights(model, model_dir, tied_lm_head=model_cfg.tie_word_embeddings)
+    if quant is not None and not any(p.dtype == quantization.FP8 for p in model.parameters()):
+        quantization.quantize_model(model)  # at load (or dummy weights)
+    if platform.merge_projections:
+        model.merge_projections()
+    return model.eval()

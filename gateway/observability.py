@@ -104,6 +104,22 @@ class RequestObservation:
         finally:
             span.end()
 
+    def migrated(self, lost: WorkerInfo, to: WorkerInfo, reason: str, num_tokens: int) -> None:
+        """The Decode stream moved from `lost` to `to` after `num_tokens` tokens (a span event
+        and `splitserve:stream_migrations`)."""
+        self._observer.routing.migrated(reason)
+        if self.span.is_recording():
+            self.span.add_event(
+                "splitserve.stream_migrated",
+                {
+                    "splitserve.migration.from_worker": lost.worker_id,
+                    "splitserve.migration.to_worker": to.worker_id,
+                    "splitserve.migration.reason": reason,
+                    "splitserve.migration.num_tokens": num_tokens,
+                },
+            )
+            self.span.set_attribute("splitserve.route.decode_worker", to.worker_id)
+
     def prefilled(self, response: worker_pb2.PrefillResponse) -> None:
         if self.span.is_recording():
             self.span.set_attribute(genai.KV_BYTES, response.num_bytes_sent)

@@ -10,8 +10,8 @@ it queues. A decode worker whose pool is full (RESOURCE_EXHAUSTED) is asked agai
 until the request's deadline: the request waits rather than fails. A prefill that fails is
 retried once with a fresh reservation (on another worker if the first one is gone); a decode
 worker that refuses the reservation (UNAVAILABLE: it is draining or still loading) is replaced by
-another. Every in-flight call is cancellable from `abort`, so a cancel at the client reaches P
-and D and frees their blocks.
+another. A cancel (the client went away, or `Abort`: see `requests.py`) reaches P and D through
+the request's own route and frees their blocks, whatever the stage.
 
 It runs on the gateway's event loop: the calls to the workers are `grpc.aio` calls awaited by
 the request's task (a waiting request holds no thread), and the registry's blocking Redis reads
@@ -25,22 +25,23 @@ import asyncio
 import logging
 import threading
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Callable, Collection
-from contextlib import asynccontextmanager
+from collections.abc import AsyncGenerator, Callable, Collection
 from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
 
-from splitserve.engine.errors import AlreadyExists, Cancelled, DeadlineExceeded
+from splitserve.engine.errors import DeadlineExceeded, quoted
 from splitserve.engine.prefix_hash import prefix_block_hashes
 from splitserve.gateway.admission import PrefillBudget
-from splitserve.gateway.observability import DECODE, PREFILL, RESERVE, RequestObservation
+from splitserve.gateway.migration import FailoverSettings, StreamMover, Suspects
+from splitserve.gateway.observability import PREFILL, RESERVE, RequestObservation
 from splitserve.gateway.router import NoWorkerError, RoutingPolicy
+from splitserve.gateway.stubs import Stubs
 from splitserve.gateway.validation import Job
 from splitserve.kv_transfer.registry import Registry, WorkerInfo
 from splitserve.protos import convert
-from splitserve.protos.v1 import common_pb2, worker_pb2, worker_pb2_grpc
+from splitserve.protos.v1 import common_pb2, worker_pb2
 
 log = logging.getLogger(__name__)
 
@@ -63,6 +64,7 @@ class OrchestratorSettings:
     # Prompt tokens given to one prefill worker at once; the rest wait in the gateway.
     max_prefill_tokens_per_worker: int = 16384
     reserve_backoff_s: tuple[float, float] = (0.02, 0.5)  # first and longest wait when D is full
+    failover: FailoverSettings = FailoverSettings()  # deadlines, moving streams off lost workers
 
 
 @dataclass
@@ -72,51 +74,30 @@ class Route:
     decode: WorkerInfo
     prefill: WorkerInfo | None = None
     prefix_blocks: int = 0  # leading prompt blocks D holds (the registry's view when picked)
+    worker_request_id: str | None = None  # the request's id on `decode`, once a stream moved
     calls: list[Any] = field(default_factory=list)  # cancellable futures / streams
     cancelled: bool = False
-
-
-class Stubs:
-    """One `grpc.aio` channel per worker address, shared by all requests (made and used on the
-    server's event loop)."""
-
-    def __init__(self) -> None:
-        self._channels: dict[str, grpc.aio.Channel] = {}
-        self._lock = threading.Lock()
-
-    def channel(self, address: str) -> grpc.aio.Channel:
-        with self._lock:
-            if address not in self._channels:
-                self._channels[address] = grpc.aio.insecure_channel(address)
-            return self._channels[address]
-
-    def decode(self, address: str) -> worker_pb2_grpc.DecodeWorkerStub:
-        return worker_pb2_grpc.DecodeWorkerStub(self.channel(address))
-
-    def prefill(self, address: str) -> worker_pb2_grpc.PrefillWorkerStub:
-        return worker_pb2_grpc.PrefillWorkerStub(self.channel(address))
-
-    async def close(self) -> None:
-        with self._lock:
-            channels = list(self._channels.values())
-            self._channels.clear()
-        for channel in channels:
-            await channel.close()
+    reserving: bool = False  # a Reserve was sent: D may hold blocks for the request
 
 
 class Orchestrator:
     def __init__(
-        self, registry: Registry, policy: RoutingPolicy, settings: OrchestratorSettings
+        self,
+        registry: Registry,
+        policy: RoutingPolicy,
+        settings: OrchestratorSettings,
+        stubs: Stubs | None = None,
     ) -> None:
         self.registry = registry
         self.policy = policy
         self.settings = settings
-        self.stubs = Stubs()
-        self._routes: dict[str, Route] = {}
+        self.stubs = stubs or Stubs()  # the channels to the workers (with the cluster secret)
         self._inflight: dict[str, int] = {}
         self._warned: set[str] = set()
         self._lock = threading.Lock()
         self.budget = PrefillBudget(settings.max_prefill_tokens_per_worker)
+        self.suspects = Suspects(settings.failover.suspect_s)
+        self.mover = StreamMover(self, settings.failover)
 
     async def run(
         self,
@@ -131,48 +112,37 @@ class Orchestrator:
         aborted on every worker it reached before this returns."""
         deadline = time.monotonic() + (timeout_s or self.settings.default_timeout_s)
         route = Route(*await self._pick_decode(job, obs, exclude=()))
-        with self._lock:
-            if job.request_id in self._routes:
-                raise AlreadyExists(f"request id {job.request_id!r} is already running")
-            self._routes[job.request_id] = route
         self._count(route.decode.worker_id, +1)
         try:
             first = await self._prefill(job, route, deadline, is_active, obs)
-            with obs.call(DECODE, route.decode) as call:
-                stream = self.stubs.decode(route.decode.address).Decode(
-                    worker_pb2.DecodeRequest(
-                        request_id=job.request_id,
-                        sampling=convert.sampling_to_proto(job.params),
-                        first_tokens=first,
-                        priority=job.priority,
-                    ),
-                    timeout=_remaining(deadline),
-                    metadata=call.metadata,
-                )
-                self._track(route, stream)
-                async with _aborted_as_cancelled(route, job.request_id):
-                    async for msg in stream:
-                        yield msg
+            async for msg in self.mover.stream(job, route, first, deadline, obs):
+                yield msg
         except (asyncio.CancelledError, GeneratorExit):
-            # NOTE: the caller went away (cancelled, deadline passed, or closed the stream):
-            # its P and D calls are cancelled and D's blocks freed, even if cancelled again.
-            await asyncio.shield(self.abort(job.request_id))
+            # NOTE: the caller went away or aborted (cancelled, deadline passed, or closed the
+            # stream): its P and D calls are cancelled and D's blocks freed, even if cancelled
+            # again. Only this route's: the id is this request's alone while it runs.
+            await asyncio.shield(self._release(route, job.request_id))
             raise
         except BaseException:
             for call in list(route.calls):
                 call.cancel()  # NOTE: a call still open would hold its worker's request
             raise
         finally:
-            with self._lock:
-                self._routes.pop(job.request_id, None)
             self._count(route.decode.worker_id, -1)
 
     async def _pick_decode(
         self, job: Job, obs: RequestObservation, exclude: Collection[str]
     ) -> tuple[WorkerInfo, None, int]:
-        """(decode worker, no prefill worker yet, prompt blocks it already holds)."""
+        """(decode worker, no prefill worker yet, prompt blocks it already holds); a suspect
+        worker only if no other is live."""
         # NOTE: in a thread: the registry is a blocking Redis client.
-        return await asyncio.to_thread(self._pick_decode_now, job, obs, exclude)
+        avoid = self.suspects.current() | set(exclude)
+        try:
+            return await asyncio.to_thread(self._pick_decode_now, job, obs, avoid)
+        except NoWorkerError:
+            if avoid == set(exclude):
+                raise
+            return await asyncio.to_thread(self._pick_decode_now, job, obs, exclude)
 
     def _pick_decode_now(
         self, job: Job, obs: RequestObservation, exclude: Collection[str]
@@ -193,31 +163,46 @@ class Orchestrator:
         return chosen, None, hit
 
     async def _reserve(
-        self, job: Job, route: Route, deadline: float, obs: RequestObservation
+        self,
+        job: Job,
+        route: Route,
+        deadline: float,
+        obs: RequestObservation,
+        resume: worker_pb2.ResumeFrom | None = None,
     ) -> worker_pb2.KVDestination:
-        """Blocks on D for the prompt. A D that refuses (draining) is replaced by another; one
-        whose pool is full is asked again (another D may be picked) with back-off until the
-        deadline, so the request waits for memory rather than fails."""
+        """Blocks on D for the prompt. A D that refuses (draining) or does not answer in time
+        (marked suspect) is replaced by another; one whose pool is full is asked again (another
+        D may be picked) with back-off until the deadline, so the request waits for memory."""
         request = worker_pb2.ReserveRequest(
-            request_id=job.request_id,
+            request_id=route.worker_request_id or job.request_id,
             prompt_token_ids=job.prompt_token_ids,
             sampling=convert.sampling_to_proto(job.params),
+            resume=resume,
         )
+        timeout_s = self.settings.failover.rpc_timeout_s
         wait, longest = self.settings.reserve_backoff_s
         refused: set[str] = set()
+        route.reserving = True
         while True:
             try:
                 with obs.call(RESERVE, route.decode) as call:
                     stub = self.stubs.decode(route.decode.address)
                     reply = await stub.Reserve(
-                        request, timeout=_remaining(deadline), metadata=call.metadata
+                        request,
+                        timeout=min(_remaining(deadline), timeout_s),
+                        metadata=call.metadata,
                     )
                     return reply.destination
             except grpc.RpcError as err:
                 full = err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-                draining = err.code() == grpc.StatusCode.UNAVAILABLE
+                silent = err.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+                draining = silent or err.code() == grpc.StatusCode.UNAVAILABLE
                 if route.cancelled or not (full or draining):
                     raise
+                if silent:
+                    self.suspects.mark(
+                        route.decode.worker_id, f"no answer to Reserve in {timeout_s} s"
+                    )
                 if draining:
                     refused.add(route.decode.worker_id)
                 else:
@@ -259,6 +244,7 @@ class Orchestrator:
             prefill = await self.budget.acquire(
                 candidates, uncached, deadline, self.policy.pick_prefill
             )
+            dest = None
             try:
                 dest = await self._reserve(job, route, deadline, obs)
                 route.prefill = prefill
@@ -266,7 +252,10 @@ class Orchestrator:
                 first = await self._prefill_on(job, route, prefill, dest, sampling, deadline, obs)
                 return first
             except grpc.RpcError as err:
-                await self._abort_reservation(route, job.request_id)
+                # NOTE: a Reserve that failed left nothing on D. One that D can't undo (D is
+                # gone) leaves its record until the lease ends: the next try takes a new id.
+                if dest is not None and not await self._abort_reservation(route, job.request_id):
+                    route.worker_request_id = f"{job.request_id}~r{attempt + 1}"
                 retry = attempt + 1 < self.settings.prefill_attempts
                 if not (retry and err.code() in RETRYABLE and is_active() and not route.cancelled):
                     raise
@@ -274,7 +263,8 @@ class Orchestrator:
                     gone.add(prefill.worker_id)  # dead or draining: try another
                 log.warning(
                     "prefill of %s on %s failed (%s: %s); retrying with a fresh reservation",
-                    job.request_id, prefill.worker_id, err.code().name, err.details(),
+                    quoted(job.request_id), prefill.worker_id, err.code().name,
+                    quoted(err.details(), 200),
                 )  # fmt: skip
             finally:
                 await self.budget.release(prefill.worker_id, uncached)
@@ -293,7 +283,7 @@ class Orchestrator:
         with obs.call(PREFILL, prefill) as call:
             rpc = self.stubs.prefill(prefill.address).Prefill(
                 worker_pb2.PrefillRequest(
-                    request_id=job.request_id,
+                    request_id=route.worker_request_id or job.request_id,
                     prompt_token_ids=job.prompt_token_ids,
                     sampling=sampling,
                     destination=dest,
@@ -305,8 +295,7 @@ class Orchestrator:
             self._track(route, rpc)
             self._count(prefill.worker_id, +1)
             try:
-                async with _aborted_as_cancelled(route, job.request_id):
-                    response = await rpc
+                response = await self.mover.prefill_guarded(rpc, route.decode)
             except grpc.RpcError as err:
                 call.fail(err)
                 raise
@@ -334,25 +323,30 @@ class Orchestrator:
         with self._lock:
             self._inflight[worker_id] = self._inflight.get(worker_id, 0) + delta
 
-    async def abort(self, request_id: str) -> bool:
-        """Cancel a running request on every worker it touches; False if it is not running."""
-        with self._lock:
-            route = self._routes.get(request_id)
-        if route is None:
-            return False
+    async def _release(self, route: Route, request_id: str) -> None:
+        """Cancel the calls of this route on every worker it reached, and free what D holds."""
         route.cancelled = True
         for call in list(route.calls):
             call.cancel()
-        await self._abort_reservation(route, request_id)
-        return True
+        if route.reserving:
+            await self._abort_reservation(route, route.worker_request_id or request_id)
 
-    async def _abort_reservation(self, route: Route, request_id: str) -> None:
+    async def _abort_reservation(self, route: Route, request_id: str) -> bool:
+        """Abort the request on D; False if D did not answer."""
         try:
             await self.stubs.decode(route.decode.address).Abort(
-                common_pb2.AbortRequest(request_id=request_id), timeout=5.0
+                common_pb2.AbortRequest(request_id=route.worker_request_id or request_id),
+                timeout=self.settings.failover.rpc_timeout_s,
             )
+            return True
         except grpc.RpcError as err:
-            log.warning("abort of %s on %s failed: %s", request_id, route.decode.worker_id, err)
+            log.warning(
+                "abort of %s on %s failed: %s",
+                quoted(request_id),
+                route.decode.worker_id,
+                quoted(err.details(), 200),
+            )
+            return False
 
     def _track(self, route: Route, call: Any) -> None:
         route.calls.append(call)
@@ -362,26 +356,6 @@ class Orchestrator:
     async def close(self) -> None:
         """Close the channels to the workers (on the server's event loop)."""
         await self.stubs.close()
-
-
-@asynccontextmanager
-async def _aborted_as_cancelled(route: Route, request_id: str) -> AsyncIterator[None]:
-    """Turns the end of a call that `abort` cancelled into `Cancelled` (CANCELLED for the
-    client). A `grpc.aio` call cancelled locally raises `asyncio.CancelledError` in whoever
-    awaits it; that must not pass for a cancel of this task, which grpc does when the client
-    goes away."""
-    try:
-        yield
-    except asyncio.CancelledError:
-        if route.cancelled and not _cancelling():
-            raise Cancelled(f"request {request_id!r} was cancelled") from None
-        raise
-
-
-def _cancelling() -> bool:
-    """Whether the current task itself was asked to stop (not just a call it awaited)."""
-    task = asyncio.current_task()
-    return task is not None and task.cancelling() > 0
 
 
 def _remaining(deadline: float) -> float:

@@ -1,6 +1,7 @@
 """The public Gateway service: thin over validation and the orchestrator. Its methods are
 coroutines and async generators on the server's event loop: a stream waiting for tokens holds
-no thread, so `max_inflight` alone bounds how many run at once."""
+no thread, so `max_inflight` alone bounds how many run at once. Request ids are claimed in its
+`RequestTable` (`requests.py`); `Abort` goes through it."""
 
 from __future__ import annotations
 
@@ -13,10 +14,14 @@ import grpc
 
 from splitserve.engine.errors import Overloaded
 from splitserve.engine.model_config import ModelConfig
+from splitserve.gateway.key_limits import PerKeyInflight
+from splitserve.gateway.limits import AdvertisedLimits, check_job, check_request
 from splitserve.gateway.observability import GatewayObserver
 from splitserve.gateway.orchestrator import Orchestrator
-from splitserve.gateway.validation import validate_request
+from splitserve.gateway.requests import Claim, RequestTable
+from splitserve.gateway.validation import Job, validate_request
 from splitserve.protos.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
+from splitserve.runtime.auth import caller
 
 
 @dataclass(frozen=True)
@@ -35,6 +40,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         model: ModelInfo,
         max_inflight: int,
         observer: GatewayObserver,
+        max_inflight_per_key: int = 0,
     ) -> None:
         self.orchestrator = orchestrator
         self.observer = observer
@@ -42,36 +48,79 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         self.model = model
         self._slots = threading.BoundedSemaphore(max_inflight)
         self.max_inflight = max_inflight
+        self.requests = RequestTable()
+        self.limits = AdvertisedLimits(orchestrator.registry)
+        self.per_key = PerKeyInflight(max_inflight_per_key)
+
+    def _validate(self, request: gateway_pb2.GenerateRequest) -> Job:
+        limits = self.limits.current()
+        check_request(request, limits)
+        job = validate_request(request, self.tokenizer, self.model.config, self.model.max_model_len)
+        check_job(job, limits)
+        return job
 
     async def Generate(
         self, request: gateway_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[gateway_pb2.GenerateResponse]:
         # NOTE: in a thread: tokenizing a long prompt would stall every other stream.
-        job = await asyncio.to_thread(
-            validate_request, request, self.tokenizer, self.model.config, self.model.max_model_len
-        )
-        if not self._slots.acquire(blocking=False):
-            raise Overloaded(
-                f"the gateway is at its limit of {self.max_inflight} requests in flight",
-            )
+        job = await asyncio.to_thread(self._validate, request)
+        # NOTE: before anything it could undo; the request belongs to the caller's API key
+        claim = self.requests.claim(job.request_id, caller())
+        try:
+            with self.per_key.hold(claim.owner):
+                if not self._slots.acquire(blocking=False):
+                    raise Overloaded(
+                        f"the gateway is at its limit of {self.max_inflight} requests in flight",
+                    )
+                try:
+                    async for msg in self._generate(job, claim, context):
+                        yield msg
+                finally:
+                    self._slots.release()
+        finally:
+            self.requests.release(claim)
+
+    async def _generate(
+        self, job: Job, claim: Claim, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[gateway_pb2.GenerateResponse]:
         obs = self.observer.start(job, context)
         # NOTE: a client that goes away cancels this task; the orchestrator then aborts the
-        # request on P and D before the stream ends.
+        # request on P and D before the stream ends. An Abort does the same through `claim`.
         responses = self.orchestrator.run(
             job, context.time_remaining(), lambda: not (context.done() or context.cancelled()), obs
         )
+        rid, num_generated = job.request_id, 0
         try:
-            rid = job.request_id
-            async for msg in responses:
+            while not claim.aborted:
+                # NOTE: the task that drives this stream now (the HTTP API may change it).
+                claim.task, claim.waiting = asyncio.current_task(), True
+                try:
+                    msg = await anext(responses)
+                except StopAsyncIteration:
+                    break
+                except asyncio.CancelledError:
+                    if not claim.absorb_cancel():
+                        raise
+                    break  # NOTE: aborted; the orchestrator has freed what it held
+                finally:
+                    claim.waiting = False
                 if msg.HasField("chunk"):
                     obs.on_chunk()
+                    num_generated += len(msg.chunk.token_ids)
                     yield gateway_pb2.GenerateResponse(request_id=rid, chunk=msg.chunk)
                 else:
+                    claim.finished = True
                     done = gateway_pb2.Finished(
                         samples=msg.finished.samples, usage=msg.finished.usage
                     )
                     obs.on_finished(done)
                     yield gateway_pb2.GenerateResponse(request_id=rid, finished=done)
+            if claim.aborted and not claim.finished:
+                await responses.aclose()  # NOTE: first: what the request holds is freed
+                claim.finished = True
+                done = _aborted(job, num_generated)
+                obs.on_finished(done)
+                yield gateway_pb2.GenerateResponse(request_id=rid, finished=done)
         except BaseException as exc:
             obs.end(exc)
             raise
@@ -79,12 +128,11 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             obs.end(None)
         finally:
             await responses.aclose()  # NOTE: now (frees the route), not whenever the GC does
-            self._slots.release()
 
     async def Abort(
         self, request: common_pb2.AbortRequest, context: grpc.aio.ServicerContext
     ) -> common_pb2.AbortResponse:
-        return common_pb2.AbortResponse(aborted=await self.orchestrator.abort(request.request_id))
+        return common_pb2.AbortResponse(aborted=self.requests.abort(request.request_id, caller()))
 
     async def GetModelInfo(
         self, request: gateway_pb2.GetModelInfoRequest, context: grpc.aio.ServicerContext
@@ -98,3 +146,16 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             eos_token_ids=cfg.eos_token_ids,
             block_size=self.model.block_size,
         )
+
+
+def _aborted(job: Job, num_generated: int) -> gateway_pb2.Finished:
+    """The final message of an aborted request: every sample ends with FINISH_REASON_ABORT."""
+    return gateway_pb2.Finished(
+        samples=[
+            common_pb2.SampleFinish(index=i, finish_reason=common_pb2.FINISH_REASON_ABORT)
+            for i in range(job.params.n)
+        ],
+        usage=common_pb2.Usage(
+            prompt_tokens=len(job.prompt_token_ids), completion_tokens=num_generated
+        ),
+    )

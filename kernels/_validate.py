@@ -13,6 +13,8 @@ import torch
 from triton.runtime.interpreter import InterpretedFunction
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+KV_DTYPES = (*FLOAT_DTYPES, torch.float8_e4m3fn)
+"""What a paged KV cache may hold: the model's dtype, or FP8 (e4m3, scale 1) in any model."""
 
 
 def is_interpreted(kernel: Any) -> bool:
@@ -74,7 +76,7 @@ def check_paged_cache(name: str, kv_cache: Any, dtype: torch.dtype | None = None
     """A layer's paged cache: [2, num_blocks, block_size, num_kv_heads, head_dim], each block's
     [block_size, heads, dim] dense; the key/value planes and the blocks may be strided (a view
     of the block-major pool)."""
-    check_tensor(name, kv_cache, ndim=5, dtypes=(dtype,) if dtype else FLOAT_DTYPES)
+    check_tensor(name, kv_cache, ndim=5, dtypes=(dtype,) if dtype else KV_DTYPES)
     if kv_cache.shape[0] != 2:
         raise ValueError(f"{name} must have 2 (key, value) planes, got {kv_cache.shape[0]}")
     _, _, block_size, num_kv_heads, head_dim = kv_cache.shape
@@ -91,7 +93,11 @@ def check_attention(q: Any, kv_cache: Any, sliding_window: int | None) -> tuple[
     num_kv_heads, head_dim] (see `check_paged_cache`, q's dtype); returns (block_size,
     num_kv_heads)."""
     check_tensor("q", q, ndim=3, dtypes=FLOAT_DTYPES)
-    check_paged_cache("kv_cache", kv_cache, q.dtype)
+    check_paged_cache("kv_cache", kv_cache)
+    if kv_cache.dtype not in (q.dtype, torch.float8_e4m3fn):
+        raise ValueError(
+            f"kv_cache must have dtype {q.dtype} (q's) or torch.float8_e4m3fn, got {kv_cache.dtype}"
+        )
     _, num_heads, head_dim = q.shape
     _, _, block_size, num_kv_heads, _ = kv_cache.shape
     if kv_cache.shape[-1] != head_dim:

@@ -127,7 +127,7 @@ def _decode_split_kernel(
         kv_offsets += kv_head * stride_chead
         k = tl.load(
             k_cache_ptr + kv_offsets[:, None] + dims[None, :], mask=visible[:, None], other=0.0
-        )
+        ).to(q.dtype)  # an FP8 cache widens here (scale 1); else a no-op
         scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2e
         scores = tl.where(visible[None, :], scores, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(scores, 1))
@@ -137,7 +137,7 @@ def _decode_split_kernel(
         # NOTE: masked keys must load as 0, not garbage: p == 0 there, but 0 * NaN is NaN.
         v = tl.load(
             v_cache_ptr + kv_offsets[:, None] + dims[None, :], mask=visible[:, None], other=0.0
-        )
+        ).to(q.dtype)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
 

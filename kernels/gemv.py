@@ -28,11 +28,13 @@ __all__ = ["gemv", "gemv_ref", "pick_config"]
 def _gemv_kernel(
     x_ptr,
     w_ptr,
+    scale_ptr,
     bias_ptr,
     out_ptr,
     N,
     K,
     stride_wn,
+    HAS_SCALE: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -50,18 +52,26 @@ def _gemv_kernel(
         x = tl.load(x_ptr + ks, mask=k_mask, other=0.0).to(tl.float32)
         acc += w.to(tl.float32) * x[None, :]
     result = tl.sum(acc, axis=1)
+    if HAS_SCALE:  # FP8 weights: one scale per output channel
+        result *= tl.load(scale_ptr + cols_n, mask=n_mask, other=0.0)
     if HAS_BIAS:
         result += tl.load(bias_ptr + cols_n, mask=n_mask, other=0.0).to(tl.float32)
     tl.store(out_ptr + cols_n, result.to(out_ptr.dtype.element_ty), mask=n_mask)
 
 
-def pick_config(n: int, k: int) -> tuple[int, int, int]:
+def pick_config(n: int, k: int, fp8: bool = False) -> tuple[int, int, int]:
     """(BLOCK_N, BLOCK_K, num_warps) for a [1, k] x [n, k]^T product.
 
     NOTE: the fastest of bench/gemv.py's sweep on an H200 for the Llama-3-8B and Qwen3-0.6B
     projections: wide outputs (gate/up, LM head) want many small programs; short, deep ones
-    (o, down) fewer programs each reading long rows with more warps.
+    (o, down) fewer programs each reading long rows with more warps. FP8 weights (`--fp8
+    --sweep` on an H100): 8 KiB tiles and 4 warps; 8 rows of 1 KiB for the short outputs (o,
+    down: 16 rows of 2 KiB with 8 warps were 15-37% slower there), 16 of 512 B elsewhere.
     """
+    if fp8:
+        if n <= 4096 and k >= 4096:
+            return 8, 1024, 4
+        return 16, 512, 4
     if n >= 16384:
         return 16, 256, 4
     if n <= 2048 and k >= 2048:
@@ -76,14 +86,17 @@ def gemv(
     weight: torch.Tensor,
     bias: torch.Tensor | None = None,
     *,
+    weight_scale: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
     config: tuple[int, int, int] | None = None,
     pdl: bool = False,
 ) -> torch.Tensor:
-    """x [1, K], weight [N, K], bias [N] -> out [1, N] in x's dtype. `config` overrides
-    `pick_config`."""
+    """x [1, K], weight [N, K], bias [N] -> out [1, N] in x's dtype. An FP8 (e4m3) weight
+    comes with `weight_scale` [N] (float32): out = (x @ weight^T) * scale + bias. `config`
+    overrides `pick_config`."""
     check_tensor("x", x, ndim=2, dtypes=FLOAT_DTYPES)
-    check_tensor("weight", weight, ndim=2, dtypes=(x.dtype,))
+    fp8 = weight_scale is not None
+    check_tensor("weight", weight, ndim=2, dtypes=(torch.float8_e4m3fn,) if fp8 else (x.dtype,))
     rows, width = x.shape
     n, k = weight.shape
     if rows != 1:
@@ -92,22 +105,26 @@ def gemv(
         raise ValueError(f"x has {width} columns, weight {tuple(weight.shape)} needs {k}")
     if bias is not None:
         check_tensor("bias", bias, dtypes=(x.dtype,), shape=(n,))
+    if weight_scale is not None:
+        check_tensor("weight_scale", weight_scale, dtypes=(torch.float32,), shape=(n,))
     if out is None:
         out = x.new_empty((1, n))
     check_tensor("out", out, dtypes=(x.dtype,), shape=(1, n))
-    check_devices(_gemv_kernel, x=x, weight=weight, bias=bias, out=out)
+    check_devices(_gemv_kernel, x=x, weight=weight, bias=bias, weight_scale=weight_scale, out=out)
     if n == 0:
         return out
-    block_n, block_k, num_warps = config or pick_config(n, k)
+    block_n, block_k, num_warps = config or pick_config(n, k, fp8)
     pdl = use_pdl(_gemv_kernel, x.device, pdl)
     _gemv_kernel[(triton.cdiv(n, block_n),)](
         x,
         weight,
-        bias if bias is not None else weight,
+        weight_scale if weight_scale is not None else x,
+        bias if bias is not None else x,
         out,
         n,
         k,
         weight.stride(0),
+        HAS_SCALE=fp8,
         HAS_BIAS=bias is not None,
         BLOCK_N=block_n,
         BLOCK_K=block_k,
@@ -123,13 +140,20 @@ def gemv_ref(
     weight: torch.Tensor,
     bias: torch.Tensor | None = None,
     *,
+    weight_scale: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
     config: tuple[int, int, int] | None = None,
     pdl: bool = False,
 ) -> torch.Tensor:
-    """Plain-torch `gemv`: F.linear (`config` is ignored)."""
+    """Plain-torch `gemv`: F.linear (FP8: on the dequantized weight, in float32; `config` is
+    ignored)."""
     del config
-    result = torch.nn.functional.linear(x, weight, bias)
+    if weight_scale is None:
+        result = torch.nn.functional.linear(x, weight, bias)
+    else:
+        w = weight.float() * weight_scale[:, None]
+        b = None if bias is None else bias.float()
+        result = torch.nn.functional.linear(x.float(), w, b).to(x.dtype)
     if out is None:
         return result
     return out.copy_(result)

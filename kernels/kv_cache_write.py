@@ -16,7 +16,14 @@ import torch
 import triton
 import triton.language as tl
 
-from splitserve.kernels._validate import check_devices, check_paged_cache, check_tensor
+from splitserve.kernels._validate import (
+    FLOAT_DTYPES,
+    check_devices,
+    check_paged_cache,
+    check_tensor,
+)
+from splitserve.kernels.fp8_quant import round_to_e4m3
+from splitserve.kernels.fp8_ref import saturate_fp8
 from splitserve.kernels.pdl import launch_options, pdl_start, use_pdl
 
 
@@ -39,6 +46,7 @@ def _write_kv_cache_kernel(
     NUM_KV_HEADS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_H: tl.constexpr,
+    FP8: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
     pdl_start(USE_PDL)
@@ -56,8 +64,11 @@ def _write_kv_cache_kernel(
     page, offset = slot // BLOCK_SIZE, slot % BLOCK_SIZE
     cache_offsets = page * stride_cblock + offset * stride_cslot
     cache_offsets += heads[:, None] * stride_chead + dims[None, :]
-    tl.store(k_cache_ptr + cache_offsets, k, mask=mask)
-    tl.store(v_cache_ptr + cache_offsets, v, mask=mask)
+    if FP8:  # saturate to e4m3's range (scale 1), round to nearest even
+        k = round_to_e4m3(tl.minimum(tl.maximum(k.to(tl.float32), -448.0), 448.0))
+        v = round_to_e4m3(tl.minimum(tl.maximum(v.to(tl.float32), -448.0), 448.0))
+    tl.store(k_cache_ptr + cache_offsets, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(v_cache_ptr + cache_offsets, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
 
 
 def write_kv_cache(
@@ -69,15 +80,18 @@ def write_kv_cache(
     pdl: bool = False,
 ) -> None:
     """Write k, v ([num_tokens, num_kv_heads, head_dim]) into `kv_cache`
-    ([2, num_blocks, block_size, num_kv_heads, head_dim], same dtype, contiguous) at
-    `slot_mapping` ([num_tokens] int64); tokens whose slot is negative are skipped."""
+    ([2, num_blocks, block_size, num_kv_heads, head_dim], their dtype or FP8 (e4m3, scale 1:
+    saturated to +-448, rounded to nearest even), each block dense) at `slot_mapping`
+    ([num_tokens] int64); tokens whose slot is negative are skipped."""
     check_paged_cache("kv_cache", kv_cache)
     _, num_blocks, block_size, num_kv_heads, head_dim = kv_cache.shape
     if head_dim & (head_dim - 1):
         raise ValueError(f"head_dim must be a power of two, got {head_dim}")
     num_tokens = k.shape[0] if isinstance(k, torch.Tensor) else 0
+    fp8 = kv_cache.dtype == torch.float8_e4m3fn
+    value_dtypes = (k.dtype,) if fp8 and k.dtype in FLOAT_DTYPES else (kv_cache.dtype,)
     for name, t in (("k", k), ("v", v)):
-        check_tensor(name, t, dtypes=(kv_cache.dtype,), shape=(num_tokens, num_kv_heads, head_dim))
+        check_tensor(name, t, dtypes=value_dtypes, shape=(num_tokens, num_kv_heads, head_dim))
     check_tensor("slot_mapping", slot_mapping, dtypes=(torch.int64,), shape=(num_tokens,))
     check_devices(_write_kv_cache_kernel, k=k, v=v, kv_cache=kv_cache, slot_mapping=slot_mapping)
     if num_tokens == 0:
@@ -102,6 +116,7 @@ def write_kv_cache(
         NUM_KV_HEADS=num_kv_heads,
         HEAD_DIM=head_dim,
         BLOCK_H=triton.next_power_of_2(num_kv_heads),
+        FP8=fp8,
         USE_PDL=pdl,
         num_warps=4 if num_kv_heads * head_dim >= 1024 else 1,
         **launch_options(pdl),
@@ -111,10 +126,12 @@ def write_kv_cache(
 def write_kv_cache_ref(
     k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
 ) -> None:
-    """Plain-torch `write_kv_cache`: an indexed copy of the tokens whose slot is >= 0."""
+    """Plain-torch `write_kv_cache`: an indexed copy of the tokens whose slot is >= 0 (into an
+    FP8 cache: saturated to +-448, then cast)."""
     keep = slot_mapping >= 0
     slots = slot_mapping[keep]
     block_size = kv_cache.shape[2]
     pages, offsets = slots // block_size, slots % block_size
-    kv_cache[0][pages, offsets] = k[keep]
-    kv_cache[1][pages, offsets] = v[keep]
+    fp8 = kv_cache.dtype == torch.float8_e4m3fn
+    kv_cache[0][pages, offsets] = saturate_fp8(k[keep]) if fp8 else k[keep]
+    kv_cache[1][pages, offsets] = saturate_fp8(v[keep]) if fp8 else v[keep]

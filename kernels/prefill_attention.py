@@ -106,7 +106,7 @@ def _prefill_kernel(
         kv_offsets += kv_head * stride_chead
         k = tl.load(
             k_cache_ptr + kv_offsets[:, None] + dims[None, :], mask=in_context[:, None], other=0.0
-        )
+        ).to(q.dtype)  # an FP8 cache widens here (scale 1); else a no-op
         scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2e
         visible = in_context[None, :] & (k_pos[None, :] <= q_pos[:, None])
         if USE_WINDOW:
@@ -121,7 +121,7 @@ def _prefill_kernel(
         l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(
             v_cache_ptr + kv_offsets[:, None] + dims[None, :], mask=in_context[:, None], other=0.0
-        )
+        ).to(q.dtype)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
 

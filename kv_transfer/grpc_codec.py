@@ -11,6 +11,8 @@ import grpc
 from splitserve.protos.v1 import kv_transfer_pb2
 
 PUSH_BLOCKS = "/splitserve.v1.KVTransfer/PushBlocks"
+ENDPOINT_KEY = "grpc.address"
+"""The key of a gRPC receiver's address in its published endpoint."""
 Part = kv_transfer_pb2.KVTransferHeader | memoryview
 """One message of a PushBlocks stream, decoded: the header, or a slice of the payload."""
 

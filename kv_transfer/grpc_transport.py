@@ -13,59 +13,47 @@ GrpcKVSender.push ── header ────────────────
 
 The copy out of the pool runs on a side stream into pinned host memory, off the engine thread;
 the payload is checksummed in place and sliced without copies until protobuf takes each chunk.
-The receiver is a coroutine on the decode worker's asyncio server: each chunk is copied and
-checksummed on a thread while the next one is read, and the final write into the pool runs on a
-thread too, so a large push never stalls the event loop (the sender side is synchronous).
-The push carries the sender's trace context (W3C `traceparent` metadata); a servicer given a
+The receiver (`grpc_receiver`) is a synchronous server of its own, a thread per stream; a push
+goes to the address it published (`grpc.address`), else to the worker's own address.
+The push carries the sender's trace context (W3C `traceparent` metadata); a receiver given a
 tracer records a `kv.receive` span under it, and reports every push to `on_push`.
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import threading
-import time
-from collections.abc import AsyncIterable, AsyncIterator, Callable, Iterator
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
 import grpc
-import torch
-from opentelemetry import trace
-from opentelemetry.trace import Span, SpanKind, Status, StatusCode
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
-from splitserve.engine.aio import settled
-from splitserve.engine.errors import SplitserveError
 from splitserve.engine.kv_connector import KVConnector
+from splitserve.kv_transfer.cluster import secret_metadata
 from splitserve.kv_transfer.grpc_codec import (
+    ENDPOINT_KEY,
     PUSH_BLOCKS,
     Part,
-    as_part,
     encode_part,
 )
 from splitserve.kv_transfer.host_buffers import HostBuffers
 from splitserve.kv_transfer.transport import (
     KVSender,
-    Landing,
     Peer,
     Push,
-    PushObserver,
     PushResult,
     TransferError,
 )
 from splitserve.kv_transfer.wire import (
     MAX_CHUNK_BYTES,
     CacheLayout,
-    ChecksumError,
-    KVTransferError,
     as_blocks,
     crc32c,
     make_header,
-    validate_header,
 )
-from splitserve.protos.v1 import kv_transfer_pb2, kv_transfer_pb2_grpc
+from splitserve.protos.v1 import kv_transfer_pb2
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -93,6 +81,7 @@ class GrpcKVSender(KVSender):
         max_chunk_bytes: int = MAX_CHUNK_BYTES,
         streams: int = DEFAULT_STREAMS,
         min_stream_bytes: int = MIN_STREAM_BYTES,
+        cluster_secret: str = "",
     ) -> None:
         if not 0 < max_chunk_bytes <= MAX_CHUNK_BYTES:
             raise ValueError(f"max_chunk_bytes must be in (0, {MAX_CHUNK_BYTES}]")
@@ -109,6 +98,7 @@ class GrpcKVSender(KVSender):
         self._pool = ThreadPoolExecutor(4 * streams, thread_name_prefix="kv-grpc")
         self._closed = False
         self._propagator = TraceContextTextMapPropagator()
+        self._member = secret_metadata(cluster_secret)  # NOTE: on every push, if configured
 
     def _stub(self, address: str, lane: int = 0) -> Any:
         with self._lock:
@@ -153,13 +143,14 @@ class GrpcKVSender(KVSender):
                 part = payload[start * block_bytes : end * block_bytes]
                 header = make_header(
                     push.request_id, push.fence, self.layout, push.dst_block_ids[start:end],
-                    len(part), crc32c(part), push.num_tokens,
+                    len(part), crc32c(part), push.num_tokens, push.capability,
                 )  # fmt: skip
                 parts.append((header, part))
+            address = receiver_address(peer)
             if len(parts) == 1:
-                return self._send(peer.address, *parts[0], timeout_s, carrier)
+                return self._send(address, *parts[0], timeout_s, carrier)
             futures = [
-                self._pool.submit(self._send, peer.address, header, part, timeout_s, carrier, i)
+                self._pool.submit(self._send, address, header, part, timeout_s, carrier, i)
                 for i, (header, part) in enumerate(parts)
             ]
             results = [f.result() for f in futures]  # NOTE: all settle before `buf` is reused
@@ -183,7 +174,7 @@ class GrpcKVSender(KVSender):
             response = self._stub(address, lane)(
                 self._messages(header, payload),
                 timeout=timeout_s,
-                metadata=tuple(carrier.items()) or None,
+                metadata=(*carrier.items(), *self._member) or None,
             )
         except grpc.RpcError as exc:
             code: grpc.StatusCode | None = exc.code()  # type: ignore[attr-defined]
@@ -205,191 +196,7 @@ class GrpcKVSender(KVSender):
             channel.close()
 
 
-class KVTransferServicer(kv_transfer_pb2_grpc.KVTransferServicer):
-    """Receives pushes into a pool; nothing reaches the pool unless the header, size and
-    checksum are all good and the reservation holds. Every failure is an abort with a clear
-    message."""
-
-    def __init__(
-        self,
-        connector: KVConnector,
-        landing: Landing,
-        tracer: trace.Tracer | None = None,
-        on_push: PushObserver | None = None,
-    ) -> None:
-        self.connector = connector
-        self.landing = landing
-        region = connector.region()
-        self.layout = CacheLayout.of(region)
-        self.num_blocks = region.num_blocks
-        self.tracer = tracer
-        self.on_push = on_push
-        self._buffers = HostBuffers(pinned=region.device.type == "cuda")
-        self._propagator = TraceContextTextMapPropagator()
-
-    async def PushBlocks(
-        self,
-        request_iterator: AsyncIterable[Part | kv_transfer_pb2.KVTransferMessage],
-        context: grpc.aio.ServicerContext,
-    ) -> kv_transfer_pb2.PushBlocksResponse:
-        start = time.perf_counter()
-        span = self._span(context)
-        try:
-            response = await self._push(aiter(request_iterator), span)
-            seconds = time.perf_counter() - start
-            if span.is_recording():
-                span.set_attribute("splitserve.kv.transfer_seconds", seconds)
-            if self.on_push is not None:
-                self.on_push(response.num_bytes, seconds, True)
-            span.end()
-            return response
-        except asyncio.CancelledError:
-            # NOTE: the sender hung up (or the server stops): nothing to answer, nothing to log.
-            self._failed(span, start, "CANCELLED: the sender went away")
-            raise
-        except SplitserveError as exc:
-            code, message = grpc.StatusCode[exc.status], str(exc)
-        except Exception as exc:
-            # NOTE: a bug in the receiver must fail this push, not the server.
-            log.exception("PushBlocks failed")
-            code, message = grpc.StatusCode.INTERNAL, f"internal error receiving KV: {exc!r}"
-        self._failed(span, start, f"{code.name}: {message}")
-        await context.abort(code, message)
-        raise AssertionError("context.abort returned")  # abort always raises
-
-    def _failed(self, span: Span, start: float, description: str) -> None:
-        if self.on_push is not None:
-            self.on_push(0, time.perf_counter() - start, False)
-        span.set_status(Status(StatusCode.ERROR, description))
-        span.end()
-
-    def _span(self, context: grpc.aio.ServicerContext) -> Span:
-        if self.tracer is None:
-            return trace.INVALID_SPAN
-        carrier = {k: v for k, v in context.invocation_metadata() or () if isinstance(v, str)}
-        parent = self._propagator.extract(carrier)
-        return self.tracer.start_span("kv.receive", context=parent, kind=SpanKind.SERVER)
-
-    async def _push(
-        self,
-        messages: AsyncIterator[Part | kv_transfer_pb2.KVTransferMessage],
-        span: Span,
-    ) -> kv_transfer_pb2.PushBlocksResponse:
-        header = as_part(await anext(messages, None))
-        if not isinstance(header, kv_transfer_pb2.KVTransferHeader):
-            raise KVTransferError("a PushBlocks stream must start with the header")
-        if span.is_recording():
-            span.set_attributes(
-                {
-                    "splitserve.request_id": header.request_id,
-                    "splitserve.kv.bytes": header.payload_bytes,
-                    "splitserve.kv.num_blocks": len(header.dst_block_ids),
-                    "splitserve.kv.transport": "grpc",
-                }
-            )
-        # The cheap geometry check first: a push that cannot fit is refused before the
-        # reservation is looked at, and no allocation is larger than the reservation allows.
-        validate_header(header, self.layout, self.num_blocks, None)
-        allowed = self.landing.allowed_blocks(header.request_id, header.fence)
-        validate_header(header, self.layout, self.num_blocks, allowed)
-        # NOTE: allocating (pinning) a large buffer takes a while: off the loop.
-        buf = await asyncio.to_thread(self._buffers.take, header.payload_bytes)
-        try:
-            payload = buf.numpy()
-            checksum = await self._receive(header, messages, payload)
-            if checksum != header.crc32c:
-                raise ChecksumError(
-                    f"{header.request_id}: checksum mismatch: payload CRC-32C "
-                    f"{checksum:#010x}, header {header.crc32c:#010x}"
-                )
-            await _in_thread(self._land, header, buf)
-        finally:
-            self._buffers.give(buf)
-        return kv_transfer_pb2.PushBlocksResponse(
-            num_blocks=len(header.dst_block_ids), num_bytes=header.payload_bytes
-        )
-
-    def _land(self, header: kv_transfer_pb2.KVTransferHeader, buf: torch.Tensor) -> None:
-        """Write the payload into the reserved blocks, under the reservation's hold (which
-        waits for, and keeps out, a reclaim of its blocks)."""
-        dst = list(header.dst_block_ids)
-        with self.landing.hold(header.request_id, header.fence, dst, header.payload_bytes):
-            self.connector.write_blocks(dst, as_blocks(buf, self.layout))
-
-    @staticmethod
-    async def _receive(
-        header: kv_transfer_pb2.KVTransferHeader,
-        messages: AsyncIterator[Part | kv_transfer_pb2.KVTransferMessage],
-        payload: Any,
-    ) -> int:
-        """Fill `payload` from the data messages; returns its CRC-32C, computed as the chunks
-        arrive (the checksum pass overlaps the transfer instead of following it).
-
-        Each chunk is copied and checksummed on a thread while the loop reads the next one; at
-        most one copy is in flight, and all are settled before this returns or raises (the
-        buffer is reused after)."""
-        rid = header.request_id
-        out = memoryview(payload).cast("B")
-        received = checksum = 0
-        copying: asyncio.Future[int] | None = None
-        try:
-            async for message in messages:
-                data = as_part(message)
-                if isinstance(data, kv_transfer_pb2.KVTransferHeader):
-                    raise KVTransferError(f"{rid}: a second header in one PushBlocks stream")
-                if data is None:
-                    raise KVTransferError(f"{rid}: an empty message in a PushBlocks stream")
-                size = len(data)
-                if size > MAX_CHUNK_BYTES:
-                    raise KVTransferError(
-                        f"{rid}: data message of {size} bytes exceeds {MAX_CHUNK_BYTES}"
-                    )
-                if received + size > header.payload_bytes:
-                    raise KVTransferError(
-                        f"{rid}: more data than declared: {received + size} bytes so far, "
-                        f"header declares {header.payload_bytes}"
-                    )
-                if copying is not None:
-                    checksum = await _in_thread_done(copying)
-                    copying = None
-                if size < INLINE_COPY_BYTES:  # a thread hop would cost more than the copy
-                    checksum = _copy_chunk(out, received, data, checksum)
-                else:
-                    copying = asyncio.get_running_loop().run_in_executor(
-                        None, _copy_chunk, out, received, data, checksum
-                    )
-                received += size
-            if copying is not None:
-                checksum = await _in_thread_done(copying)
-                copying = None
-        finally:
-            if copying is not None:
-                await settled(copying)
-        if received != header.payload_bytes:
-            raise KVTransferError(
-                f"{rid}: stream ended after {received} of {header.payload_bytes} payload bytes"
-            )
-        return checksum
-
-
-INLINE_COPY_BYTES = 64 << 10
-"""Data chunks smaller than this are copied on the event loop; larger ones on a thread."""
-
-
-def _copy_chunk(out: memoryview, offset: int, data: memoryview, checksum: int) -> int:
-    out[offset : offset + len(data)] = data
-    return crc32c(data, checksum)
-
-
-async def _in_thread(fn: Callable[..., T], *args: Any) -> T:
-    """`fn(*args)` on the loop's default executor; a cancel waits for it to end first (it
-    works on buffers that are reused once this returns)."""
-    return await _in_thread_done(asyncio.get_running_loop().run_in_executor(None, fn, *args))
-
-
-async def _in_thread_done(future: asyncio.Future[T]) -> T:
-    try:
-        return await asyncio.shield(future)
-    except asyncio.CancelledError:
-        await settled(future)
-        raise
+def receiver_address(peer: Peer) -> str:
+    """Where `peer` receives gRPC pushes: the address its receiver published, else its own."""
+    published = peer.endpoint.get(ENDPOINT_KEY)
+    return published.decode() if published else peer.address

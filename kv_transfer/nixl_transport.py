@@ -43,6 +43,7 @@ from splitserve.kv_transfer.transport import (
     PushObserver,
     PushRefused,
     PushResult,
+    ReceiverBind,
     TransferError,
 )
 
@@ -139,7 +140,7 @@ class NixlSender(KVSender):
         TraceContextTextMapPropagator().inject(carrier)  # nothing unless a span is recording
         notif = json.dumps(
             {"r": push.request_id, "f": push.fence, "d": dst, "n": push.num_tokens,
-             "b": num_bytes, "t": carrier.get("traceparent", "")},
+             "b": num_bytes, "t": carrier.get("traceparent", ""), "c": push.capability.hex()},
             separators=(",", ":"),
         ).encode()  # fmt: skip
         agent = self._nixl.agent
@@ -272,6 +273,7 @@ class NixlReceiver(KVReceiver):
         worker_id: str,
         tracer: trace.Tracer | None = None,
         on_push: PushObserver | None = None,
+        bind: ReceiverBind | None = None,  # NOTE: unused: UCX picks its own sockets
     ) -> None:
         self._nixl = _Agent(connector, worker_id)
         self._landing = landing
@@ -325,6 +327,7 @@ class NixlReceiver(KVReceiver):
             request_id, fence = str(note["r"]), int(note["f"])
             dst, num_bytes = [int(b) for b in note["d"]], int(note["b"])
             traceparent = str(note.get("t", ""))
+            capability = bytes.fromhex(str(note.get("c", "")))
         except (ValueError, KeyError, TypeError) as e:
             self.num_malformed += 1
             log.warning(
@@ -335,6 +338,7 @@ class NixlReceiver(KVReceiver):
         span = self._span(traceparent, request_id, num_bytes, len(dst))
         try:
             allowed = self._landing.allowed_blocks(request_id, fence)
+            self._landing.check_capability(request_id, capability)
             outside = [b for b in dst if b not in allowed]
             if outside:
                 raise PushRefused(

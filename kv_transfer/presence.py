@@ -3,6 +3,11 @@ periodic housekeeping call, on one background thread.
 
 A draining worker `leave`s: it is out of the registry at once (so the gateway routes nothing
 new to it), while housekeeping (lease renewal, reclaiming) goes on until `stop`.
+
+A heartbeat that finds the advertisement gone (Redis restarted empty, or the worker was frozen
+past its TTL) registers again, KV endpoint included, and calls `on_rejoin` (e.g. to re-publish
+the worker's prefix index). While Redis is unreachable the registry logs the outage once; the
+heartbeats go on quietly.
 """
 
 from __future__ import annotations
@@ -11,7 +16,7 @@ import logging
 import threading
 from collections.abc import Callable, Mapping
 
-from splitserve.kv_transfer.registry import Registry, WorkerInfo
+from splitserve.kv_transfer.registry import Registry, RegistryUnavailable, WorkerInfo
 
 log = logging.getLogger(__name__)
 
@@ -25,6 +30,7 @@ class Presence:
         interval_s: float = 0.5,
         on_tick: Callable[[], None] | None = None,
         kv_endpoint: Mapping[str, bytes] | None = None,
+        on_rejoin: Callable[[], None] | None = None,
     ) -> None:
         if interval_s >= ttl_s:
             raise ValueError("the heartbeat interval must be shorter than the TTL")
@@ -34,6 +40,7 @@ class Presence:
         self.interval_s = interval_s
         self.on_tick = on_tick
         self.kv_endpoint = kv_endpoint
+        self.on_rejoin = on_rejoin
         self._stop = threading.Event()
         self._kind = self._worker_id = ""
         self._left = False
@@ -71,8 +78,19 @@ class Presence:
             try:
                 with self._lock:
                     if not self._left:
-                        self.registry.heartbeat(self.info(), self.ttl_s)
+                        self._beat()
                 if self.on_tick is not None:
                     self.on_tick()
-            except Exception:  # noqa: BLE001 - keep beating through transient Redis errors
+            except RegistryUnavailable:
+                pass  # NOTE: the registry logs the outage once; the next tick tries again
+            except Exception:  # noqa: BLE001 - keep beating through anything else
                 log.exception("heartbeat or housekeeping failed")
+
+    def _beat(self) -> None:
+        info = self.info()
+        if self.registry.heartbeat(info, self.ttl_s):
+            return
+        log.warning("%s was missing from the registry; registering again", info.worker_id)
+        self.registry.register_worker(info, self.ttl_s, self.kv_endpoint)
+        if self.on_rejoin is not None:
+            self.on_rejoin()

@@ -87,9 +87,22 @@ class RedisServer:
             client = redis.Redis.from_url(server.url)
     """
 
-    def __init__(self, executable: str | None = None, startup_timeout_s: float = 10.0) -> None:
+    def __init__(
+        self,
+        executable: str | None = None,
+        startup_timeout_s: float = 10.0,
+        port: int | None = None,
+        password: str = "",
+    ) -> None:
+        """`port`: listen there (e.g. a Redis restarted where its clients expect it) rather
+        than on a free port. `password`: Redis requires it (`requirepass`, given on stdin,
+        never in argv)."""
         if startup_timeout_s <= 0:
             raise ValueError(f"startup_timeout_s must be > 0, got {startup_timeout_s}")
+        if any(c.isspace() or c == '"' for c in password):
+            raise ValueError("a Redis password must not contain whitespace or quotes")
+        self.password = password
+        self._fixed_port = port
         self._executable = executable or find_redis_server()
         self._startup_timeout_s = startup_timeout_s
         self._proc: subprocess.Popen[bytes] | None = None
@@ -139,14 +152,19 @@ class RedisServer:
         last_log = ""
         for _ in range(_MAX_PORT_ATTEMPTS):
             tmpdir = tempfile.mkdtemp(prefix="splitserve-redis-")
-            port = _free_port()
+            port = self._fixed_port or _free_port()
             log_path = Path(tmpdir) / _LOG_NAME
+            # NOTE: `-` reads configuration from stdin: the password never shows in argv.
             with open(log_path, "wb") as log:
                 proc = subprocess.Popen(
-                    [self._executable, "--port", str(port), "--bind", "127.0.0.1",
+                    [self._executable, "-", "--port", str(port), "--bind", "127.0.0.1",
                      "--save", "", "--appendonly", "no", "--dir", tmpdir],
-                    stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                    stdin=subprocess.PIPE, stdout=log, stderr=subprocess.STDOUT,
                 )  # fmt: skip
+            assert proc.stdin is not None
+            with proc.stdin:
+                if self.password:
+                    proc.stdin.write(f'requirepass "{self.password}"\n'.encode())
             finalizer = weakref.finalize(self, _terminate, proc, tmpdir)
             error = self._wait_until_ready(proc, port)
             if error is None:
@@ -154,7 +172,7 @@ class RedisServer:
                 return
             last_log = log_path.read_text(errors="replace")
             finalizer()
-            if "in use" not in last_log:
+            if "in use" not in last_log or self._fixed_port:
                 raise RuntimeError(f"redis-server on port {port} {error}; its output:\n{last_log}")
         raise RuntimeError(
             f"redis-server found no free port in {_MAX_PORT_ATTEMPTS} attempts; last output:\n"
@@ -167,7 +185,11 @@ class RedisServer:
         # NOTE: no client-side retries: redis-py's default backoff would turn each refused
         # connection into seconds of sleeping, and this loop already retries.
         client = redis.Redis(
-            host="127.0.0.1", port=port, socket_connect_timeout=0.5, retry=Retry(NoBackoff(), 0)
+            host="127.0.0.1",
+            port=port,
+            password=self.password or None,
+            socket_connect_timeout=0.5,
+            retry=Retry(NoBackoff(), 0),
         )
         try:
             while time.monotonic() < deadline:

@@ -2,7 +2,8 @@
 
 Key layout, everything under `{ns}:` (the namespace)::
 
-    {ns}:fence                      string  global fencing counter (INCR)
+    {ns}:fence                      string  the last fence issued (microseconds, see registry_lua)
+    {ns}:since                      string  the first fence issued since Redis (re)started empty
     {ns}:workers:{kind}             set     ids of workers of that kind (pruned lazily)
     {ns}:worker:{kind}:{worker_id}  hash    WorkerInfo fields; PEXPIRE = heartbeat TTL
     {ns}:kv_endpoint:{worker_id}    hash    what KV senders need to reach it; same TTL
@@ -18,30 +19,43 @@ A request's record goes through::
 
 NOTE: every step that reads then writes a record is one Lua script, so checks and updates can
 never interleave with another client's. A fence is issued by `reserve` only, and the fence is
-never reused: whoever holds an older fence is refused by every later step.
+never reused, across Redis restarts too: whoever holds an older fence is refused by every later
+step. Every call is safe to repeat (a reserve carries a nonce that finds its own earlier
+attempt), so calls that meet a lost connection retry (registry_retry.py). A record Redis lost
+in a restart is re-published by the worker that holds it (`restore`); meanwhile a step on it
+raises RecordLost (UNAVAILABLE) after its retries, never StaleFenceError.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import time
+import uuid
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import fields
 from typing import Any
 
 import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
 
 from splitserve.kv_transfer import registry_lua as lua
+from splitserve.kv_transfer.registry_prefix import PrefixIndex
 from splitserve.kv_transfer.registry_records import (
     RECORD_STATES,
     WORKER_KINDS,
     BlockRecord,
     BlockSizeMismatch,
+    RecordLost,
     RegistryError,
+    RegistryUnavailable,
     Reservation,
     StaleFenceError,
     WorkerInfo,
+    check_compatible,
 )
+from splitserve.kv_transfer.registry_retry import Outage, call, retrying
 
 __all__ = [
     "RECORD_STATES",
@@ -50,10 +64,13 @@ __all__ = [
     "BlockSizeMismatch",
     "Registry",
     "RegistryError",
+    "RegistryUnavailable",
     "Reservation",
     "StaleFenceError",
     "WorkerInfo",
 ]
+
+
 def _text(value: Any) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
 
@@ -68,30 +85,41 @@ def _ms(seconds: float, what: str) -> int:
     return max(1, math.ceil(seconds * 1000))
 
 
-def _hex(block_hash: bytes) -> str:
-    if not isinstance(block_hash, bytes) or not block_hash:
-        raise TypeError(f"block hashes must be non-empty bytes, got {block_hash!r}")
-    return block_hash.hex()
+PATIENT = ("register_worker", "kv_endpoint", "live_workers", "reserve", "begin_write", "handoff")
 
 
-class Registry:
-    """Who owns which KV blocks, which workers are alive, and which prefixes they hold."""
+@retrying(patient=(*PATIENT, "get_record", "prefix_match"), own=("reserve",))
+class Registry(PrefixIndex):
+    """Who owns which KV blocks, which workers are alive, and which prefixes they hold.
 
-    def __init__(self, url: str, namespace: str = "splitserve") -> None:
-        self._setup(redis.Redis.from_url(url), namespace)
+    A call on a request's path retries through a Redis outage for up to `retry_s` seconds,
+    then raises RegistryUnavailable."""
+
+    def __init__(self, url: str, namespace: str = "splitserve", retry_s: float = 5.0) -> None:
+        # NOTE: no retries inside redis-py: ours are per registry call, with a time budget.
+        client = redis.Redis.from_url(
+            url, socket_connect_timeout=2.0, socket_timeout=5.0, retry=Retry(NoBackoff(), 0)
+        )
+        self._setup(client, namespace, retry_s)
 
     @classmethod
-    def from_client(cls, client: redis.Redis, namespace: str = "splitserve") -> Registry:
+    def from_client(
+        cls, client: redis.Redis, namespace: str = "splitserve", retry_s: float = 5.0
+    ) -> Registry:
         """A registry over an existing client (which the caller keeps and closes)."""
         registry = cls.__new__(cls)
-        registry._setup(client, namespace)
+        registry._setup(client, namespace, retry_s)
         return registry
 
-    def _setup(self, client: redis.Redis, namespace: str) -> None:
+    def _setup(self, client: redis.Redis, namespace: str, retry_s: float) -> None:
         if not namespace:
             raise ValueError("namespace must be non-empty")
+        if not math.isfinite(retry_s) or retry_s < 0:
+            raise ValueError(f"retry_s must be a finite number of seconds >= 0, got {retry_s!r}")
         self._client = client
         self._ns = namespace
+        self._retry_s = retry_s
+        self._outage = Outage()
         self._reserve = client.register_script(lua.RESERVE)
         self._begin_write = client.register_script(lua.BEGIN_WRITE)
         self._handoff = client.register_script(lua.HANDOFF)
@@ -99,6 +127,7 @@ class Registry:
         self._release = client.register_script(lua.RELEASE)
         self._live_workers = client.register_script(lua.LIVE_WORKERS)
         self._clear_prefix = client.register_script(lua.CLEAR_PREFIX)
+        self._restore = client.register_script(lua.RESTORE)
 
     @property
     def namespace(self) -> str:
@@ -121,14 +150,11 @@ class Registry:
             raise ValueError("request_id must be non-empty")
         return f"{self._ns}:req:{request_id}"
 
-    def _prefix_key(self, hash_hex: str) -> str:
-        return f"{self._ns}:prefix:{hash_hex}"
-
     def _endpoint_key(self, worker_id: str) -> str:
         return f"{self._ns}:kv_endpoint:{worker_id}"
 
-    def _prefix_worker_key(self, worker_id: str) -> str:
-        return f"{self._ns}:prefix_worker:{worker_id}"
+    def _since_key(self) -> str:
+        return f"{self._ns}:since"
 
     # -- workers ------------------------------------------------------------------------------
 
@@ -144,12 +170,7 @@ class Registry:
         if info.block_size:
             for kind in WORKER_KINDS:
                 for other in self.live_workers(kind):
-                    if other.block_size and other.block_size != info.block_size:
-                        raise BlockSizeMismatch(
-                            f"worker {info.worker_id} uses block_size {info.block_size}, but live "
-                            f"worker {other.worker_id} uses {other.block_size}; every worker and "
-                            "the gateway of a deployment must use one block size"
-                        )
+                    check_compatible(info, other)
         if kv_endpoint:
             key = self._endpoint_key(info.worker_id)
             pipe = self._client.pipeline(transaction=True)
@@ -160,17 +181,18 @@ class Registry:
             pipe.execute()
         self._advertise(info, ttl_s)
 
-    def _advertise(self, info: WorkerInfo, ttl_s: float) -> None:
+    def _advertise(self, info: WorkerInfo, ttl_s: float) -> bool:
         ttl_ms = _ms(ttl_s, "ttl_s")
         key = self._worker_key(info.kind, info.worker_id)
         mapping: dict[Any, str] = {f.name: str(getattr(info, f.name)) for f in fields(info)}
         mapping["kv_transports"] = ",".join(info.kv_transports)
         pipe = self._client.pipeline(transaction=True)
+        pipe.exists(key)
         pipe.hset(key, mapping=mapping)
         pipe.pexpire(key, ttl_ms)
         pipe.pexpire(self._endpoint_key(info.worker_id), ttl_ms)
         pipe.sadd(self._worker_set(info.kind), info.worker_id)
-        pipe.execute()
+        return bool(pipe.execute()[0])
 
     def kv_endpoint(self, worker_id: str) -> dict[str, bytes] | None:
         """What a live worker published for reaching its KV receivers (None if nothing)."""
@@ -178,9 +200,10 @@ class Registry:
         endpoint = {_text(k): _raw(v) for k, v in raw.items()}
         return endpoint or None
 
-    def heartbeat(self, info: WorkerInfo, ttl_s: float) -> None:
-        """Refresh the worker's advertisement (load, free blocks) and extend its TTL."""
-        self._advertise(info, ttl_s)
+    def heartbeat(self, info: WorkerInfo, ttl_s: float) -> bool:
+        """Refresh the worker's advertisement (load, free blocks) and extend its TTL; False if
+        it had lapsed (or Redis lost it): then the worker should `register_worker` again."""
+        return self._advertise(info, ttl_s)
 
     def deregister_worker(self, kind: str, worker_id: str) -> None:
         """Withdraw a worker at once (a clean shutdown); its prefix index is left to the caller."""
@@ -230,10 +253,13 @@ class Registry:
             raise ValueError(f"block_ids must be ints >= 0, got {list(blocks)!r}")
         lease_ms = _ms(lease_s, "lease_s")
         key = self._req_key(request_id)
-        created, value = self._reserve(
-            keys=[key, f"{self._ns}:fence"],
-            args=[decode_worker, json.dumps(blocks), lease_ms, "1" if replace else "0"],
-        )
+        # NOTE: one nonce for every attempt: a retry finds the record its own earlier attempt
+        # made (whose reply was lost) instead of failing as a duplicate.
+        args: list[str | int] = [decode_worker, json.dumps(blocks), lease_ms, int(replace)]
+        args += [time.time_ns() // 1000, uuid.uuid4().hex]
+        keys = [key, f"{self._ns}:fence", self._since_key()]
+        attempt = lambda: self._reserve(keys=keys, args=args)  # noqa: E731
+        created, value = call(attempt, self._retry_s, self._outage)
         if not created:
             raise RegistryError(
                 f"request {request_id!r} already has a block record (state {_text(value)!r}); "
@@ -250,7 +276,7 @@ class Registry:
         if not prefill_worker:
             raise ValueError("prefill_worker must be non-empty")
         status, detail = self._begin_write(
-            keys=[self._req_key(request_id)],
+            keys=[self._req_key(request_id), self._since_key()],
             args=[prefill_worker, int(fence), _ms(lease_s, "lease_s")],
         )
         self._check("begin_write", request_id, fence, _text(status), _text(detail))
@@ -264,7 +290,7 @@ class Registry:
         RegistryError if `decode_worker` is not the worker that reserved the blocks.
         """
         status, detail = self._handoff(
-            keys=[self._req_key(request_id)],
+            keys=[self._req_key(request_id), self._since_key()],
             args=[decode_worker, int(fence), _ms(lease_s, "lease_s")],
         )
         self._check("handoff", request_id, fence, _text(status), _text(detail))
@@ -312,6 +338,21 @@ class Registry:
             pipe.exists(self._req_key(request_id))
         return {rid for rid, n in zip(ids, pipe.execute(), strict=True) if not n}
 
+    def restore(
+        self, records: Iterable[BlockRecord], lease_s: float, after: int = 0
+    ) -> tuple[int, int]:
+        """Re-publish the records a worker holds that Redis lost in a restart (never one that
+        was released or whose lease lapsed), each with a fresh lease. `after` is the mark this
+        returned last time (0 at first): nothing is done while it is current. Returns the
+        current mark and how many records were re-published."""
+        args: list[str | int] = [_ms(lease_s, "lease_s"), int(after)]
+        keys = [self._since_key()]
+        for r in records:
+            args += [r.state, r.owner, int(r.fence), json.dumps(list(r.block_ids))]
+            keys.append(self._req_key(r.request_id))
+        since, restored = self._restore(keys=keys, args=args)
+        return int(since), int(restored)
+
     def request_record_keys(self) -> list[str]:
         """Every request record key in this namespace (SCAN; for leak checks, not hot paths)."""
         pattern = f"{_glob_escape(self._ns)}:req:*"
@@ -321,6 +362,8 @@ class Registry:
         if status == "ok":
             return
         where = f"{op}({request_id!r}, fence={fence})"
+        if status == "lost":
+            raise RecordLost(f"{where}: Redis lost the record in a restart; not re-published yet")
         if status == "owner":
             raise RegistryError(f"{where}: blocks are reserved on {detail!r}, not this worker")
         message = {
@@ -330,58 +373,6 @@ class Registry:
             "writer": f"the record is already being written by {detail!r}",
         }[status]
         raise StaleFenceError(f"{where} refused: {message}", status)
-
-    # -- prefix index -------------------------------------------------------------------------
-
-    def add_prefix_blocks(self, worker_id: str, hashes: Iterable[bytes]) -> None:
-        """Record that `worker_id` holds these blocks in its prefix cache."""
-        hexes = [_hex(h) for h in hashes]
-        if not hexes:
-            return
-        pipe = self._client.pipeline(transaction=True)
-        for h in hexes:
-            pipe.sadd(self._prefix_key(h), worker_id)
-        pipe.sadd(self._prefix_worker_key(worker_id), *hexes)
-        pipe.execute()
-
-    def remove_prefix_blocks(self, worker_id: str, hashes: Iterable[bytes]) -> None:
-        """Record that `worker_id` evicted these blocks from its prefix cache."""
-        hexes = [_hex(h) for h in hashes]
-        if not hexes:
-            return
-        pipe = self._client.pipeline(transaction=True)
-        for h in hexes:
-            pipe.srem(self._prefix_key(h), worker_id)
-        pipe.srem(self._prefix_worker_key(worker_id), *hexes)
-        pipe.execute()
-
-    def clear_prefix_blocks(self, worker_id: str) -> int:
-        """Remove every prefix entry of `worker_id` (it restarted or died); returns how many."""
-        removed = self._clear_prefix(
-            keys=[self._prefix_worker_key(worker_id)], args=[worker_id, self._prefix_key("")]
-        )
-        return int(removed)
-
-    def prefix_match(self, hashes: Sequence[bytes]) -> dict[str, int]:
-        """For each worker, how many leading blocks of the hash chain it holds consecutively.
-
-        Workers holding none of the leading block are left out. One round trip.
-        """
-        hexes = [_hex(h) for h in hashes]
-        if not hexes:
-            return {}
-        pipe = self._client.pipeline(transaction=True)
-        for h in hexes:
-            pipe.smembers(self._prefix_key(h))
-        matched: dict[str, int] = {}
-        for i, members in enumerate(pipe.execute()):
-            # NOTE: a worker counts block i only if it held blocks 0..i-1, since a chained hash
-            # is only useful after its whole prefix.
-            for m in members:
-                worker = _text(m)
-                if matched.get(worker, 0) == i:
-                    matched[worker] = i + 1
-        return matched
 
 
 def _worker_from_hash(raw: dict[str, str]) -> WorkerInfo:
@@ -394,6 +385,9 @@ def _worker_from_hash(raw: dict[str, str]) -> WorkerInfo:
         num_total_blocks=int(raw["num_total_blocks"]),
         block_size=int(raw.get("block_size", 0)),
         kv_transports=tuple(n for n in raw.get("kv_transports", "").split(",") if n),
+        max_num_seqs=int(raw.get("max_num_seqs", 0)),
+        max_model_len=int(raw.get("max_model_len", 0)),
+        kv_dtype=raw.get("kv_dtype", ""),
     )
 
 

@@ -1,20 +1,55 @@
 """The Lua scripts behind the registry's atomic steps (see registry.py for the life cycle)."""
 
-# NOTE: fences are compared as the decimal strings Redis stores; INCR never yields leading zeros.
+# NOTE: fences are compared as the decimal strings Redis stores (written with %.0f: exact, as
+# they stay below 2^53). A fence is max(last + 1, now in microseconds by the Redis server's clock
+# and the caller's): after a restart that lost the counter, the first fence is the time again,
+# which no earlier fence can have passed (a reserve takes more than a microsecond).
+# KEYS: record, fence counter, "since" (the first fence issued since Redis lost its data).
+# ARGV: owner, blocks, lease_ms, replace, caller's clock (us), nonce (repeating this call).
 RESERVE = """
-if ARGV[4] ~= '1' and redis.call('EXISTS', KEYS[1]) == 1 then
-  return {0, redis.call('HGET', KEYS[1], 'state') or ''}
+if redis.call('EXISTS', KEYS[1]) == 1 then
+  local cur = redis.call('HMGET', KEYS[1], 'nonce', 'fence', 'state')
+  if cur[1] == ARGV[6] then return {1, cur[2]} end
+  if ARGV[4] ~= '1' then return {0, cur[3] or ''} end
 end
-local fence = redis.call('INCR', KEYS[2])
+local t = redis.call('TIME')
+local fence = math.max(tonumber(t[1]) * 1000000 + tonumber(t[2]), tonumber(ARGV[5]))
+local last = tonumber(redis.call('GET', KEYS[2]) or '0')
+if last >= fence then fence = last + 1 end
+fence = string.format('%.0f', fence)
+redis.call('SET', KEYS[2], fence)
+redis.call('SET', KEYS[3], fence, 'NX')
 redis.call('DEL', KEYS[1])
 redis.call('HSET', KEYS[1], 'state', 'reserved', 'owner', ARGV[1], 'writer', '',
-           'fence', fence, 'blocks', ARGV[2])
+           'fence', fence, 'blocks', ARGV[2], 'nonce', ARGV[6])
 redis.call('PEXPIRE', KEYS[1], ARGV[3])
 return {1, fence}
 """
-BEGIN_WRITE = """
+# "since" (the key `since_key`) marks when this Redis' data began: the first fence it issued,
+# or the time it was first asked about a missing record, whichever came first. A missing record
+# whose fence is older was "lost" in a restart (not released, not lapsed).
+SINCE = """
+local since = redis.call('GET', since_key)
+if not since then
+  local t = redis.call('TIME')
+  since = string.format('%.0f', tonumber(t[1]) * 1000000 + tonumber(t[2]))
+  redis.call('SET', since_key, since)
+end
+"""
+LOST = (
+    "local since_key = KEYS[2]"
+    + SINCE
+    + """
+if tonumber(since) > tonumber(ARGV[2]) then return {'lost', ''} end
+return {'missing', ''}
+"""
+)
+BEGIN_WRITE = (
+    """
 local cur = redis.call('HMGET', KEYS[1], 'fence', 'state', 'writer')
-if not cur[1] then return {'missing', ''} end
+if not cur[1] then """
+    + LOST
+    + """ end
 if cur[1] ~= ARGV[2] then return {'fence', cur[1]} end
 if cur[2] ~= 'reserved' and cur[2] ~= 'writing' then return {'state', cur[2]} end
 if cur[2] == 'writing' and cur[3] ~= ARGV[1] then return {'writer', cur[3]} end
@@ -22,15 +57,20 @@ redis.call('HSET', KEYS[1], 'state', 'writing', 'writer', ARGV[1])
 redis.call('PEXPIRE', KEYS[1], ARGV[3])
 return {'ok', ''}
 """
-HANDOFF = """
+)
+HANDOFF = (
+    """
 local cur = redis.call('HMGET', KEYS[1], 'fence', 'owner')
-if not cur[1] then return {'missing', ''} end
+if not cur[1] then """
+    + LOST
+    + """ end
 if cur[1] ~= ARGV[2] then return {'fence', cur[1]} end
 if cur[2] ~= ARGV[1] then return {'owner', cur[2]} end
 redis.call('HSET', KEYS[1], 'state', 'owned')
 redis.call('PEXPIRE', KEYS[1], ARGV[3])
 return {'ok', ''}
 """
+)
 RENEW = """
 if redis.call('HGET', KEYS[1], 'fence') ~= ARGV[1] then return 0 end
 return redis.call('PEXPIRE', KEYS[1], ARGV[2])
@@ -56,3 +96,27 @@ for _, h in ipairs(members) do redis.call('SREM', ARGV[2] .. h, ARGV[1]) end
 redis.call('DEL', KEYS[1])
 return #members
 """
+# Re-publishes records a worker still holds that Redis lost (never one released or lapsed),
+# once per "since": ARGV[2] is the "since" the worker's last call returned, and records restored
+# then that lapsed later are not brought back. KEYS[1] is "since", KEYS[i + 1] record i;
+# ARGV[1] the lease, then state, owner, fence, blocks of each record in turn.
+# Returns {since, how many it re-created}.
+RESTORE = (
+    "local since_key = KEYS[1]"
+    + SINCE
+    + """
+if since == ARGV[2] then return {since, 0} end
+local restored = 0
+for i = 2, #KEYS do
+  local a = 3 + (i - 2) * 4
+  local lost = tonumber(since) > tonumber(ARGV[a + 2])
+  if lost and redis.call('EXISTS', KEYS[i]) == 0 then
+    redis.call('HSET', KEYS[i], 'state', ARGV[a], 'owner', ARGV[a + 1], 'writer', '',
+               'fence', ARGV[a + 2], 'blocks', ARGV[a + 3])
+    redis.call('PEXPIRE', KEYS[i], ARGV[1])
+    restored = restored + 1
+  end
+end
+return {since, restored}
+"""
+)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from splitserve.engine.errors import FailedPrecondition
+from splitserve.engine.errors import FailedPrecondition, Unavailable
 
 WORKER_KINDS = ("prefill", "decode", "colocated")
 RECORD_STATES = ("reserved", "writing", "owned")
@@ -16,7 +16,16 @@ class RegistryError(FailedPrecondition):
 
 
 class BlockSizeMismatch(RegistryError):
-    """A worker whose KV block size differs from the deployment's."""
+    """A worker whose KV block size (or KV dtype) differs from the deployment's."""
+
+
+class RegistryUnavailable(Unavailable):
+    """Redis did not answer (down, restarting, unreachable) within the call's retry budget."""
+
+
+class RecordLost(RegistryUnavailable):
+    """The record was issued before Redis lost its data (a restart) and its worker has not
+    re-published it yet."""
 
 
 class StaleFenceError(RegistryError):
@@ -42,16 +51,43 @@ class WorkerInfo:
     num_total_blocks: int = 0
     block_size: int = 0  # tokens per KV block (0: not a KV-holding worker)
     kv_transports: tuple[str, ...] = ()  # KV transports it sends or receives with, fastest first
+    # What one request may ask of it (0: not advertised): the gateway refuses more up front.
+    max_num_seqs: int = 0  # sequences it runs at once: a request's n can't exceed it
+    max_model_len: int = 0  # prompt plus generated tokens of one sequence
+    kv_dtype: str = ""  # what its KV blocks hold (wire dtype name; "": not a KV-holding worker)
 
     def __post_init__(self) -> None:
         if not self.worker_id or not self.address:
             raise ValueError("worker_id and address must be non-empty")
         if self.kind not in WORKER_KINDS:
             raise ValueError(f"kind must be one of {WORKER_KINDS}, got {self.kind!r}")
-        for name in ("load", "num_free_blocks", "num_total_blocks", "block_size"):
+        for name in (
+            "load",
+            "num_free_blocks",
+            "num_total_blocks",
+            "block_size",
+            "max_num_seqs",
+            "max_model_len",
+        ):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"{name} must be an int >= 0, got {value!r}")
+
+
+def check_compatible(info: WorkerInfo, other: WorkerInfo) -> None:
+    """Raises BlockSizeMismatch unless `info` can exchange KV blocks with live worker `other`."""
+    if other.block_size and other.block_size != info.block_size:
+        raise BlockSizeMismatch(
+            f"worker {info.worker_id} uses block_size {info.block_size}, but live worker "
+            f"{other.worker_id} uses {other.block_size}; every worker and the gateway of a "
+            "deployment must use one block size"
+        )
+    if other.kv_dtype and info.kv_dtype and other.kv_dtype != info.kv_dtype:
+        raise BlockSizeMismatch(
+            f"worker {info.worker_id} holds KV as {info.kv_dtype}, but live worker "
+            f"{other.worker_id} holds {other.kv_dtype}; KV blocks move between workers as "
+            "stored: use one --kv-cache-dtype"
+        )
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping, Sequence
 from contextlib import AbstractContextManager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import ClassVar, Protocol
 
 from opentelemetry import trace
@@ -43,6 +43,7 @@ class Push:
     dst_block_ids: tuple[int, ...]
     num_tokens: int  # prompt tokens complete on the peer once this push lands
     ready: ReadyBlocks | None = None  # wait for its event before reading the source blocks
+    capability: bytes = b""  # the reservation's (KVDestination.capability); every push carries it
 
     def __post_init__(self) -> None:
         if len(self.src_block_ids) != len(self.dst_block_ids):
@@ -88,6 +89,11 @@ class PushRefused(SplitserveError):
 
 class Landing(Protocol):
     """The decode worker's reservations, as a receiver sees them."""
+
+    def check_capability(self, request_id: str, capability: bytes) -> None:
+        """Raises PushRefused (PERMISSION_DENIED) unless `capability` is the one the
+        reservation of `request_id` was minted with (checked before anything lands)."""
+        ...
 
     def allowed_blocks(self, request_id: str, fence: int) -> frozenset[int]:
         """The destination blocks `request_id` may still write under `fence`; raises
@@ -152,6 +158,18 @@ PushObserver = Callable[[int, float | None, bool], None]
 it, whether it landed)."""
 
 
+@dataclass(frozen=True)
+class ReceiverBind:
+    """Where a receiver that listens on a socket of its own binds (`host`, `port`; port 0 takes
+    a free one) and the host it publishes for senders (`public_host`; default: `host`); a
+    push must carry `cluster_secret` when one is set (`kv_transfer/cluster.py`)."""
+
+    host: str = "127.0.0.1"
+    port: int = 0
+    public_host: str | None = None
+    cluster_secret: str = field(default="", repr=False)
+
+
 class ReceiverFactory(Protocol):
     def __call__(
         self,
@@ -160,6 +178,7 @@ class ReceiverFactory(Protocol):
         worker_id: str,
         tracer: trace.Tracer | None = None,
         on_push: PushObserver | None = None,
+        bind: ReceiverBind | None = None,
     ) -> KVReceiver: ...
 
 
@@ -167,20 +186,31 @@ class ReceiverFactory(Protocol):
 class TransportKind:
     """How to build each half of one transport (loaders, so unused ones are never imported)."""
 
-    sender: Callable[[KVConnector, str], KVSender]  # (connector, worker id)
-    receiver: ReceiverFactory | None  # None: served by the worker's gRPC server
+    sender: Callable[..., KVSender]  # (connector, worker id, cluster secret = "")
+    receiver: ReceiverFactory
 
 
 def _grpc() -> TransportKind:
+    from splitserve.kv_transfer.grpc_receiver import GrpcKVReceiver
     from splitserve.kv_transfer.grpc_transport import GrpcKVSender
 
-    return TransportKind(sender=lambda connector, worker_id: GrpcKVSender(connector), receiver=None)
+    return TransportKind(
+        sender=lambda connector, worker_id, cluster_secret="": GrpcKVSender(
+            connector, cluster_secret=cluster_secret
+        ),
+        receiver=GrpcKVReceiver,
+    )
 
 
 def _nixl() -> TransportKind:
     from splitserve.kv_transfer.nixl_transport import NixlReceiver, NixlSender
 
-    return TransportKind(sender=NixlSender, receiver=NixlReceiver)
+    # NOTE: NIXL notifications reach only agents whose metadata a member published in the
+    # registry; the cluster secret guards the gRPC planes.
+    return TransportKind(
+        sender=lambda connector, worker_id, cluster_secret="": NixlSender(connector, worker_id),
+        receiver=NixlReceiver,
+    )
 
 
 TRANSPORTS: dict[str, Callable[[], TransportKind]] = {"grpc": _grpc, "nixl": _nixl}

@@ -30,7 +30,12 @@ MAX_CHUNK_BYTES = 4 << 20
 """Largest `data` message of a PushBlocks stream (the proto's contract)."""
 
 DTYPES = MappingProxyType(
-    {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+    {
+        "float32": torch.float32,
+        "float16": torch.float16,
+        "bfloat16": torch.bfloat16,
+        "float8_e4m3fn": torch.float8_e4m3fn,  # an FP8 cache (scale 1): the blocks as stored
+    }
 )
 _DTYPE_NAMES = MappingProxyType({v: k for k, v in DTYPES.items()})
 
@@ -111,6 +116,7 @@ def make_header(
     payload_bytes: int,
     checksum: int,
     num_tokens_after: int,
+    capability: bytes = b"",
 ) -> kv_transfer_pb2.KVTransferHeader:
     """Describe a payload of `dst_block_ids` blocks for the receiver."""
     expected = layout.payload_bytes(len(dst_block_ids))
@@ -129,6 +135,7 @@ def make_header(
         layer_start=0,
         layer_end=layout.num_layers,
         dst_block_ids=list(dst_block_ids),
+        capability=capability,
         payload_bytes=payload_bytes,
         crc32c=checksum,
         num_tokens_after=num_tokens_after,

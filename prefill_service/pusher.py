@@ -68,7 +68,9 @@ class Senders:
         with self._lock:
             peer = self._peers.get(key)
         if peer is None or peer.address != destination.address:
-            endpoint = {} if name == "grpc" else self.registry.kv_endpoint(destination.worker_id)
+            endpoint = self.registry.kv_endpoint(destination.worker_id)
+            if endpoint is None and name == "grpc":
+                endpoint = {}  # NOTE: no receiver of its own published: push to its address
             if endpoint is None:
                 raise TransferError(
                     f"{destination.worker_id} published no {name} endpoint in the registry",
@@ -118,7 +120,7 @@ class RequestPusher:
             dst = tuple(self.destination.block_ids[batch.first_index : end])
             push = Push(
                 self.request_id, self.destination.fence, batch.block_ids, dst,
-                batch.num_tokens, batch,
+                batch.num_tokens, batch, self.destination.capability,
             )  # fmt: skip
             result: PushResult = self.route.sender.push(self.route.peer, push, self.timeout_s)
             self.connector.release(self.request_id, batch.block_ids)

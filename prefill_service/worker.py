@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import queue
 import time
 from collections.abc import Callable
@@ -17,7 +18,7 @@ from splitserve.engine.kv_connector import KVOutbox
 from splitserve.engine.llm_engine import LLMEngine
 from splitserve.engine.outputs import RequestOutput
 from splitserve.engine.sampling_params import SamplingParams
-from splitserve.kv_transfer.registry import Registry
+from splitserve.kv_transfer.registry import Registry, RegistryUnavailable
 from splitserve.kv_transfer.transport import TransferError
 from splitserve.prefill_service.observer import PrefillObservation, PrefillObserver
 from splitserve.prefill_service.pusher import RequestPusher, Senders
@@ -181,5 +182,7 @@ class _Lease:
 
     def renew_if_due(self) -> None:
         if time.monotonic() - self._last > self.lease_s / 3:
-            self.registry.renew(self.request_id, self.fence, self.lease_s)
+            # NOTE: a renewal Redis missed is tried again next turn; the lease has room for it.
+            with contextlib.suppress(RegistryUnavailable):
+                self.registry.renew(self.request_id, self.fence, self.lease_s)
             self._last = time.monotonic()

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from splitserve.engine.outputs import RequestOutput, SampledToken
+from splitserve.engine.outputs import RequestOutput, Resume, SampledToken
 from splitserve.engine.sampling_params import SamplingParams
 from splitserve.engine.stats import EngineStats
+from splitserve.engine.structured import StructuredOutput
 from splitserve.protos.v1 import common_pb2, worker_pb2
 
 _OPTIONAL_FIELDS = (
@@ -33,16 +35,19 @@ FINISH_REASONS = {
 }
 
 
-def sampling_from_proto(msg: common_pb2.SamplingParams) -> SamplingParams:
-    """Unset optional fields take SamplingParams' defaults; bad values raise ValueError."""
-    kwargs: dict[str, Any] = {
-        name: getattr(msg, name) for name in _OPTIONAL_FIELDS if msg.HasField(name)
-    }
+def sampling_from_proto(
+    msg: common_pb2.SamplingParams, defaults: Iterable[tuple[str, Any]] = ()
+) -> SamplingParams:
+    """Unset optional fields take `defaults` (the model's generation_config.json), then
+    SamplingParams' own; bad values raise ValueError."""
+    kwargs: dict[str, Any] = dict(defaults)
+    kwargs.update({name: getattr(msg, name) for name in _OPTIONAL_FIELDS if msg.HasField(name)})
     if "temperature" in kwargs:
         # float32 on the wire: 0.7 arrives as 0.699999988; round to what the client meant.
         kwargs["temperature"] = round(kwargs["temperature"], 6)
     kwargs["stop"] = tuple(msg.stop)
     kwargs["stop_token_ids"] = tuple(msg.stop_token_ids)
+    kwargs["structured"] = structured_from_proto(msg)
     return SamplingParams(**kwargs)
 
 
@@ -52,7 +57,35 @@ def sampling_to_proto(params: SamplingParams) -> common_pb2.SamplingParams:
         value = getattr(params, name)
         if value is not None:
             setattr(msg, name, value)
+    structured_to_proto(params.structured, msg)
     return msg
+
+
+def structured_from_proto(msg: common_pb2.SamplingParams) -> StructuredOutput | None:
+    """The `structured` oneof as a spec (validated: a bad one raises InvalidRequest)."""
+    kind = msg.WhichOneof("structured")
+    if kind == "json_schema":
+        return StructuredOutput(json_schema=msg.json_schema)
+    if kind == "regex":
+        return StructuredOutput(regex=msg.regex)
+    if kind == "choice":
+        return StructuredOutput(choice=tuple(msg.choice.choices))
+    if kind == "json_object" and msg.json_object:
+        return StructuredOutput(json_object=True)
+    return None
+
+
+def structured_to_proto(spec: StructuredOutput | None, msg: common_pb2.SamplingParams) -> None:
+    if spec is None:
+        return
+    if spec.json_schema is not None:
+        msg.json_schema = spec.json_schema
+    elif spec.regex is not None:
+        msg.regex = spec.regex
+    elif spec.choice is not None:
+        msg.choice.choices.extend(spec.choice)
+    else:
+        msg.json_object = spec.json_object
 
 
 def logprobs_to_proto(token_id: int, entry: dict[int, float]) -> common_pb2.TokenLogprobs:
@@ -106,6 +139,11 @@ class DeltaTracker:
     def for_params(cls, params: SamplingParams) -> DeltaTracker:
         return cls(holdback=max((len(s) for s in params.stop), default=1) - 1)
 
+    def resume_after(self, resume: worker_pb2.ResumeFrom) -> None:
+        """Stream a resumed sample from where the client's stream broke off."""
+        self._sent_tokens[resume.sample_index] = len(resume.output_token_ids)
+        self._sent_text[resume.sample_index] = resume.num_text_chars
+
     def deltas(self, out: RequestOutput) -> list[common_pb2.SampleDelta]:
         result = []
         for sample in out.outputs:
@@ -124,6 +162,10 @@ class DeltaTracker:
             self._sent_text[sample.index] = max(sent_x, text_end)
             result.append(delta)
         return result
+
+
+def resume_from_proto(msg: worker_pb2.ResumeFrom) -> Resume:
+    return Resume(msg.sample_index, tuple(msg.output_token_ids))
 
 
 def finishes_to_proto(out: RequestOutput) -> list[common_pb2.SampleFinish]:

@@ -20,20 +20,50 @@ import concurrent.futures
 import inspect
 import logging
 import threading
-from collections.abc import Awaitable, Callable, Coroutine, Iterable
+from collections.abc import Awaitable, Callable, Coroutine, Iterable, Sequence
 from typing import Any, TypeVar
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from splitserve.engine.errors import SplitserveError
+from splitserve.engine.errors import SplitserveError, clip
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 MAX_MESSAGE_BYTES = 8 * 1024 * 1024
 DEFAULT_BLOCKING_THREADS = 256
+# NOTE: gRPC binds with SO_REUSEPORT by default: a second server on a port in use would then
+# start too and split the traffic. Off, it fails at start (BindError) instead.
+NO_REUSEPORT = ("grpc.so_reuseport", 0)
+
+
+class BindError(OSError):
+    """A server could not listen on its address (in use, or not this host's)."""
+
+
+def bind(
+    server: grpc.Server | grpc.aio.Server,
+    host: str,
+    port: int,
+    credentials: grpc.ServerCredentials | None = None,
+) -> int:
+    """Listen on host:port (port 0: a free one), with TLS when given `credentials`; the bound
+    port, or BindError."""
+    try:
+        if credentials is not None:
+            bound = server.add_secure_port(f"{host}:{port}", credentials)
+        else:
+            bound = server.add_insecure_port(f"{host}:{port}")
+    except RuntimeError:
+        bound = 0
+    if bound == 0:
+        raise BindError(
+            f"cannot listen on {host}:{port}: the address is in use (another server on this "
+            "port?) or not an address of this host"
+        )
+    return int(bound)
 
 
 def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
@@ -41,12 +71,13 @@ def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
 
     Domain errors (`engine.errors`) carry their status; a worker's status met on a call the
     handler made (a `grpc.RpcError`, `grpc.aio.AioRpcError` included) is passed on as it came.
-    Anything else is a bug here, not the caller's fault: INTERNAL.
+    Anything else is a bug here, not the caller's fault: INTERNAL. The message is clipped to
+    under 1 KiB, whatever it echoes of the request (a client's trailers are limited).
     """
     if isinstance(exc, SplitserveError):
-        return grpc.StatusCode[exc.status], str(exc)
+        return grpc.StatusCode[exc.status], clip(str(exc))
     if isinstance(exc, grpc.RpcError) and callable(getattr(exc, "code", None)):
-        return exc.code(), exc.details() or str(exc)  # type: ignore[attr-defined]
+        return exc.code(), clip(exc.details() or str(exc))  # type: ignore[attr-defined]
     return grpc.StatusCode.INTERNAL, f"internal error ({type(exc).__name__}); see the server log"
 
 
@@ -215,12 +246,16 @@ def start_server(
     host: str = "127.0.0.1",
     port: int = 0,
     blocking_threads: int = DEFAULT_BLOCKING_THREADS,
+    interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
+    credentials: grpc.ServerCredentials | None = None,
 ) -> Server:
     """Start a `grpc.aio` server on a new event loop thread, with health (NOT_SERVING until
     `set_serving`) and reflection; `register` adds the servicers (on the loop's thread).
 
     Port 0 picks a free port; the bound one is returned. `blocking_threads` bounds the loop's
-    default executor, where handlers run what blocks (`asyncio.to_thread`).
+    default executor, where handlers run what blocks (`asyncio.to_thread`). `interceptors`
+    run inside the status interceptor (an authentication check's error becomes its status);
+    `credentials` serve TLS.
     """
     names = list(service_names)
     loop = asyncio.new_event_loop()
@@ -234,10 +269,11 @@ def start_server(
 
     async def start() -> tuple[grpc.aio.Server, int, Any]:
         server = grpc.aio.server(
-            interceptors=[StatusInterceptor()],
+            interceptors=[StatusInterceptor(), *interceptors],
             options=[
                 ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
                 ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+                NO_REUSEPORT,
             ],
         )
         register(server)
@@ -250,9 +286,7 @@ def start_server(
             await _maybe_await(
                 health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
             )
-        bound = server.add_insecure_port(f"{host}:{port}")
-        if bound == 0:
-            raise RuntimeError(f"could not bind {host}:{port}")
+        bound = bind(server, host, port, credentials)
         await server.start()
         return server, bound, health_servicer
 

@@ -156,7 +156,8 @@ class KVTransferMetrics:
 class RoutingMetrics:
     """The gateway's choices of workers: `kind` decode or prefill; `reason` least_loaded,
     prefix_hit (a decode worker chosen for its cached prefix), local (prefilled on the decode
-    worker) or retry (a second prefill worker after a failure)."""
+    worker) or retry (a second prefill worker after a failure). Also the Decode streams moved
+    off a lost decode worker."""
 
     def __init__(self, metrics: Metrics) -> None:
         self.model_name = metrics.model_name
@@ -167,5 +168,16 @@ class RoutingMetrics:
             registry=metrics.registry,
         )
 
+        self._migrations = Counter(
+            "splitserve:stream_migrations",
+            "Decode streams moved to another decode worker after theirs was lost, by reason "
+            "(unavailable: the call failed; stalled: silent with no heartbeat).",
+            ["model_name", "reason"],
+            registry=metrics.registry,
+        )
+
     def decided(self, kind: str, reason: str) -> None:
         self._decisions.labels(self.model_name, kind, reason).inc()
+
+    def migrated(self, reason: str) -> None:
+        self._migrations.labels(self.model_name, reason).inc()

@@ -10,6 +10,8 @@ itself in a new session, which stops it on SIGTERM, or when `up` goes away (its 
 
 from __future__ import annotations
 
+import contextlib
+import os
 import signal
 import subprocess
 import sys
@@ -17,17 +19,25 @@ import threading
 
 from splitserve.kv_transfer.redis_server import RedisServer
 
+PASSWORD_ENV = "REDIS_PASSWORD"
+
 
 class RedisKeeper:
-    """A `RedisServer` in a keeper process; `url` once started, `stop()` to end both."""
+    """A `RedisServer` in a keeper process; `url` once started, `stop()` to end both. With a
+    `password`, Redis requires it (handed over in the keeper's environment, never argv); `url`
+    does not hold it."""
 
-    def __init__(self, startup_timeout_s: float = 30.0) -> None:
+    def __init__(self, startup_timeout_s: float = 30.0, password: str = "") -> None:
+        env = {k: v for k, v in os.environ.items() if k != PASSWORD_ENV}
+        if password:
+            env[PASSWORD_ENV] = password
         self._proc = subprocess.Popen(
             [sys.executable, "-m", "splitserve.runtime.redis_keeper"],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             text=True,
             start_new_session=True,
+            env=env,
         )
         assert self._proc.stdout is not None
         line = self._proc.stdout.readline().strip()
@@ -36,13 +46,21 @@ class RedisKeeper:
             raise RuntimeError(f"the Redis keeper did not start: {line!r}")
         self.url = line
 
+    def terminate(self) -> None:
+        """Ask the keeper to stop Redis and exit, without waiting (`stop` waits)."""
+        if self._proc.poll() is None:
+            self._proc.send_signal(signal.SIGTERM)
+
     def stop(self, timeout_s: float = 10.0) -> None:
+        """SIGTERM the keeper; after `timeout_s`, SIGKILL its whole session (the keeper and its
+        `redis-server`: a killed keeper cannot stop Redis itself)."""
         if self._proc.poll() is None:
             self._proc.send_signal(signal.SIGTERM)
             try:
                 self._proc.wait(timeout_s)
             except subprocess.TimeoutExpired:
-                self._proc.kill()
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(self._proc.pid, signal.SIGKILL)  # NOTE: its own session: pgid = pid
                 self._proc.wait()
 
 
@@ -56,7 +74,7 @@ def main() -> int:
         done.set()
 
     threading.Thread(target=watch_parent, daemon=True).start()
-    with RedisServer() as server:
+    with RedisServer(password=os.environ.get(PASSWORD_ENV, "")) as server:
         print(server.url, flush=True)
         done.wait()
     return 0

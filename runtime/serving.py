@@ -41,6 +41,7 @@ class Running:
     stop: Callable[[], None]
     leave: Callable[[], None] = lambda: None  # leave the registry (workers)
     worker: object = None
+    http_port: int = 0  # the gateway's OpenAI-compatible HTTP API (0: none)
 
     def drain(self, timeout_s: float, interrupt: threading.Event | None = None) -> bool:
         """Refuse new work (health NOT_SERVING), leave the registry, wait for what is in
@@ -65,9 +66,15 @@ class Opened:
         self.metrics.close()
 
 
-def open_service(service: ServiceSettings, specs: Sequence[ServiceSpec]) -> Opened:
+def open_service(
+    service: ServiceSettings,
+    specs: Sequence[ServiceSpec],
+    interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
+    credentials: grpc.ServerCredentials | None = None,
+) -> Opened:
     """Start the service's gRPC server (its own event loop thread; health NOT_SERVING, every
-    method UNAVAILABLE "loading") and its /metrics endpoint."""
+    method UNAVAILABLE "loading") and its /metrics endpoint. `interceptors` check who calls
+    (`runtime/security.py`); `credentials` serve TLS."""
     lifecycle = Lifecycle([spec.name for spec in specs])
     gates = [lifecycle.gate(spec.admitting) for spec in specs]
 
@@ -75,7 +82,14 @@ def open_service(service: ServiceSettings, specs: Sequence[ServiceSpec]) -> Open
         for spec, gate in zip(specs, gates, strict=True):
             spec.add(gate, server)
 
-    server = start_server(register, [s.name for s in specs], service.host, service.port)
+    server = start_server(
+        register,
+        [s.name for s in specs],
+        service.host,
+        service.port,
+        interceptors=interceptors,
+        credentials=credentials,
+    )
     lifecycle.attach(server)
     metrics = Metrics(service.served_model_name)
     try:

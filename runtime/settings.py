@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import socket
 import uuid
 from collections.abc import Mapping
@@ -28,10 +29,18 @@ class ServiceSettings:
     model_name: str = ""  # the served model's name (default: the model directory's name)
     metrics_port: int = 0  # Prometheus /metrics on this port (0: off)
     drain_timeout_s: float = 30.0  # on SIGTERM: how long to wait for requests in flight
+    # How long a registry call on a request's path retries while Redis is unreachable before
+    # the request fails UNAVAILABLE.
+    registry_retry_s: float = 5.0
 
     def __post_init__(self) -> None:
-        if self.metrics_port < 0 or self.drain_timeout_s < 0:
-            raise ValueError("--metrics-port and --drain-timeout-s must not be negative")
+        for name in ("port", "metrics_port"):
+            check_port(f"--{name.replace('_', '-')}", getattr(self, name))
+        for name in ("drain_timeout_s", "registry_retry_s"):
+            value = getattr(self, name)
+            if not math.isfinite(value) or value < 0:
+                flag = f"--{name.replace('_', '-')}"
+                raise ValueError(f"{flag} must be a finite number of seconds >= 0, got {value}")
 
     @property
     def public_host(self) -> str:
@@ -61,19 +70,35 @@ class WorkerSettings:
     heartbeat_ttl_s: float = 3.0
     pdl: bool = True  # programmatic dependent launch in the GPU kernels (SPLITSERVE_PDL=0: off)
     kv_transport: str = "auto"  # auto | nixl | grpc: how KV moves between workers
+    kv_port: int = 0  # a decode worker's gRPC KV receiver port (0: a free one; published)
     # safetensors reads the checkpoint; dummy fills random weights of its shape (benchmarks)
     load_format: str = "safetensors"
+    # FP8 weights: auto runs the checkpoint as stored; fp8 quantizes a 16/32-bit one at load
+    quantization: str = "auto"
+    kv_cache_dtype: str = "auto"  # auto (the model's dtype) | fp8: every worker must agree
 
 
 @dataclass(frozen=True)
 class GatewaySettings:
     max_inflight: int = 256
+    # Requests one API key may have in flight at once (0: only --max-inflight bounds them)
+    max_inflight_per_key: int = 0
     local_prefill_tokens: int = 0
     routing_policy: str = "least-loaded-prefix"
     request_timeout_s: float = 600.0
     block_size: int = 16
     # Prompt tokens given to one prefill worker at once; more requests wait in the gateway
     max_prefill_tokens_per_worker: int = 16384
+    # Deadline of the calls that a healthy worker answers at once (Reserve, Abort)
+    rpc_timeout_s: float = 5.0
+    # A Decode stream silent this long, from a worker whose heartbeat lapsed, moves elsewhere
+    stall_timeout_s: float = 10.0
+    # A worker that missed a deadline gets no new requests for this long (others are live)
+    suspect_s: float = 30.0
+    # How often one stream may move to another decode worker when its own is lost
+    max_migrations: int = 2
+    # The OpenAI-compatible HTTP API on this port, beside gRPC (0: off)
+    http_port: int = 0
 
 
 TRACE_EXPORTERS = ("otlp", "console")
@@ -179,6 +204,12 @@ def _field_type(annotation: Any) -> Any:
     if "float" in text:
         return float
     return str
+
+
+def check_port(flag: str, port: int) -> None:
+    """A TCP port, or 0 for a free one; else ValueError naming the flag."""
+    if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
+        raise ValueError(f"{flag} must be a TCP port, 0 to 65535 (0: a free one), got {port!r}")
 
 
 def default_worker_id(kind: str) -> str:

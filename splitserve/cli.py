@@ -10,17 +10,31 @@ offline            generate in-process with the offline engine
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import os
 import signal
 import sys
 import threading
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 
 
 def _make_tiny_model(args: argparse.Namespace) -> int:
     from splitserve.testing.tiny_model import make_tiny_model
 
+    if args.quantization == "fp8":  # the 32-bit model first, then its FP8 checkpoint over it
+        import tempfile
+
+        from splitserve.testing.fp8_checkpoint import quantize_checkpoint
+
+        with tempfile.TemporaryDirectory() as tmp:
+            src = make_tiny_model(tmp, args.arch, seed=args.seed)
+            path = quantize_checkpoint(src, args.dir)
+        print(
+            f"wrote a tiny random-weight FP8 (compressed-tensors) {args.arch} checkpoint to {path}"
+        )
+        return 0
     path = make_tiny_model(args.dir, args.arch, seed=args.seed, num_shards=args.shards)
     print(f"wrote a tiny random-weight {args.arch} checkpoint to {path}")
     return 0
@@ -38,8 +52,10 @@ def _offline(args: argparse.Namespace) -> int:
 
 def _serve(args: argparse.Namespace, env: Mapping[str, str]) -> int:
     """One service until SIGTERM (or Ctrl-C): then drain, stop, and exit 0. A second signal
-    cuts the drain short."""
+    cuts the drain short. A signal during start-up stops what started and exits 130."""
     from splitserve import services
+    from splitserve.runtime.secrets import with_redis_password
+    from splitserve.runtime.security import security_from_args
     from splitserve.runtime.settings import (
         GatewaySettings,
         ServiceSettings,
@@ -60,18 +76,37 @@ def _serve(args: argparse.Namespace, env: Mapping[str, str]) -> int:
         model=args.model or ensure_default_model(),
         worker_id=args.worker_id or default_worker_id(kind),
     )
+    security = security_from_args(args, env)
+    security.check_exposure(service.host, gateway=args.command == "gateway")
+    # NOTE: the password joins the URL in memory only (never argv, never printed).
+    service = dataclasses.replace(
+        service, redis_url=with_redis_password(service.redis_url, security.redis_password)
+    )
     tracing = make_tracing(TracingSettings.from_env(env), kind, service.worker_id)
     stop, hurry = threading.Event(), threading.Event()
+    starting = [True]
+
+    def on_signal(*_: object) -> None:
+        if starting[0]:
+            raise KeyboardInterrupt  # NOTE: start_* undo what they started, then re-raise
+        (hurry if stop.is_set() else stop).set()
+
     for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: (hurry if stop.is_set() else stop).set())
+        signal.signal(sig, on_signal)
     try:
         if args.command == "gateway":
-            running = services.start_gateway(service, from_args(GatewaySettings, args), tracing)
+            gateway = from_args(GatewaySettings, args)
+            running = services.start_gateway(service, gateway, tracing, security)
         elif args.command == "prefill":
-            running = services.start_prefill(service, from_args(WorkerSettings, args), tracing)
+            worker = from_args(WorkerSettings, args)
+            running = services.start_prefill(service, worker, tracing, security)
         else:
-            running = services.start_decode(service, from_args(WorkerSettings, args), kind, tracing)
+            worker = from_args(WorkerSettings, args)
+            running = services.start_decode(service, worker, kind, tracing, security)
+        starting[0] = False
         print(f"{kind} {service.worker_id} serving on {running.address}", flush=True)
+        if running.http_port:
+            print(f"{kind} OpenAI-compatible HTTP API on port {running.http_port}", flush=True)
         stop.wait()
         print(f"{kind} {service.worker_id} draining", flush=True)
         drained = running.drain(service.drain_timeout_s, hurry)
@@ -83,6 +118,7 @@ def _serve(args: argparse.Namespace, env: Mapping[str, str]) -> int:
 
 
 def _up(args: argparse.Namespace) -> int:
+    from splitserve.runtime.secrets import read_lines_file
     from splitserve.up import StackSettings, run_until_interrupted
 
     return run_until_interrupted(
@@ -95,32 +131,51 @@ def _up(args: argparse.Namespace) -> int:
             metrics=args.metrics,
             drain_timeout_s=args.drain_timeout_s,
             devices=tuple(d for d in args.devices.split(",") if d),
+            http_port=args.http_port,
+            host=args.host,
+            api_keys=read_lines_file(args.api_key_file, "API key") if args.api_key_file else (),
+            tls_cert_file=args.tls_cert_file,
+            tls_key_file=args.tls_key_file,
+            insecure=args.insecure,
         )
     )
 
 
 def _generate(args: argparse.Namespace) -> int:
+    import grpc
+
     from splitserve.client import connect, stream
     from splitserve.engine.sampling_params import SamplingParams
 
-    channel, stub = connect(args.address)
+    ca = Path(args.tls_ca_file).read_bytes() if args.tls_ca_file else None
+    channel, stub = connect(args.address, args.api_key, ca)
     params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens)
     with channel:
-        for msg in stream(stub, args.prompt, params, timeout_s=args.timeout):
-            if msg.HasField("chunk"):
-                print(msg.chunk.text, end="", flush=True)
-            else:
-                usage = msg.finished.usage
-                reason = msg.finished.samples[0].finish_reason if msg.finished.samples else 0
-                print(
-                    f"\n[{usage.prompt_tokens} prompt + {usage.completion_tokens} generated "
-                    f"tokens, {usage.cached_prompt_tokens} cached; finish {reason}]",
-                    file=sys.stderr,
-                )
+        try:
+            responses = stream(stub, args.prompt, params, timeout_s=args.timeout)
+            for msg in responses:
+                if msg.HasField("chunk"):
+                    print(msg.chunk.text, end="", flush=True)
+                else:
+                    usage = msg.finished.usage
+                    reason = msg.finished.samples[0].finish_reason if msg.finished.samples else 0
+                    print(
+                        f"\n[{usage.prompt_tokens} prompt + {usage.completion_tokens} generated "
+                        f"tokens, {usage.cached_prompt_tokens} cached; finish {reason}]",
+                        file=sys.stderr,
+                    )
+        except grpc.RpcError as err:
+            code = err.code()  # type: ignore[attr-defined]
+            why = ((err.details() or "").splitlines() or [""])[0][:300]  # type: ignore[attr-defined]
+            if code == grpc.StatusCode.UNAVAILABLE and ("connect" in why or "resolv" in why):
+                why = f"cannot reach a gateway at {args.address} ({why})"
+            print(f"splitserve generate: error: {code.name}: {why}", file=sys.stderr)
+            return 1
     return 0
 
 
 def build_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
+    from splitserve.runtime.security import add_security_flags
     from splitserve.runtime.settings import (
         GatewaySettings,
         ServiceSettings,
@@ -141,6 +196,12 @@ def build_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
     up.add_argument("--port", type=int, default=0, help="gateway port (0: a free one)")
     up.add_argument("--redis-url", default=env.get("SPLITSERVE_REDIS_URL"))
     up.add_argument(
+        "--http-port",
+        type=int,
+        default=None,
+        help="serve the OpenAI-compatible HTTP API on this port too (0: a free one)",
+    )
+    up.add_argument(
         "--metrics", action="store_true", help="serve /metrics of every service on free ports"
     )
     up.add_argument(
@@ -151,6 +212,23 @@ def build_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
         default=env.get("SPLITSERVE_DEVICES", ""),
         help="comma-separated devices handed to the workers in turn, decode workers first "
         "(e.g. cuda:1,cuda:0 puts decode on GPU 1 and prefill on GPU 0)",
+    )
+    up.add_argument(
+        "--host",
+        default=env.get("SPLITSERVE_HOST", "127.0.0.1"),
+        help="the address every service binds (another than loopback needs --api-key-file)",
+    )
+    up.add_argument(
+        "--api-key-file",
+        default=env.get("SPLITSERVE_API_KEY_FILE"),
+        help="the gateway accepts the API keys in this file, one per line",
+    )
+    up.add_argument("--tls-cert-file", help="the gateway serves TLS with this certificate")
+    up.add_argument("--tls-key-file", help="… and this private key")
+    up.add_argument(
+        "--insecure",
+        action="store_true",
+        help="serve a non-loopback --host without an API key",
     )
     up.set_defaults(func=_up)
 
@@ -165,6 +243,7 @@ def build_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
             add_flags(p, GatewaySettings, env)
         else:
             add_flags(p, WorkerSettings, env)
+        add_security_flags(p, env, gateway=name == "gateway")
         if name == "decode":
             p.add_argument("--colocated", action="store_true", help="also prefill (no P workers)")
         p.set_defaults(func=lambda args: _serve(args, env))
@@ -172,6 +251,12 @@ def build_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
     gen = sub.add_parser("generate", help="stream a reply from a running gateway")
     gen.add_argument("prompt")
     gen.add_argument("--address", default=env.get("SPLITSERVE_ADDRESS", "127.0.0.1:50051"))
+    gen.add_argument(
+        "--api-key",
+        default=env.get("SPLITSERVE_API_KEY"),
+        help="sent as 'authorization: Bearer <key>' (or SPLITSERVE_API_KEY)",
+    )
+    gen.add_argument("--tls-ca-file", help="connect with TLS, trusting this CA (PEM)")
     gen.add_argument("--max-tokens", type=int, default=64)
     gen.add_argument("--temperature", type=float, default=0.0)
     gen.add_argument("--timeout", type=float, default=120.0)
@@ -182,6 +267,9 @@ def build_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
     tiny.add_argument("--arch", choices=SUPPORTED_TINY_ARCHS, default="llama")
     tiny.add_argument("--seed", type=int, default=0)
     tiny.add_argument("--shards", type=int, default=1, help="split the weights into N files")
+    tiny.add_argument(
+        "--quantization", choices=("none", "fp8"), default="none", help="fp8: compressed-tensors"
+    )
     tiny.set_defaults(func=_make_tiny_model)
 
     offline = sub.add_parser("offline", help="generate in-process with the offline engine")
@@ -195,17 +283,35 @@ def build_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """Errors a user can fix (a bad flag or SPLITSERVE_* value, a port in use, a stack that did
+    not start, Redis unreachable) are one line on stderr, exit code 2 (1 for the last two);
+    Ctrl-C is 130."""
+    from splitserve.engine.errors import SplitserveError
+    from splitserve.runtime.grpc_server import BindError
+    from splitserve.up import StackError
+
     env = dict(os.environ)
-    logging.basicConfig(
-        level=env.get("SPLITSERVE_LOG_LEVEL", "WARNING"),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
-    args = build_parser(env).parse_args(argv)
+    command = "splitserve"
     try:
+        level = env.get("SPLITSERVE_LOG_LEVEL", "WARNING")
+        try:
+            logging.basicConfig(
+                level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+            )
+        except ValueError:
+            raise ValueError(f"SPLITSERVE_LOG_LEVEL={level!r}: not a logging level") from None
+        args = build_parser(env).parse_args(argv)
+        command = f"splitserve {args.command}"
         return int(args.func(args))
-    except ValueError as exc:
-        print(f"splitserve {args.command}: error: {exc}", file=sys.stderr)
+    except (ValueError, BindError) as exc:
+        print(f"{command}: error: {exc}", file=sys.stderr)
         return 2
+    except (StackError, SplitserveError) as exc:  # e.g. Redis unreachable at start
+        print(f"{command}: error: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print(f"{command}: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

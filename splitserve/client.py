@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections import namedtuple
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
@@ -52,6 +53,49 @@ def collect(responses: Iterator[gateway_pb2.GenerateResponse]) -> Completion:
     return done
 
 
-def connect(address: str) -> tuple[grpc.Channel, gateway_pb2_grpc.GatewayStub]:
-    channel = grpc.insecure_channel(address)
+def connect(
+    address: str, api_key: str | None = None, root_certificates: bytes | None = None
+) -> tuple[grpc.Channel, gateway_pb2_grpc.GatewayStub]:
+    """A channel to a gateway: TLS when given the CA's `root_certificates` (PEM), and every
+    call carrying `authorization: Bearer <api_key>` when given a key."""
+    channel = (
+        grpc.secure_channel(address, grpc.ssl_channel_credentials(root_certificates))
+        if root_certificates is not None
+        else grpc.insecure_channel(address)
+    )
+    if api_key:
+        channel = grpc.intercept_channel(channel, BearerKey(api_key))
     return channel, gateway_pb2_grpc.GatewayStub(channel)
+
+
+class BearerKey(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor):
+    """Adds `authorization: Bearer <key>` to every call."""
+
+    def __init__(self, key: str) -> None:
+        self._pair = ("authorization", f"Bearer {key}")
+
+    def _details(self, details: grpc.ClientCallDetails) -> grpc.ClientCallDetails:
+        return _CallDetails(
+            details.method,
+            details.timeout,
+            (*(details.metadata or ()), self._pair),
+            details.credentials,
+            getattr(details, "wait_for_ready", None),
+            getattr(details, "compression", None),
+        )
+
+    def intercept_unary_unary(self, continuation, client_call_details, request):
+        return continuation(self._details(client_call_details), request)
+
+    def intercept_unary_stream(self, continuation, client_call_details, request):
+        return continuation(self._details(client_call_details), request)
+
+
+class _CallDetails(
+    namedtuple(
+        "_CallDetails",
+        ("method", "timeout", "metadata", "credentials", "wait_for_ready", "compression"),
+    ),
+    grpc.ClientCallDetails,
+):
+    pass

@@ -19,6 +19,7 @@ from splitserve.kv_transfer.transport import (
     KVSender,
     Landing,
     PushObserver,
+    ReceiverBind,
     transport_kind,
 )
 
@@ -40,32 +41,34 @@ def start_receivers(
     worker_id: str,
     tracer: trace.Tracer | None = None,
     on_push: PushObserver | None = None,
+    bind: ReceiverBind | None = None,
 ) -> tuple[list[KVReceiver], tuple[str, ...]]:
-    """The receivers started (gRPC needs none: the worker's server serves it) and the names
-    offered, fastest first."""
+    """The receivers started and the names offered, fastest first. `bind` is where a receiver
+    with a socket of its own (gRPC) listens."""
     receivers: list[KVReceiver] = []
     offered: list[str] = []
     for name in _names(choice):
         kind = transport_kind(name)
-        if kind.receiver is not None:
-            try:
-                receivers.append(kind.receiver(connector, landing, worker_id, tracer, on_push))
-            except Exception as exc:
-                if choice != "auto":
-                    raise RuntimeError(f"KV transport {name} could not start: {exc}") from exc
-                log.warning("KV transport %s could not start (%s); not offering it", name, exc)
-                continue
+        try:
+            receivers.append(kind.receiver(connector, landing, worker_id, tracer, on_push, bind))
+        except Exception as exc:
+            if choice != "auto":
+                raise RuntimeError(f"KV transport {name} could not start: {exc}") from exc
+            log.warning("KV transport %s could not start (%s); not offering it", name, exc)
+            continue
         offered.append(name)
     log.warning("%s receives KV with %s", worker_id, ", ".join(offered))
     return receivers, tuple(offered)
 
 
-def start_senders(choice: str, connector: KVConnector, worker_id: str) -> dict[str, KVSender]:
-    """This worker's senders by name, fastest first."""
+def start_senders(
+    choice: str, connector: KVConnector, worker_id: str, cluster_secret: str = ""
+) -> dict[str, KVSender]:
+    """This worker's senders by name, fastest first; pushes carry `cluster_secret` (if any)."""
     senders: dict[str, KVSender] = {}
     for name in _names(choice):
         try:
-            senders[name] = transport_kind(name).sender(connector, worker_id)
+            senders[name] = transport_kind(name).sender(connector, worker_id, cluster_secret)
         except Exception as exc:
             if choice != "auto":
                 raise RuntimeError(f"KV transport {name} could not start: {exc}") from exc

@@ -14,14 +14,16 @@ from splitserve.decode_service.worker import DecodeSettings, DecodeWorker
 from splitserve.engine.engine_loop import EngineLoop
 from splitserve.engine.model_config import ModelConfig
 from splitserve.engine.tokenizer import load_tokenizer
+from splitserve.gateway.http_server import Authorize, HttpFrontDoor, create_app
+from splitserve.gateway.migration import FailoverSettings
 from splitserve.gateway.observability import GatewayObserver
 from splitserve.gateway.orchestrator import Orchestrator, OrchestratorSettings
 from splitserve.gateway.router import make_policy
 from splitserve.gateway.servicer import GatewayServicer, ModelInfo
-from splitserve.kv_transfer.grpc_codec import add_kv_transfer_servicer
-from splitserve.kv_transfer.grpc_transport import KVTransferServicer
+from splitserve.gateway.stubs import Stubs
 from splitserve.kv_transfer.presence import Presence
 from splitserve.kv_transfer.registry import Registry
+from splitserve.kv_transfer.transport import ReceiverBind
 from splitserve.kv_transports import start_receivers, start_senders
 from splitserve.prefill_service.observed_transport import ObservedSender
 from splitserve.prefill_service.observer import PrefillObserver
@@ -29,9 +31,12 @@ from splitserve.prefill_service.pusher import Senders
 from splitserve.prefill_service.servicer import PrefillServicer
 from splitserve.prefill_service.worker import PrefillSettings, PrefillWorker
 from splitserve.protos.v1 import gateway_pb2_grpc, worker_pb2_grpc
+from splitserve.runtime.auth import member_channel_interceptors
 from splitserve.runtime.engine_metrics import EngineCollector
+from splitserve.runtime.lifecycle import State
 from splitserve.runtime.metrics import KVTransferMetrics, RequestMetrics, RoutingMetrics
-from splitserve.runtime.serving import Running, ServiceSpec, open_service
+from splitserve.runtime.security import Security
+from splitserve.runtime.serving import Opened, Running, ServiceSpec, open_service
 from splitserve.runtime.settings import GatewaySettings, ServiceSettings, WorkerSettings
 from splitserve.runtime.tracing import Tracing
 from splitserve.workers import build_engine, worker_info
@@ -39,7 +44,6 @@ from splitserve.workers import build_engine, worker_info
 GATEWAY_SERVICE = "splitserve.v1.Gateway"
 PREFILL_SERVICE = "splitserve.v1.PrefillWorker"
 DECODE_SERVICE = "splitserve.v1.DecodeWorker"
-KV_SERVICE = "splitserve.v1.KVTransfer"
 
 
 def start_decode(
@@ -47,23 +51,25 @@ def start_decode(
     worker: WorkerSettings,
     kind: str = "decode",
     tracing: Tracing | None = None,
+    security: Security | None = None,
 ) -> Running:
     """A decode worker (kind "decode"), or a colocated one that also prefills ("colocated")."""
     tracing = tracing or Tracing.disabled()
+    security = security or Security()
     opened = open_service(
         service,
         [
             ServiceSpec(
                 DECODE_SERVICE, worker_pb2_grpc.add_DecodeWorkerServicer_to_server, ("Reserve",)
             ),
-            ServiceSpec(KV_SERVICE, add_kv_transfer_servicer),
         ],
+        interceptors=security.worker_interceptors(),
     )
     address, metrics = opened.address, opened.metrics
     try:
         engine = build_engine(service, worker, record_prefix_events=True)
         loop = EngineLoop(engine).start()
-        registry = Registry(service.redis_url)
+        registry = Registry(service.redis_url, retry_s=service.registry_retry_s)
         reservations = ReservationBook()
         tracer = tracing.tracer if tracing.enabled else None
         received = KVTransferMetrics(metrics)
@@ -77,6 +83,9 @@ def start_decode(
                 service.worker_id,
                 tracer,
                 received.observe,
+                ReceiverBind(
+                    service.host, worker.kv_port, service.public_host, security.cluster_secret
+                ),
             )
         )
         decode = DecodeWorker(
@@ -93,19 +102,17 @@ def start_decode(
         )
         observer = DecodeObserver(tracing, requests, metrics.model_name)
         opened.gates[0].bind(DecodeServicer(decode, observer))
-        opened.gates[1].bind(
-            KVTransferServicer(engine.kv_connector, reservations, tracer, received.observe)
-        )
         endpoint = {k: v for r in receivers for k, v in r.endpoint().items()}
         presence = Presence(
             registry,
             lambda: worker_info(
-                kind, service.worker_id, address, loop.call(lambda e: e.stats()), offered
+                kind, service.worker_id, address, loop.call(lambda e: e.stats()), offered, engine
             ),
             ttl_s=worker.heartbeat_ttl_s,
             interval_s=worker.heartbeat_ttl_s / 6,
             on_tick=decode.housekeeping,
             kv_endpoint=endpoint,
+            on_rejoin=decode.republish_prefix_index,
         ).start()
     except BaseException:
         opened.close()
@@ -129,9 +136,13 @@ def start_decode(
 
 
 def start_prefill(
-    service: ServiceSettings, worker: WorkerSettings, tracing: Tracing | None = None
+    service: ServiceSettings,
+    worker: WorkerSettings,
+    tracing: Tracing | None = None,
+    security: Security | None = None,
 ) -> Running:
     tracing = tracing or Tracing.disabled()
+    security = security or Security()
     opened = open_service(
         service,
         [
@@ -139,18 +150,22 @@ def start_prefill(
                 PREFILL_SERVICE, worker_pb2_grpc.add_PrefillWorkerServicer_to_server, ("Prefill",)
             )
         ],
+        interceptors=security.worker_interceptors(),
     )
     address, metrics = opened.address, opened.metrics
     try:
         engine = build_engine(service, worker)
         loop = EngineLoop(engine).start()
-        registry = Registry(service.redis_url)
+        registry = Registry(service.redis_url, retry_s=service.registry_retry_s)
         transfer_metrics = KVTransferMetrics(metrics)
         senders = Senders(
             {
                 name: ObservedSender(sender, tracing, transfer_metrics)
                 for name, sender in start_senders(
-                    worker.kv_transport, engine.kv_connector, service.worker_id
+                    worker.kv_transport,
+                    engine.kv_connector,
+                    service.worker_id,
+                    security.cluster_secret,
                 ).items()
             },
             registry,
@@ -172,7 +187,12 @@ def start_prefill(
         presence = Presence(
             registry,
             lambda: worker_info(
-                "prefill", service.worker_id, address, loop.call(lambda e: e.stats()), senders.names
+                "prefill",
+                service.worker_id,
+                address,
+                loop.call(lambda e: e.stats()),
+                senders.names,
+                engine,
             ),
             ttl_s=worker.heartbeat_ttl_s,
             interval_s=worker.heartbeat_ttl_s / 6,
@@ -196,9 +216,13 @@ def start_prefill(
 
 
 def start_gateway(
-    service: ServiceSettings, gateway: GatewaySettings, tracing: Tracing | None = None
+    service: ServiceSettings,
+    gateway: GatewaySettings,
+    tracing: Tracing | None = None,
+    security: Security | None = None,
 ) -> Running:
     tracing = tracing or Tracing.disabled()
+    security = security or Security()
     opened = open_service(
         service,
         [
@@ -206,12 +230,14 @@ def start_gateway(
                 GATEWAY_SERVICE, gateway_pb2_grpc.add_GatewayServicer_to_server, ("Generate",)
             )
         ],
+        interceptors=security.gateway_interceptors(),
+        credentials=security.server_credentials(),
     )
     metrics = opened.metrics
     try:
         model_config = ModelConfig.from_pretrained(service.model)
         tokenizer = load_tokenizer(service.model)
-        registry = Registry(service.redis_url)
+        registry = Registry(service.redis_url, retry_s=service.registry_retry_s)
         orchestrator = Orchestrator(
             registry,
             make_policy(gateway.routing_policy),
@@ -220,7 +246,14 @@ def start_gateway(
                 local_prefill_tokens=gateway.local_prefill_tokens,
                 default_timeout_s=gateway.request_timeout_s,
                 max_prefill_tokens_per_worker=gateway.max_prefill_tokens_per_worker,
+                failover=FailoverSettings(
+                    rpc_timeout_s=gateway.rpc_timeout_s,
+                    stall_timeout_s=gateway.stall_timeout_s,
+                    suspect_s=gateway.suspect_s,
+                    max_migrations=gateway.max_migrations,
+                ),
             ),
+            stubs=Stubs(member_channel_interceptors(security.cluster_secret)),
         )
         info = ModelInfo(
             name=service.served_model_name,
@@ -235,10 +268,20 @@ def start_gateway(
         )
         observer = GatewayObserver(tracing, requests, RoutingMetrics(metrics), info.name)
         opened.gates[0].bind(
-            GatewayServicer(orchestrator, tokenizer, info, gateway.max_inflight, observer)
+            GatewayServicer(
+                orchestrator,
+                tokenizer,
+                info,
+                gateway.max_inflight,
+                observer,
+                max_inflight_per_key=gateway.max_inflight_per_key,
+            )
         )
         # NOTE: its channels to the workers live on the server's loop: closed there, at stop.
         opened.server.on_stop(orchestrator.close)
+        http = start_http(
+            opened, tokenizer, info, service.host, gateway.http_port, security.http_authorize()
+        )
     except BaseException:
         opened.close()
         raise
@@ -246,10 +289,45 @@ def start_gateway(
 
     def stop() -> None:
         opened.lifecycle.start_draining()
+        if http is not None:
+            http.stop(opened.server)
         opened.server.stop()
         registry.close()
         metrics.close()
 
     return Running(
-        opened.server, opened.address, opened.lifecycle, metrics, stop, worker=orchestrator
+        opened.server,
+        opened.address,
+        opened.lifecycle,
+        metrics,
+        stop,
+        worker=orchestrator,
+        http_port=http.port if http is not None else 0,
     )
+
+
+def start_http(
+    opened: Opened,
+    tokenizer: object,
+    info: ModelInfo,
+    host: str,
+    port: int,
+    authorize: Authorize | None = None,
+) -> HttpFrontDoor | None:
+    """The OpenAI-compatible HTTP API beside the gRPC one (None when `port` is 0): it calls
+    the same Gateway servicer, through the same lifecycle gate, on the same event loop, and
+    checks the same API keys (`authorize`)."""
+    if not port:
+        return None
+    gate = opened.gates[0]
+    lifecycle = opened.lifecycle
+    app = create_app(
+        lambda request, call: gate.Generate(request, call),
+        info,
+        tokenizer,
+        lambda: lifecycle.state is State.SERVING,
+        authorize,
+    )
+    http = HttpFrontDoor(app, host, port)
+    http.start(opened.server)
+    return http

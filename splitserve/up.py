@@ -4,7 +4,9 @@ Starts its own `redis-server` on a free port unless given a URL (in a session of
 the services: see `redis_keeper`), builds the tiny default model
 if none is given, waits until every worker has registered and the gateway is serving, prints
 the address, and on Ctrl-C (or SIGTERM) stops everything it started: the gateway first (it
-drains: the requests in flight finish), then the workers (they drain too).
+drains: the requests in flight finish), then the workers (they drain too). A second Ctrl-C cuts
+the drains short: every service gets its second signal and `HURRY_S` to exit, then is killed.
+A Ctrl-C during start-up stops what has started.
 
 Every service gets an explicit free port (and, with `metrics`, a free /metrics port), so that
 its health can be watched from the moment it starts.
@@ -29,6 +31,16 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from splitserve.kv_transfer.registry import Registry
 from splitserve.runtime.redis_keeper import RedisKeeper
+from splitserve.runtime.secrets import redacted_url, with_redis_password
+from splitserve.runtime.security import is_loopback
+from splitserve.runtime.settings import check_port
+from splitserve.runtime.stack_secrets import StackSecrets
+
+HURRY_S = 0.5  # after a second Ctrl-C: how long services get to exit before they are killed
+
+
+class StackError(RuntimeError):
+    """The stack could not start (a port in use, a service that exited during start-up)."""
 
 
 @dataclass(frozen=True)
@@ -48,10 +60,27 @@ class StackSettings:
     # Devices handed to the workers in turn, decode (or colocated) workers first, then prefill
     # ones; empty: each worker picks (the GPU when there is one).
     devices: tuple[str, ...] = ()
+    # The gateway's OpenAI-compatible HTTP API on this port (0: a free one; None: off).
+    http_port: int | None = None
+    # Security (docs/deploy.md). The gateway's API keys (handed over in a file) and TLS files;
+    # a fresh cluster secret between the services (None: when `host` is not loopback or keys
+    # are given); Redis, when started here, always gets a fresh password. `insecure`: serve
+    # a host other than loopback without API keys.
+    api_keys: tuple[str, ...] = field(default=(), repr=False)
+    tls_cert_file: str | None = None
+    tls_key_file: str | None = None
+    cluster_secret: bool | None = None
+    insecure: bool = False
 
     def __post_init__(self) -> None:
         if self.prefill < 0 or self.decode < 1:
             raise ValueError("need --decode >= 1 and --prefill >= 0 (0 means colocated)")
+        if not (is_loopback(self.host) or self.api_keys or self.insecure):
+            raise ValueError(
+                f"--host {self.host} would serve anyone who can reach it: give --api-key-file "
+                "(and --tls-cert-file/--tls-key-file), or --insecure to serve without a key"
+            )
+        check_port("--port", self.port)
 
 
 @dataclass
@@ -65,30 +94,60 @@ class Stack:
     redis: RedisKeeper | None = None
     ports: dict[str, int] = field(default_factory=dict)  # "decode-0", "gateway" … -> gRPC port
     metrics_ports: dict[str, int] = field(default_factory=dict)  # the same names -> /metrics
+    http_url: str | None = None  # the OpenAI-compatible API's base URL, e.g. http://host:port/v1
     stop_timeout_s: float = 35.0
+    secrets: StackSecrets | None = None  # the services' shared secrets (files of its own)
 
     def process(self, name: str) -> subprocess.Popen:
         """The process of service `name` ("gateway", "decode-0", "prefill-1", …)."""
         return next(p for p in self.processes if _service_id(p) == name)
 
-    def stop(self, timeout_s: float | None = None) -> None:
+    def stop(self, timeout_s: float | None = None, hurry: threading.Event | None = None) -> None:
         """SIGTERM the gateway and wait for it to drain, then the workers; kill what is still
-        running after `timeout_s`."""
+        running after `timeout_s`. Once `hurry` is set, every service gets a second SIGTERM
+        (which cuts its drain short) and `HURRY_S` to exit before it is killed."""
         deadline = time.monotonic() + (timeout_s or self.stop_timeout_s)
+        hurry = hurry or threading.Event()
         gateways = [p for p in self.processes if _name(p) == "gateway"]
         workers = [p for p in self.processes if _name(p) != "gateway"]
         for group in (gateways, workers):
-            for proc in group:
-                if proc.poll() is None:
-                    proc.send_signal(signal.SIGTERM)
-            for proc in group:
-                try:
-                    proc.wait(max(0.1, deadline - time.monotonic()))
-                except subprocess.TimeoutExpired:
-                    proc.kill()
-                    proc.wait()
+            _signal(group)
+            _wait(group, deadline, hurry)
+            if hurry.is_set():
+                break
+            _kill(group)
+        if hurry.is_set():
+            _signal(workers)  # NOTE: a first signal for any not yet stopping, so that …
+            time.sleep(0.1)
+            _signal(self.processes)  # … this second one cuts every drain short
+            if self.redis is not None:
+                self.redis.terminate()  # NOTE: meanwhile, not after
+            _wait(self.processes, time.monotonic() + HURRY_S, threading.Event())
+            _kill(self.processes)
         if self.redis is not None:
-            self.redis.stop()
+            self.redis.stop(0.5 if hurry.is_set() else 10.0)
+        if self.secrets is not None:
+            self.secrets.close()
+
+
+def _signal(procs: list[subprocess.Popen]) -> None:
+    for proc in procs:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+
+
+def _wait(procs: list[subprocess.Popen], deadline: float, hurry: threading.Event) -> None:
+    """Until every process has exited, `deadline` passed or `hurry` is set."""
+    while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
+        if hurry.wait(0.05):
+            return
+
+
+def _kill(procs: list[subprocess.Popen]) -> None:
+    for proc in procs:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait()
 
 
 def _name(proc: subprocess.Popen) -> str:
@@ -130,26 +189,44 @@ def _new_port(host: str, taken: set[int]) -> int:
     return port
 
 
-def start_stack(settings: StackSettings, wait: bool = True) -> Stack:
-    """Start the stack; with `wait`, return once it is ready (else call `wait_ready`)."""
+def start_stack(
+    settings: StackSettings, wait: bool = True, interrupt: threading.Event | None = None
+) -> Stack:
+    """Start the stack; with `wait`, return once it is ready (else call `wait_ready`).
+
+    Raises StackError if `settings.port` is in use, and KeyboardInterrupt once `interrupt` is
+    set while waiting (what started is stopped either way)."""
+    if settings.port and not _can_listen(settings.host, settings.port):
+        raise StackError(
+            f"port {settings.port} on {settings.host} is in use (another splitserve, or another "
+            "server?); stop it or pick another --port"
+        )
     model = settings.model or ensure_default_model()
     redis = None
     redis_url = settings.redis_url
+    secrets = StackSecrets.fresh(
+        settings.api_keys,
+        settings.cluster_secret,
+        own_redis=redis_url is None,
+        loopback=is_loopback(settings.host),
+    )
     if redis_url is None:
-        redis = RedisKeeper()
+        redis = RedisKeeper(password=secrets.redis_password)
         redis_url = redis.url
     port = settings.port or free_port(settings.host)
     stack = Stack(
         f"{settings.host}:{port}",
-        redis_url,
+        with_redis_password(redis_url, secrets.redis_password),  # NOTE: in memory only
         model,
         redis=redis,
         stop_timeout_s=settings.drain_timeout_s + 5.0,
+        secrets=secrets,
     )
     env = {**os.environ, **settings.env}
     common = [
         "--model", model, "--redis-url", redis_url, "--host", settings.host,
         "--drain-timeout-s", str(settings.drain_timeout_s),
+        *(["--insecure"] if settings.insecure else []),
     ]  # fmt: skip
     decode_kind = ["--colocated"] if settings.prefill == 0 else []
     services = [
@@ -166,10 +243,17 @@ def start_stack(settings: StackSettings, wait: bool = True) -> Stack:
         for i, (kind, name, extra) in enumerate(services):
             stack.ports[name] = port if kind == "gateway" else _new_port(settings.host, taken)
             args = [kind, *common, "--port", str(stack.ports[name])]
+            if kind == "gateway" and settings.tls_cert_file and settings.tls_key_file:
+                args += ["--tls-cert-file", settings.tls_cert_file]
+                args += ["--tls-key-file", settings.tls_key_file]
             if kind != "gateway":
                 args += ["--worker-id", name]
                 if settings.devices:
                     args += ["--device", settings.devices[i % len(settings.devices)]]
+            if kind == "gateway" and settings.http_port is not None:
+                http_port = settings.http_port or _new_port(settings.host, taken)
+                args += ["--http-port", str(http_port)]
+                stack.http_url = f"http://{settings.host}:{http_port}/v1"
             if settings.metrics:
                 stack.metrics_ports[name] = _new_port(settings.host, taken)
                 args += ["--metrics-port", str(stack.metrics_ports[name])]
@@ -178,43 +262,73 @@ def start_stack(settings: StackSettings, wait: bool = True) -> Stack:
             stack.processes.append(
                 subprocess.Popen(
                     [sys.executable, "-m", "splitserve.cli", *args, *extra],
-                    env=env,
+                    env={**env, **secrets.service_env(gateway=kind == "gateway")},
                     start_new_session=True,
                 )
             )
         if wait:
-            wait_ready(stack, settings)
+            wait_ready(stack, settings, interrupt)
     except BaseException:
-        stack.stop()
+        stack.stop(settings.drain_timeout_s + 5.0, interrupt)
         raise
     return stack
 
 
-def wait_ready(stack: Stack, settings: StackSettings) -> None:
-    """Until every worker has registered and the gateway is SERVING."""
+def _can_listen(host: str, port: int) -> bool:
+    with socket.socket() as sock:
+        try:
+            sock.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
+def wait_ready(
+    stack: Stack, settings: StackSettings, interrupt: threading.Event | None = None
+) -> None:
+    """Until every worker has registered and the gateway is SERVING; KeyboardInterrupt once
+    `interrupt` is set."""
     registry = Registry(stack.redis_url)
     deadline = time.monotonic() + settings.startup_timeout_s
     decode_kind = "colocated" if settings.prefill == 0 else "decode"
     try:
         while time.monotonic() < deadline:
-            dead = [_name(p) for p in stack.processes if p.poll() is not None]
+            if interrupt is not None and interrupt.is_set():
+                raise KeyboardInterrupt
+            dead = [_service_id(p) for p in stack.processes if p.poll() is not None]
             if dead:
-                raise RuntimeError(f"service(s) exited during start-up: {dead}")
+                raise StackError(
+                    f"{', '.join(dead)} exited during start-up (its error is above); "
+                    "stopped the rest"
+                )
             ready = (
                 len(registry.live_workers(decode_kind)) >= settings.decode
                 and len(registry.live_workers("prefill")) >= settings.prefill
-                and _serving(stack.address)
+                and _serving(stack.address, _tls_roots(settings))
             )
             if ready:
                 return
             time.sleep(0.2)
-        raise TimeoutError(f"the stack was not ready within {settings.startup_timeout_s:.0f} s")
+        raise StackError(f"the stack was not ready within {settings.startup_timeout_s:.0f} s")
     finally:
         registry.close()
 
 
-def _serving(address: str) -> bool:
-    with grpc.insecure_channel(address) as channel:
+def _tls_roots(settings: StackSettings) -> bytes | None:
+    """What the readiness probe trusts on a TLS gateway: its certificate file (the chain up
+    to its CA)."""
+    if not (settings.tls_cert_file and settings.tls_key_file):
+        return None
+    return Path(settings.tls_cert_file).read_bytes()
+
+
+def _serving(address: str, tls_roots: bytes | None = None) -> bool:
+    channel = (
+        grpc.secure_channel(address, grpc.ssl_channel_credentials(tls_roots))
+        if tls_roots is not None
+        else grpc.insecure_channel(address)
+    )
+    with channel:
         try:
             reply = health_pb2_grpc.HealthStub(channel).Check(
                 health_pb2.HealthCheckRequest(service=""), timeout=1.0
@@ -225,16 +339,30 @@ def _serving(address: str) -> bool:
 
 
 def run_until_interrupted(settings: StackSettings) -> int:
-    stop = threading.Event()
+    """Serve until Ctrl-C (or SIGTERM), then stop in order; a second one cuts the drains
+    short. Ctrl-C during start-up stops what started and raises KeyboardInterrupt."""
+    stop, hurry = threading.Event(), threading.Event()
+
+    def on_signal(*_: object) -> None:
+        (hurry if stop.is_set() else stop).set()
+
     for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
+        signal.signal(sig, on_signal)
     print(
         f"starting splitserve: {settings.prefill} prefill, {settings.decode} decode …", flush=True
     )
-    stack = start_stack(settings)
+    stack = start_stack(settings, interrupt=stop)
     print(
-        f"splitserve is serving on {stack.address} (model {stack.model}, redis {stack.redis_url})"
+        f"splitserve is serving on {stack.address} (model {stack.model}, "
+        f"redis {redacted_url(stack.redis_url)})"
     )
+    if not settings.api_keys:
+        where = " (loopback only)" if is_loopback(settings.host) else ""
+        print(f"  no API key: anyone who can reach {settings.host} may use it{where}")
+    elif not settings.tls_cert_file:
+        print("  API keys required; no TLS (give --tls-cert-file/--tls-key-file)")
+    if stack.http_url:
+        print(f"  OpenAI-compatible API: {stack.http_url}")
     for name, port in stack.metrics_ports.items():
         print(f"  {name} metrics: http://{settings.host}:{port}/metrics")
     print("press Ctrl-C to stop", flush=True)
@@ -245,7 +373,12 @@ def run_until_interrupted(settings: StackSettings) -> int:
                 print(f"service(s) exited: {dead}; shutting down", file=sys.stderr)
                 return 1
     finally:
-        print("stopping …", flush=True)
-        stack.stop()
-        print("stopped", flush=True)
+        print("stopping … (Ctrl-C again to cut the drain short)", flush=True)
+        stack.stop(hurry=hurry)
+        print("stopped" if not hurry.is_set() else "stopped (drain cut short)", flush=True)
+        if hurry.is_set():
+            # NOTE: everything started here is stopped; what is left is the interpreter's own
+            # shutdown, where gRPC's core alone can take seconds: a second Ctrl-C skips it.
+            sys.stderr.flush()
+            os._exit(0)
     return 0

@@ -5,18 +5,22 @@ from __future__ import annotations
 
 from splitserve.engine.config import EngineConfig
 from splitserve.engine.llm_engine import LLMEngine
+from splitserve.engine.model_config import ModelConfig
 from splitserve.engine.platform import resolve_device, resolve_dtype
 from splitserve.engine.stats import EngineStats
 from splitserve.kv_transfer.registry import WorkerInfo
 from splitserve.runtime.settings import ServiceSettings, WorkerSettings
 
 
-def engine_config(worker: WorkerSettings, record_prefix_events: bool = False) -> EngineConfig:
-    """The engine settings a worker's flags (or SPLITSERVE_* variables) ask for."""
+def engine_config(
+    worker: WorkerSettings, record_prefix_events: bool = False, checkpoint_dtype: str | None = None
+) -> EngineConfig:
+    """The engine settings a worker's flags (or SPLITSERVE_* variables) ask for; `--dtype auto`
+    follows the checkpoint's `checkpoint_dtype`."""
     device = resolve_device(worker.device)
     return EngineConfig(
         record_prefix_events=record_prefix_events,
-        dtype=resolve_dtype(worker.dtype, device),
+        dtype=resolve_dtype(worker.dtype, device, checkpoint_dtype),
         device=device,
         block_size=worker.block_size,
         num_kv_blocks=worker.num_kv_blocks,
@@ -27,6 +31,8 @@ def engine_config(worker: WorkerSettings, record_prefix_events: bool = False) ->
         max_num_seqs=worker.max_num_seqs,
         enable_pdl=worker.pdl,
         load_format=worker.load_format,
+        quantization=None if worker.quantization == "auto" else worker.quantization,
+        kv_cache_dtype=worker.kv_cache_dtype,
     )
 
 
@@ -35,7 +41,8 @@ def build_engine(
 ) -> LLMEngine:
     """The worker's engine; a KV pool too small for one sequence of the full context is an
     error at start (a worker would otherwise refuse long requests only when they come)."""
-    engine = LLMEngine(service.model, engine_config(worker, record_prefix_events))
+    checkpoint_dtype = ModelConfig.from_pretrained(service.model).torch_dtype
+    engine = LLMEngine(service.model, engine_config(worker, record_prefix_events, checkpoint_dtype))
     config = engine.config
     assert config.num_kv_blocks is not None
     need = config.blocks_for(engine.max_model_len)
@@ -56,8 +63,10 @@ def worker_info(
     address: str,
     stats: EngineStats,
     kv_transports: tuple[str, ...] = (),
+    engine: LLMEngine | None = None,
 ) -> WorkerInfo:
-    """What a worker's heartbeat tells the registry (its load and free blocks)."""
+    """What a worker's heartbeat tells the registry (its load and free blocks, and the limits
+    of its `engine` that a request must respect)."""
     return WorkerInfo(
         worker_id=worker_id,
         kind=kind,
@@ -67,4 +76,7 @@ def worker_info(
         num_total_blocks=stats.num_total_blocks,
         block_size=stats.block_size,
         kv_transports=kv_transports,
+        max_num_seqs=engine.config.max_num_seqs if engine else 0,
+        max_model_len=engine.max_model_len if engine else 0,
+        kv_dtype=str(engine.config.cache_dtype).removeprefix("torch.") if engine else "",
     )

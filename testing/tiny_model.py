@@ -19,6 +19,7 @@ from safetensors.torch import save_file
 
 from splitserve.testing.tiny_tokenizer import (
     BOS_TOKEN,
+    CHATML_TEMPLATE,
     EOS_TOKEN,
     PAD_TOKEN,
     build_tokenizer,
@@ -222,6 +223,9 @@ def make_tiny_model(
     seed: int = 0,
     config_overrides: dict | None = None,
     num_shards: int = 1,
+    add_bos: bool = False,
+    chat_template: str | None = CHATML_TEMPLATE,
+    generation_config: dict | None = None,
 ) -> pathlib.Path:
     """Write a tiny random-weight HF-format checkpoint (config.json, model.safetensors or sharded
     model-0000k-of-0000n.safetensors + model.safetensors.index.json, generation_config.json,
@@ -229,6 +233,9 @@ def make_tiny_model(
 
     ``config_overrides`` is merged into config.json last and the weight shapes follow the merged
     config. The same arguments always produce byte-identical files.
+    ``add_bos`` makes the tokenizer add BOS (as Llama's and Mistral's do); ``chat_template``
+    is the tokenizer's (None: no template); ``generation_config`` is merged into
+    generation_config.json.
     """
     if arch not in SUPPORTED_TINY_ARCHS:
         raise ValueError(
@@ -237,7 +244,7 @@ def make_tiny_model(
     if num_shards < 1:
         raise ValueError(f"num_shards must be >= 1, got {num_shards}")
 
-    tokenizer = build_tokenizer(qwen2_pipeline=arch == "qwen2")
+    tokenizer = build_tokenizer(qwen2_pipeline=arch == "qwen2", add_bos=add_bos)
     special_ids = {
         "bos_token_id": tokenizer.token_to_id(BOS_TOKEN),
         "eos_token_id": tokenizer.token_to_id(EOS_TOKEN),
@@ -258,8 +265,17 @@ def make_tiny_model(
     _write_json(out / "config.json", config)
     _write_json(
         out / "generation_config.json",
-        {k: config[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id")},
+        {
+            **{k: config[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id")},
+            **(generation_config or {}),
+        },
     )
     _write_weights(out, tensors, num_shards)
-    write_tokenizer_files(out, tokenizer, model_max_length=config["max_position_embeddings"])
+    write_tokenizer_files(
+        out,
+        tokenizer,
+        model_max_length=config["max_position_embeddings"],
+        add_bos=add_bos,
+        chat_template=chat_template,
+    )
     return out

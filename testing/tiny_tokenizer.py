@@ -126,13 +126,14 @@ Of course. Please share the code and describe what it should do.<|im_end|>
 """
 
 
-def build_tokenizer(*, qwen2_pipeline: bool = False) -> Tokenizer:
+def build_tokenizer(*, qwen2_pipeline: bool = False, add_bos: bool = False) -> Tokenizer:
     """Train the tiny byte-level BPE on the embedded corpus and return it.
 
     Training is deterministic: the trainer breaks count ties by token id, and the initial
     alphabet (all 256 byte symbols) is fixed, so every call yields identical merges. With
     ``qwen2_pipeline`` the trained vocab and merges are kept but the normaliser and pre-tokeniser
     are swapped for the ones transformers forces on Qwen2 checkpoints (see the module docstring).
+    With ``add_bos`` encoding adds BOS in front, as Llama and Mistral tokenizer.json files do.
     """
     tokenizer = Tokenizer(models.BPE())
     # No normaliser: any normalisation (NFC, lower-casing) would break exact round-tripping.
@@ -147,6 +148,17 @@ def build_tokenizer(*, qwen2_pipeline: bool = False) -> Tokenizer:
         show_progress=False,
     )
     tokenizer.train_from_iterator(_CORPUS.splitlines(keepends=True), trainer=trainer)
+    if add_bos:
+        tokenizer.post_processor = processors.Sequence(
+            [
+                processors.ByteLevel(trim_offsets=False),
+                processors.TemplateProcessing(
+                    single=f"{BOS_TOKEN} $A",
+                    pair=f"{BOS_TOKEN} $A {BOS_TOKEN} $B",
+                    special_tokens=[(BOS_TOKEN, tokenizer.token_to_id(BOS_TOKEN))],
+                ),
+            ]
+        )
     if qwen2_pipeline:
         tokenizer.normalizer = normalizers.NFC()
         tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
@@ -163,12 +175,18 @@ def _write_json(path: pathlib.Path, obj: dict) -> None:
 
 
 def write_tokenizer_files(
-    out_dir: str | os.PathLike, tokenizer: Tokenizer, *, model_max_length: int
+    out_dir: str | os.PathLike,
+    tokenizer: Tokenizer,
+    *,
+    model_max_length: int,
+    add_bos: bool = False,
+    chat_template: str | None = CHATML_TEMPLATE,
 ) -> None:
     """Write tokenizer.json, tokenizer_config.json and special_tokens_map.json into out_dir.
 
     The files load with ``transformers.AutoTokenizer`` as a ``PreTrainedTokenizerFast`` that adds
-    no BOS automatically and carries a ChatML chat template.
+    BOS only with ``add_bos`` (a tokenizer built with it) and carries ``chat_template`` (ChatML
+    unless told otherwise; None writes none).
     """
     out = pathlib.Path(out_dir)
     (out / "tokenizer.json").write_text(tokenizer.to_str(pretty=True) + "\n")
@@ -196,12 +214,12 @@ def write_tokenizer_files(
             "unk_token": None,
             "additional_special_tokens": extra,
             "added_tokens_decoder": added_tokens_decoder,
-            "add_bos_token": False,
+            "add_bos_token": add_bos,
             "add_eos_token": False,
             # Cleaning spaces (" ." -> ".") would break decode(encode(text)) == text.
             "clean_up_tokenization_spaces": False,
             "model_max_length": model_max_length,
-            "chat_template": CHATML_TEMPLATE,
+            **({"chat_template": chat_template} if chat_template is not None else {}),
         },
     )
     _write_json(

@@ -24,29 +24,31 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n!splitserve/protos/v1/common.proto\x12\rsplitserve.v1\"\xaa\x04\n\x0eSamplingParams\x12\x0e\n\x01n\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\x05H\x03\x88\x01\x01\x12\x12\n\x05min_p\x18\x05 \x01(\x02H\x04\x88\x01\x01\x12\x11\n\x04seed\x18\x06 \x01(\x04H\x05\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x07 \x01(\x02H\x06\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x08 \x01(\x02H\x07\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\t \x01(\x02H\x08\x88\x01\x01\x12\x0c\n\x04stop\x18\n \x03(\t\x12\x16\n\x0estop_token_ids\x18\x0b \x03(\r\x12\x17\n\nignore_eos\x18\x0c \x01(\x08H\t\x88\x01\x01\x12\x17\n\nmax_tokens\x18\r \x01(\rH\n\x88\x01\x01\x12\x17\n\nmin_tokens\x18\x0e \x01(\rH\x0b\x88\x01\x01\x12\x15\n\x08logprobs\x18\x0f \x01(\rH\x0c\x88\x01\x01\x42\x04\n\x02_nB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x07\n\x05_seedB\x15\n\x13_repetition_penaltyB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\r\n\x0b_ignore_eosB\r\n\x0b_max_tokensB\r\n\x0b_min_tokensB\x0b\n\t_logprobs\"Z\n\rTokenLogprobs\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12&\n\x03top\x18\x03 \x03(\x0b\x32\x19.splitserve.v1.TopLogprob\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"m\n\x0bSampleDelta\x12\r\n\x05index\x18\x01 \x01(\r\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12.\n\x08logprobs\x18\x04 \x03(\x0b\x32\x1c.splitserve.v1.TokenLogprobs\"\x94\x01\n\x0cSampleFinish\x12\r\n\x05index\x18\x01 \x01(\r\x12\x32\n\rfinish_reason\x18\x02 \x01(\x0e\x32\x1b.splitserve.v1.FinishReason\x12\x13\n\x0bstop_string\x18\x03 \x01(\t\x12\x1a\n\rstop_token_id\x18\x04 \x01(\rH\x00\x88\x01\x01\x42\x10\n\x0e_stop_token_id\"W\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\r\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\" \n\rAbortResponse\x12\x0f\n\x07\x61\x62orted\x18\x01 \x01(\x08*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n!splitserve/protos/v1/common.proto\x12\rsplitserve.v1\"\xa1\x05\n\x0eSamplingParams\x12\x0e\n\x01n\x18\x01 \x01(\rH\x01\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x03\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\x05H\x04\x88\x01\x01\x12\x12\n\x05min_p\x18\x05 \x01(\x02H\x05\x88\x01\x01\x12\x11\n\x04seed\x18\x06 \x01(\x04H\x06\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x07 \x01(\x02H\x07\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x08 \x01(\x02H\x08\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\t \x01(\x02H\t\x88\x01\x01\x12\x0c\n\x04stop\x18\n \x03(\t\x12\x16\n\x0estop_token_ids\x18\x0b \x03(\r\x12\x17\n\nignore_eos\x18\x0c \x01(\x08H\n\x88\x01\x01\x12\x17\n\nmax_tokens\x18\r \x01(\rH\x0b\x88\x01\x01\x12\x17\n\nmin_tokens\x18\x0e \x01(\rH\x0c\x88\x01\x01\x12\x15\n\x08logprobs\x18\x0f \x01(\rH\r\x88\x01\x01\x12\x15\n\x0bjson_schema\x18\x10 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x11 \x01(\x08H\x00\x12\x0f\n\x05regex\x18\x12 \x01(\tH\x00\x12(\n\x06\x63hoice\x18\x13 \x01(\x0b\x32\x16.splitserve.v1.ChoicesH\x00\x42\x0c\n\nstructuredB\x04\n\x02_nB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x07\n\x05_seedB\x15\n\x13_repetition_penaltyB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\r\n\x0b_ignore_eosB\r\n\x0b_max_tokensB\r\n\x0b_min_tokensB\x0b\n\t_logprobs\"\x1a\n\x07\x43hoices\x12\x0f\n\x07\x63hoices\x18\x01 \x03(\t\"Z\n\rTokenLogprobs\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12&\n\x03top\x18\x03 \x03(\x0b\x32\x19.splitserve.v1.TopLogprob\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"m\n\x0bSampleDelta\x12\r\n\x05index\x18\x01 \x01(\r\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12.\n\x08logprobs\x18\x04 \x03(\x0b\x32\x1c.splitserve.v1.TokenLogprobs\"\x94\x01\n\x0cSampleFinish\x12\r\n\x05index\x18\x01 \x01(\r\x12\x32\n\rfinish_reason\x18\x02 \x01(\x0e\x32\x1b.splitserve.v1.FinishReason\x12\x13\n\x0bstop_string\x18\x03 \x01(\t\x12\x1a\n\rstop_token_id\x18\x04 \x01(\rH\x00\x88\x01\x01\x42\x10\n\x0e_stop_token_id\"W\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\r\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\" \n\rAbortResponse\x12\x0f\n\x07\x61\x62orted\x18\x01 \x01(\x08*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'splitserve.protos.v1.common_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_FINISHREASON']._serialized_start=1171
-  _globals['_FINISHREASON']._serialized_end=1291
+  _globals['_FINISHREASON']._serialized_start=1318
+  _globals['_FINISHREASON']._serialized_end=1438
   _globals['_SAMPLINGPARAMS']._serialized_start=53
-  _globals['_SAMPLINGPARAMS']._serialized_end=607
-  _globals['_TOKENLOGPROBS']._serialized_start=609
-  _globals['_TOKENLOGPROBS']._serialized_end=699
-  _globals['_TOPLOGPROB']._serialized_start=701
-  _globals['_TOPLOGPROB']._serialized_end=748
-  _globals['_SAMPLEDELTA']._serialized_start=750
-  _globals['_SAMPLEDELTA']._serialized_end=859
-  _globals['_SAMPLEFINISH']._serialized_start=862
-  _globals['_SAMPLEFINISH']._serialized_end=1010
-  _globals['_USAGE']._serialized_start=1012
-  _globals['_USAGE']._serialized_end=1099
-  _globals['_ABORTREQUEST']._serialized_start=1101
-  _globals['_ABORTREQUEST']._serialized_end=1135
-  _globals['_ABORTRESPONSE']._serialized_start=1137
-  _globals['_ABORTRESPONSE']._serialized_end=1169
+  _globals['_SAMPLINGPARAMS']._serialized_end=726
+  _globals['_CHOICES']._serialized_start=728
+  _globals['_CHOICES']._serialized_end=754
+  _globals['_TOKENLOGPROBS']._serialized_start=756
+  _globals['_TOKENLOGPROBS']._serialized_end=846
+  _globals['_TOPLOGPROB']._serialized_start=848
+  _globals['_TOPLOGPROB']._serialized_end=895
+  _globals['_SAMPLEDELTA']._serialized_start=897
+  _globals['_SAMPLEDELTA']._serialized_end=1006
+  _globals['_SAMPLEFINISH']._serialized_start=1009
+  _globals['_SAMPLEFINISH']._serialized_end=1157
+  _globals['_USAGE']._serialized_start=1159
+  _globals['_USAGE']._serialized_end=1246
+  _globals['_ABORTREQUEST']._serialized_start=1248
+  _globals['_ABORTREQUEST']._serialized_end=1282
+  _globals['_ABORTRESPONSE']._serialized_start=1284
+  _globals['_ABORTRESPONSE']._serialized_end=1316
 # @@protoc_insertion_point(module_scope)

@@ -59,15 +59,18 @@ class GatewayServicer:
 
     def Generate(self, request, context):
         """Generate a completion, streamed as chunks of new tokens and text, then one final message.
-        Errors: INVALID_ARGUMENT (bad input, with a message naming it), RESOURCE_EXHAUSTED (queue
-        full), UNAVAILABLE (no live worker of a kind), DEADLINE_EXCEEDED, CANCELLED, INTERNAL.
+        Errors: INVALID_ARGUMENT (bad input, with a message naming it), ALREADY_EXISTS (a request
+        with this id is running), RESOURCE_EXHAUSTED (queue full), UNAVAILABLE (no live worker of
+        a kind), DEADLINE_EXCEEDED, CANCELLED, INTERNAL. Status messages are under 1 KiB.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def Abort(self, request, context):
-        """Cancel a running request; its blocks are freed on every worker.
+        """Cancel a running request; its blocks are freed on every worker and its stream ends with a
+        final message whose samples finish with FINISH_REASON_ABORT. An id not running yet is
+        remembered for a while: its request then ends that way as soon as it arrives.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -7,7 +7,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class KVTransferHeader(_message.Message):
-    __slots__ = ("request_id", "fence", "layout", "dtype", "block_size", "num_kv_heads", "head_dim", "layer_start", "layer_end", "dst_block_ids", "payload_bytes", "crc32c", "num_tokens_after")
+    __slots__ = ("request_id", "fence", "layout", "dtype", "block_size", "num_kv_heads", "head_dim", "layer_start", "layer_end", "dst_block_ids", "payload_bytes", "crc32c", "num_tokens_after", "capability")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     FENCE_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
@@ -21,6 +21,7 @@ class KVTransferHeader(_message.Message):
     PAYLOAD_BYTES_FIELD_NUMBER: _ClassVar[int]
     CRC32C_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_AFTER_FIELD_NUMBER: _ClassVar[int]
+    CAPABILITY_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     fence: int
     layout: str
@@ -34,7 +35,8 @@ class KVTransferHeader(_message.Message):
     payload_bytes: int
     crc32c: int
     num_tokens_after: int
-    def __init__(self, request_id: _Optional[str] = ..., fence: _Optional[int] = ..., layout: _Optional[str] = ..., dtype: _Optional[str] = ..., block_size: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., dst_block_ids: _Optional[_Iterable[int]] = ..., payload_bytes: _Optional[int] = ..., crc32c: _Optional[int] = ..., num_tokens_after: _Optional[int] = ...) -> None: ...
+    capability: bytes
+    def __init__(self, request_id: _Optional[str] = ..., fence: _Optional[int] = ..., layout: _Optional[str] = ..., dtype: _Optional[str] = ..., block_size: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., dst_block_ids: _Optional[_Iterable[int]] = ..., payload_bytes: _Optional[int] = ..., crc32c: _Optional[int] = ..., num_tokens_after: _Optional[int] = ..., capability: _Optional[bytes] = ...) -> None: ...
 
 class KVTransferMessage(_message.Message):
     __slots__ = ("header", "data")

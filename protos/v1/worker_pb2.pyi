@@ -8,20 +8,22 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class KVDestination(_message.Message):
-    __slots__ = ("worker_id", "address", "block_ids", "num_cached_tokens", "fence", "kv_transports")
+    __slots__ = ("worker_id", "address", "block_ids", "num_cached_tokens", "fence", "kv_transports", "capability")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     FENCE_FIELD_NUMBER: _ClassVar[int]
     KV_TRANSPORTS_FIELD_NUMBER: _ClassVar[int]
+    CAPABILITY_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     address: str
     block_ids: _containers.RepeatedScalarFieldContainer[int]
     num_cached_tokens: int
     fence: int
     kv_transports: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, worker_id: _Optional[str] = ..., address: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_cached_tokens: _Optional[int] = ..., fence: _Optional[int] = ..., kv_transports: _Optional[_Iterable[str]] = ...) -> None: ...
+    capability: bytes
+    def __init__(self, worker_id: _Optional[str] = ..., address: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_cached_tokens: _Optional[int] = ..., fence: _Optional[int] = ..., kv_transports: _Optional[_Iterable[str]] = ..., capability: _Optional[bytes] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
     __slots__ = ("request_id", "prompt_token_ids", "sampling", "destination", "priority")
@@ -60,14 +62,26 @@ class PrefillResponse(_message.Message):
     def __init__(self, first_tokens: _Optional[_Iterable[_Union[FirstToken, _Mapping]]] = ..., num_blocks_sent: _Optional[int] = ..., num_bytes_sent: _Optional[int] = ..., num_cached_tokens: _Optional[int] = ...) -> None: ...
 
 class ReserveRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "resume")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    RESUME_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _common_pb2.SamplingParams
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ...) -> None: ...
+    resume: ResumeFrom
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., resume: _Optional[_Union[ResumeFrom, _Mapping]] = ...) -> None: ...
+
+class ResumeFrom(_message.Message):
+    __slots__ = ("sample_index", "output_token_ids", "num_text_chars")
+    SAMPLE_INDEX_FIELD_NUMBER: _ClassVar[int]
+    OUTPUT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    NUM_TEXT_CHARS_FIELD_NUMBER: _ClassVar[int]
+    sample_index: int
+    output_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    num_text_chars: int
+    def __init__(self, sample_index: _Optional[int] = ..., output_token_ids: _Optional[_Iterable[int]] = ..., num_text_chars: _Optional[int] = ...) -> None: ...
 
 class ReserveResponse(_message.Message):
     __slots__ = ("destination",)
@@ -76,16 +90,18 @@ class ReserveResponse(_message.Message):
     def __init__(self, destination: _Optional[_Union[KVDestination, _Mapping]] = ...) -> None: ...
 
 class DecodeRequest(_message.Message):
-    __slots__ = ("request_id", "sampling", "first_tokens", "priority")
+    __slots__ = ("request_id", "sampling", "first_tokens", "priority", "resume")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKENS_FIELD_NUMBER: _ClassVar[int]
     PRIORITY_FIELD_NUMBER: _ClassVar[int]
+    RESUME_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     sampling: _common_pb2.SamplingParams
     first_tokens: _containers.RepeatedCompositeFieldContainer[FirstToken]
     priority: int
-    def __init__(self, request_id: _Optional[str] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., first_tokens: _Optional[_Iterable[_Union[FirstToken, _Mapping]]] = ..., priority: _Optional[int] = ...) -> None: ...
+    resume: ResumeFrom
+    def __init__(self, request_id: _Optional[str] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., first_tokens: _Optional[_Iterable[_Union[FirstToken, _Mapping]]] = ..., priority: _Optional[int] = ..., resume: _Optional[_Union[ResumeFrom, _Mapping]] = ...) -> None: ...
 
 class DecodeResponse(_message.Message):
     __slots__ = ("chunk", "finished")

@@ -149,6 +149,8 @@ def _start_stack_argvs(monkeypatch, settings: up.StackSettings) -> dict[str, lis
     monkeypatch.setattr(up.subprocess, "Popen", NoProcess)
     monkeypatch.setattr(up, "free_port", lambda host: next(picks))
     stack = up.start_stack(settings, wait=False)
+    if stack.secrets is not None:
+        stack.secrets.close()
     argvs = {}
     for argv in launched:
         assert argv[:3] == [sys.executable, "-m", "splitserve.cli"]
@@ -163,7 +165,7 @@ def _start_stack_argvs(monkeypatch, settings: up.StackSettings) -> dict[str, lis
 
 
 def _redis_url() -> str:
-    return f"redis://:{PASSWORD}@redis:6379/0"
+    return "redis://redis:6379/0"  # the password comes from a secret file, never argv
 
 
 def test_cpu_profile_runs_the_same_commands_as_the_e2e_tests(monkeypatch, services):
@@ -174,6 +176,7 @@ def test_cpu_profile_runs_the_same_commands_as_the_e2e_tests(monkeypatch, servic
             model=model,
             redis_url=_redis_url(),
             host="0.0.0.0",
+            api_keys=("compose-test-key",),  # beyond loopback: keys (given in a secret file)
             port=GRPC_PORTS["gateway"],
             extra_worker_args=WORKER_ARGS,
             metrics=True,
@@ -191,6 +194,7 @@ def test_gpu_profile_runs_the_commands_of_splitserve_up_with_a_model(monkeypatch
             model="/models/model",
             redis_url=_redis_url(),
             host="0.0.0.0",
+            api_keys=("compose-test-key",),  # beyond loopback: keys (given in a secret file)
             port=GRPC_PORTS["gateway"],
             metrics=True,
         ),
@@ -305,3 +309,24 @@ def test_the_healthcheck_fails_when_nothing_listens(services):
 def test_every_splitserve_service_runs_the_same_healthcheck(services):
     checks = [services[name]["healthcheck"] for name in (*CPU.values(), *GPU.values())]
     assert all(check == checks[0] for check in checks)
+
+
+def test_secrets_are_files_and_no_command_holds_one(services):
+    doc = load_yaml(COMPOSE_FILE)
+    assert set(doc["secrets"]) == {"redis-password", "cluster-secret", "api-keys"}
+    assert all("environment" in secret for secret in doc["secrets"].values())
+    for profile in (CPU, GPU):
+        for name, compose_name in profile.items():
+            service = services[compose_name]
+            env = environment(service)
+            wanted = {"redis-password", "cluster-secret"} | (
+                {"api-keys"} if name == "gateway" else set()
+            )
+            assert set(service["secrets"]) == wanted, compose_name
+            for secret in wanted:
+                variable = {"api-keys": "SPLITSERVE_API_KEY_FILE"}.get(
+                    secret, f"SPLITSERVE_{secret.replace('-', '_').upper()}_FILE"
+                )
+                assert env[variable] == f"/run/secrets/{secret}", (compose_name, variable)
+    for name, service in services.items():
+        assert PASSWORD not in " ".join(_strings(service.get("command", []))), name

@@ -38,7 +38,11 @@ from tests.deploy.helpers import (
 K8S_VERSIONS = ("1.28", "1.33")
 # Settings the services read that are not fields of splitserve/settings.py: the log level (read
 # in cli.main).
-EXTRA_SETTINGS = {"log_level"}
+# Read by `splitserve` but not fields of a settings class: the log level, and where the
+# secrets are (runtime/security.py: files, never flags with the secret itself).
+EXTRA_SETTINGS = {
+    "log_level", "api_key_file", "cluster_secret_file", "redis_password_file", "insecure",
+}  # fmt: skip
 
 needs_kustomize = pytest.mark.skipif(
     kustomize_command() is None, reason="needs kubectl (kustomize built in) or kustomize"
@@ -240,7 +244,7 @@ def test_every_splitserve_variable_in_compose_names_a_setting():
 @pytest.mark.parametrize("kustomization", KUSTOMIZATIONS)
 def test_the_redis_password_lives_only_in_the_secret(kustomization):
     docs = render(kustomization)
-    (secret,) = of_kind(docs, "Secret").values()
+    (secret,) = [s for n, s in of_kind(docs, "Secret").items() if n.startswith("redis-auth")]
     password = base64.b64decode(secret["data"]["password"]).decode()
     assert len(password) >= 16
     encoded = secret["data"]["password"]
@@ -331,3 +335,44 @@ def test_overlays_share_the_base_settings_and_change_only_what_they_must():
         config = _config_keys(render(overlay))
         assert config["SPLITSERVE_BLOCK_SIZE"] == base["SPLITSERVE_BLOCK_SIZE"]
         assert config.keys() >= base.keys(), overlay
+
+
+@needs_kustomize
+@pytest.mark.parametrize("kustomization", KUSTOMIZATIONS)
+def test_secrets_are_mounted_files_and_only_members_reach_the_workers(kustomization):
+    docs = render(kustomization)
+    (auth,) = [s for n, s in of_kind(docs, "Secret").items() if n.startswith("splitserve-auth")]
+    assert set(auth["data"]) == {"cluster-secret", "api-keys"}
+    for name, deployment in _splitserve_deployments(docs).items():
+        (container,) = containers(deployment)
+        env = env_values(container)
+        mounts = {m["name"]: m for m in container["volumeMounts"]}
+        assert mounts["splitserve-auth"]["readOnly"], name
+        directory = mounts["splitserve-auth"]["mountPath"]
+        volume = next(
+            v for v in deployment["spec"]["template"]["spec"]["volumes"]
+            if v["name"] == "splitserve-auth"
+        )  # fmt: skip
+        assert volume["secret"]["secretName"] == auth["metadata"]["name"], name
+        files = {item["key"] for item in volume["secret"]["items"]}
+        assert env["SPLITSERVE_CLUSTER_SECRET_FILE"] == f"{directory}/cluster-secret", name
+        if name == "gateway":
+            assert env["SPLITSERVE_API_KEY_FILE"] == f"{directory}/api-keys"
+            assert files == {"cluster-secret", "api-keys"}
+        else:
+            assert files == {"cluster-secret"}, name  # the API keys stay with the gateway
+        secret_values = [base64.b64decode(v).decode().strip() for v in auth["data"].values()]
+        assert not [v for v in secret_values if v in yaml.safe_dump(deployment)], name
+    policies = of_kind(docs, "NetworkPolicy")
+    members = {"gateway", "prefill", "decode"}
+    for name, components in (("workers", {"prefill", "decode"}), ("redis", {"redis"})):
+        spec = policies[name]["spec"]
+        selected = spec["podSelector"].get("matchLabels", {}).get("app.kubernetes.io/component")
+        expressions = spec["podSelector"].get("matchExpressions", [])
+        assert ({selected} if selected else set(expressions[0]["values"])) == components, name
+        for rule in spec["ingress"]:
+            if "from" in rule:
+                (source,) = rule["from"]
+                assert set(source["podSelector"]["matchExpressions"][0]["values"]) == members
+            else:  # open to anyone: only the metrics port of a worker
+                assert name == "workers" and rule["ports"] == [{"port": "metrics"}], rule

@@ -10,6 +10,7 @@ from typing import Any
 
 import grpc
 
+from splitserve.kv_transfer.cluster import secret_metadata
 from splitserve.kv_transfer.registry import Registry, WorkerInfo
 from splitserve.protos.v1 import gateway_pb2_grpc, worker_pb2, worker_pb2_grpc
 from splitserve.up import Stack, StackSettings, start_stack
@@ -67,20 +68,31 @@ def workers(stack: Stack) -> list[WorkerInfo]:
         registry.close()
 
 
-def stats(worker: WorkerInfo) -> worker_pb2.WorkerStats:
+def stats(worker: WorkerInfo, stack: Stack | None = None) -> worker_pb2.WorkerStats:
+    """The worker's stats (asked as a member of `stack`: with its cluster secret, if any)."""
     with grpc.insecure_channel(worker.address) as channel:
         if worker.kind == "prefill":
             stub = worker_pb2_grpc.PrefillWorkerStub(channel)
         else:
             stub = worker_pb2_grpc.DecodeWorkerStub(channel)
-        return stub.GetStats(worker_pb2.GetStatsRequest(), timeout=10)
+        return stub.GetStats(
+            worker_pb2.GetStatsRequest(), timeout=10, metadata=member_metadata(stack)
+        )
+
+
+def member_metadata(stack: Stack | None) -> tuple[tuple[str, str], ...]:
+    """What a member of `stack` sends on internal calls (nothing when it has no secret)."""
+    secrets = stack.secrets if stack is not None else None
+    return secret_metadata(secrets.cluster_secret if secrets is not None else "")
 
 
 def leftovers(stack: Stack) -> list[str]:
-    """What is still held anywhere: blocks in use, requests known, reservations, Redis records."""
+    """What is still held anywhere: blocks in use, requests known, reservations, Redis records,
+    prefix-index entries of workers that are gone."""
     problems = []
-    for w in workers(stack):
-        s = stats(w)
+    live = workers(stack)
+    for w in live:
+        s = stats(w, stack)
         if s.num_free_blocks != s.num_total_blocks:
             problems.append(f"{w.worker_id}: {s.num_total_blocks - s.num_free_blocks} blocks held")
         if s.num_requests or s.num_reservations:
@@ -90,6 +102,8 @@ def leftovers(stack: Stack) -> list[str]:
     registry = Registry(stack.redis_url)
     try:
         problems += [f"redis: {key}" for key in registry.request_record_keys()]
+        gone = registry.prefix_index_workers() - {w.worker_id for w in live}
+        problems += [f"redis: prefix index of gone worker {worker_id}" for worker_id in gone]
     finally:
         registry.close()
     return problems

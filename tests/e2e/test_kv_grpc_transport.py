@@ -1,14 +1,14 @@
 """KV blocks over the gRPC transport, end to end on loopback with real components.
 
-A real `start_server` gRPC server (asyncio, on its own loop thread in this process) serves a
-`KVTransferServicer` over a receiver pool, landing pushes through the decode worker's real
-`ReservationBook`; a `GrpcKVSender` pushes from a separate sender pool. Both pools sit behind
-real `KVConnector`s (no model). Proven here: multi-chunk pushes land bit-exact in shuffled
-blocks and nowhere else, half precision keeps its raw bits, every refusal (geometry, checksum,
-fence, unknown request, blocks outside the reservation, malformed streams, a receiver bug, a
-reservation reclaimed mid-push) answers the right status with a clear message and leaves the
-pool untouched, concurrent pushes all land, reservations complete as their blocks arrive, and an
-unreachable receiver fails fast with UNAVAILABLE.
+A real `GrpcKVReceiver` (a synchronous gRPC server of its own on a loopback port, in this process)
+serves a `KVTransferServicer` over a receiver pool, landing pushes through the decode worker's real
+`ReservationBook`; a `GrpcKVSender` pushes from a separate sender pool. Both pools sit behind real
+`KVConnector`s (no model). Proven here: multi-chunk pushes land bit-exact in shuffled blocks and
+nowhere else, half precision keeps its raw bits, every refusal (geometry, checksum, fence, unknown
+request, blocks outside the reservation, malformed streams, a receiver bug, a reservation reclaimed
+mid-push) answers the right status with a clear message and leaves the pool untouched, concurrent
+pushes all land, reservations complete as their blocks arrive, and an unreachable receiver fails
+fast with UNAVAILABLE.
 """
 
 from __future__ import annotations
@@ -34,17 +34,15 @@ from splitserve.engine.block_manager import BlockManager
 from splitserve.engine.kv_cache import KVCache
 from splitserve.engine.kv_connector import KVConnector
 from splitserve.kv_transfer import transport as kv_transport
-from splitserve.kv_transfer.grpc_codec import add_kv_transfer_servicer
+from splitserve.kv_transfer.grpc_receiver import GrpcKVReceiver, KVTransferServicer
 from splitserve.kv_transfer.grpc_transport import (
     CHANNEL_OPTIONS,
     MAX_MESSAGE_BYTES,
     GrpcKVSender,
-    KVTransferServicer,
 )
 from splitserve.kv_transfer.transport import Peer, Push, PushResult, TransferError
 from splitserve.kv_transfer.wire import MAX_CHUNK_BYTES, CacheLayout, crc32c, make_header
 from splitserve.protos.v1 import kv_transfer_pb2, kv_transfer_pb2_grpc
-from splitserve.runtime.grpc_server import Server, start_server
 
 pytestmark = pytest.mark.slow
 
@@ -57,7 +55,6 @@ GEOMETRY = {
     "num_kv_heads": NUM_KV_HEADS,
     "head_dim": HEAD_DIM,
 }
-KV_SERVICE = "splitserve.v1.KVTransfer"
 BLOCK_BYTES = 2 * NUM_LAYERS * BLOCK_SIZE * NUM_KV_HEADS * HEAD_DIM * 4  # float32: 128 KiB
 TIMEOUT_S = 20.0
 
@@ -97,17 +94,21 @@ class Receiver:
 
     pool: torch.Tensor
     book: ReservationBook
-    servicer: KVTransferServicer
-    server: Server
+    server: GrpcKVReceiver
     pushes: list[tuple[int, float, bool]] = field(default_factory=list)  # on_push reports
 
     @property
+    def servicer(self) -> KVTransferServicer:
+        return self.server.servicer
+
+    @property
     def address(self) -> str:
-        return f"127.0.0.1:{self.server.port}"
+        return self.server.address
 
     @property
     def peer(self) -> Peer:
-        return Peer("decode-0", self.address, {})
+        """As a sender sees it: the worker's own address elsewhere, the receiver's published."""
+        return Peer("decode-0", "127.0.0.1:1", self.server.endpoint())
 
     def reserve(
         self, request_id: str, fence: int, block_ids: Sequence[int], num_cached_tokens: int = 0
@@ -131,12 +132,10 @@ def start_receiver(
     pool = make_pool(dtype, **geometry)
     book = ReservationBook()
     pushes: list[tuple[int, float, bool]] = []
-    servicer = KVTransferServicer(
-        make_connector(pool), book, tracer, lambda n, s, ok: pushes.append((n, s, ok))
+    server = GrpcKVReceiver(
+        make_connector(pool), book, "decode-0", tracer, lambda n, s, ok: pushes.append((n, s, ok))
     )
-    server = start_server(lambda s: add_kv_transfer_servicer(servicer, s), [KV_SERVICE])
-    server.set_serving(True, ["", KV_SERVICE])
-    return Receiver(pool, book, servicer, server, pushes)
+    return Receiver(pool, book, server, pushes)
 
 
 @pytest.fixture
@@ -150,7 +149,7 @@ def receivers() -> Iterator[Callable[..., Receiver]]:
 
     yield start
     for r in started:
-        r.server.stop(grace_s=0)
+        r.server.close()
 
 
 @pytest.fixture
@@ -500,7 +499,7 @@ def test_a_large_push_goes_as_parallel_streams_that_together_land_every_block(
 def test_the_server_refuses_messages_over_its_8_mib_limit(
     receiver: Receiver, src_pool: torch.Tensor
 ) -> None:
-    """`start_server` caps messages at 8 MiB, the transport's MAX_MESSAGE_BYTES: a 4 MiB chunk
+    """The receiver caps messages at 8 MiB, the transport's MAX_MESSAGE_BYTES: a 4 MiB chunk
     fits with headroom; a sender that ignored the chunk limit gets RESOURCE_EXHAUSTED."""
     assert MAX_MESSAGE_BYTES == 8 << 20 and dict(CHANNEL_OPTIONS) == {
         "grpc.max_send_message_length": MAX_MESSAGE_BYTES,
@@ -744,7 +743,7 @@ def test_reclaiming_waits_for_a_write_in_progress(
 # -- the sender's side ---------------------------------------------------------------------------
 
 
-def test_the_grpc_transport_kind_builds_a_grpc_sender_and_no_separate_receiver(
+def test_the_grpc_transport_kind_builds_a_grpc_sender_and_a_receiver_of_its_own(
     src_pool: torch.Tensor,
 ) -> None:
     kind = kv_transport.transport_kind("grpc")
@@ -756,7 +755,12 @@ def test_the_grpc_transport_kind_builds_a_grpc_sender_and_no_separate_receiver(
         )
     finally:
         sender.close()
-    assert kind.receiver is None  # the servicer is served on the worker's gRPC server
+    receiver = kind.receiver(make_connector(make_pool()), ReservationBook(), "w")
+    try:  # its own server, on the port it publishes
+        assert isinstance(receiver, GrpcKVReceiver)
+        assert receiver.endpoint() == {"grpc.address": f"127.0.0.1:{receiver.port}".encode()}
+    finally:
+        receiver.close()
     with pytest.raises(ValueError, match="unknown KV transport 'carrier-pigeon'"):
         kv_transport.transport_kind("carrier-pigeon")
 

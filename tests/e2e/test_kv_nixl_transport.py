@@ -89,6 +89,10 @@ class RecordingLanding:
         with self.lock:
             self.events.append(("refused", request_id, reason))
 
+    def check_capability(self, request_id: str, capability: bytes) -> None:
+        if capability:  # the test's reservations carry none: a push that brings one is wrong
+            raise PushRefused("PERMISSION_DENIED", f"{request_id!r}: wrong capability")
+
     def hold(
         self, request_id: str, fence: int, dst_block_ids: Sequence[int], num_bytes: int
     ) -> AbstractContextManager[None]:
@@ -287,19 +291,22 @@ def test_stale_fence_unknown_request_and_foreign_blocks_are_refused(
         sender.push(float32.peer, Push("req-b", 4, (0,), (10,), 16), TIMEOUT_S)  # stale fence
         sender.push(float32.peer, Push("nobody", 1, (1,), (12,), 16), TIMEOUT_S)
         sender.push(float32.peer, Push("req-b", 5, (2,), (40,), 16), TIMEOUT_S)  # not reserved
+        wrong = Push("req-b", 5, (2,), (10,), 16, capability=b"guessed")
+        sender.push(float32.peer, wrong, TIMEOUT_S)  # the notification carries it
         # A malformed notification is counted and does not stop the receiver's thread.
         sender._nixl.agent.send_notif(float32.peer.endpoint["nixl.agent"].decode(), b"{oops")
         sender.push(float32.peer, Push("req-b", 5, (3, 4), (10, 11), 32), TIMEOUT_S)
 
-        events = float32.wait_events(4)
-        assert [e[:2] for e in events[:3]] == [
-            ("refused", "req-b"), ("refused", "nobody"), ("refused", "req-b")
+        events = float32.wait_events(5)
+        assert [e[:2] for e in events[:4]] == [
+            ("refused", "req-b"), ("refused", "nobody"), ("refused", "req-b"), ("refused", "req-b")
         ]  # fmt: skip
         assert "FAILED_PRECONDITION" in events[0][2] and "stale fence 4" in events[0][2]
         assert "NOT_FOUND" in events[1][2]
         assert "outside the reservation" in events[2][2]
-        assert events[3][:4] == ("landed", "req-b", 5, [10, 11])
-        expected = {"num_pushes": 1, "num_refused": 3, "num_bytes": 2 * BLOCK_BYTES,
+        assert "PERMISSION_DENIED" in events[3][2] and "capability" in events[3][2]
+        assert events[4][:4] == ("landed", "req-b", 5, [10, 11])
+        expected = {"num_pushes": 1, "num_refused": 4, "num_bytes": 2 * BLOCK_BYTES,
                     "num_malformed": 1}  # fmt: skip
         deadline = time.monotonic() + TIMEOUT_S  # counters move just after the landing calls
         while (delta := float32.stats_since(before)) != expected and time.monotonic() < deadline:

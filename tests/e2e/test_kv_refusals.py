@@ -1,5 +1,6 @@
 """A decode worker (a real process, real Redis) refuses KV from a writer that does not hold the
-reservation, over each transport: a stale fence and an unknown request are refused, the request
+reservation, over each transport: a stale fence, an unknown request and a push without the
+reservation's capability are refused, the request
 is never admitted with that KV (Decode fails FAILED_PRECONDITION at once, not after a timeout),
 and nothing is left behind. A rogue sender here is a real transport over its own pool."""
 
@@ -79,12 +80,15 @@ def _decode(stub, request_id: str) -> grpc.RpcError:
     return err.value
 
 
-def _push(sender, peer, request_id: str, fence: int, dst) -> TransferError | None:
+def _push(
+    sender, peer, request_id: str, fence: int, dst, capability: bytes = b""
+) -> TransferError | None:
     """The push's refusal when the transport is two-sided (gRPC), else None (a one-sided NIXL
     write lands and the receiver refuses its notification)."""
     src = tuple(range(len(dst)))
+    push = Push(request_id, fence, src, tuple(dst), len(PROMPT), capability=capability)
     try:
-        sender.push(peer, Push(request_id, fence, src, tuple(dst), len(PROMPT)), timeout_s=10)
+        sender.push(peer, push, timeout_s=10)
     except TransferError as exc:
         return exc
     return None
@@ -120,4 +124,24 @@ def test_a_push_for_an_unknown_request_is_refused(setup):
         assert refused is None  # landed one-sided; the notification is refused
     assert _decode(stub, "unknown-1").code() == grpc.StatusCode.NOT_FOUND
     _abort(stub, "known-1")
+    assert_nothing_leaks(stack)
+
+
+@pytest.mark.parametrize("capability", [b"", b"guessed-capabil!"])
+def test_a_push_without_the_reservations_capability_is_refused(setup, capability):
+    """The right request, fence and blocks are not enough: the push must carry the token minted
+    with the reservation (only the prefill worker chosen for it is handed that)."""
+    stack, stub, sender, peer = setup
+    dest = _reserve(stub, "cap-1")
+    assert len(dest.capability) == 16 and dest.capability != capability
+    refused = _push(sender, peer, "cap-1", dest.fence, dest.block_ids, capability)
+    if sender.name == "grpc":
+        assert refused is not None and refused.status == "PERMISSION_DENIED"
+        assert "capability" in str(refused)
+        _abort(stub, "cap-1")
+    else:
+        assert refused is None  # landed one-sided; the notification is refused
+        err = _decode(stub, "cap-1")
+        assert err.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert "capability" in err.details()
     assert_nothing_leaks(stack)

@@ -19,7 +19,9 @@ pytestmark = pytest.mark.slow
 
 NUM_STREAMS = 100
 OLD_THREAD_POOL = 64  # what every server's ThreadPoolExecutor had (a stream held a thread)
-PARAMS = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+# NOTE: long enough that every stream is still decoding when the last one arrives, on a slow
+# two-core machine too (at 16 tokens the first streams had finished: at most 60 ran at once).
+PARAMS = SamplingParams(temperature=0, max_tokens=128, ignore_eos=True)
 
 
 @pytest.mark.slow

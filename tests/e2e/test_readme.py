@@ -31,10 +31,11 @@ def _readme_block(marker: str, lang: str) -> str:
 def test_up_serves_readme_client_and_generate_then_stops_cleanly(tmp_path):
     up_command = _readme_block("up-command", "bash").strip()
     assert up_command.endswith("splitserve up --port 50051")
-    port = free_port("127.0.0.1")
+    port, http_port = free_port("127.0.0.1"), free_port("127.0.0.1")
     env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path / "cache"), "PYTHONUNBUFFERED": "1"}
     proc = subprocess.Popen(
-        [sys.executable, "-m", "splitserve.cli", "up", "--port", str(port)],
+        [sys.executable, "-m", "splitserve.cli", "up", "--port", str(port)]
+        + ["--http-port", str(http_port)],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
@@ -50,7 +51,14 @@ def test_up_serves_readme_client_and_generate_then_stops_cleanly(tmp_path):
             lines.append(line)
             if "is serving on" in line:
                 break
-        assert f"127.0.0.1:{port}" in lines[-1]
+        banner = lines[-1]
+        # NOTE: the lines after the banner are read here too: communicate() below reads the
+        # pipe itself, past what readline() has already buffered.
+        while "OpenAI-compatible API" not in lines[-1]:
+            line = proc.stdout.readline()
+            assert line, f"splitserve up exited early: {''.join(lines)}"
+            lines.append(line)
+        assert f"127.0.0.1:{port}" in banner
         assert (tmp_path / "cache" / "splitserve" / "tiny-llama" / "config.json").is_file()
 
         client = _readme_block("client-example", "python").replace(
@@ -80,8 +88,20 @@ def test_up_serves_readme_client_and_generate_then_stops_cleanly(tmp_path):
         )
         assert gen.returncode == 0, gen.stderr
         assert "generated" in gen.stderr
+
+        http = _readme_block("http-example", "python").replace(
+            "127.0.0.1:8000", f"127.0.0.1:{http_port}"
+        )
+        ran = subprocess.run(
+            [sys.executable, "-c", http], capture_output=True, text=True, timeout=120, cwd=ROOT
+        )
+        assert ran.returncode == 0, ran.stderr
+        assert ran.stdout.strip(), "the streamed completion is empty"
     finally:
         proc.send_signal(signal.SIGINT)
         out, _ = proc.communicate(timeout=60)
     assert proc.returncode == 0, out
     assert "stopped" in out
+    # on loopback it serves without a key and says so; its Redis's password is masked
+    said = "".join(lines)
+    assert "no API key" in said and "redis://:***@" in banner, said

@@ -155,12 +155,14 @@ def test_stale_fence_is_refused_at_begin_write_and_handoff_after_a_replace(
 
 
 def test_steps_on_a_missing_or_finished_record_are_refused(registry: Registry) -> None:
+    # NOTE: a fence this Redis issued: an older one would be a record lost in a restart.
+    fence = registry.reserve("other", "d0", [0], LEASE_S).fence
     with pytest.raises(StaleFenceError, match="gone") as err:
-        registry.begin_write("nope", "p0", 1, LEASE_S)
+        registry.begin_write("nope", "p0", fence, LEASE_S)
     assert err.value.reason == "missing"
     with pytest.raises(StaleFenceError):
-        registry.handoff("nope", "d0", 1, LEASE_S)
-    assert not registry.renew("nope", 1, LEASE_S)
+        registry.handoff("nope", "d0", fence, LEASE_S)
+    assert not registry.renew("nope", fence, LEASE_S)
 
     res = registry.reserve("r1", "d0", [1], LEASE_S)
     registry.handoff("r1", "d0", res.fence, LEASE_S)  # nothing to write: a full prefix hit
@@ -288,6 +290,18 @@ def test_clear_prefix_blocks_removes_a_worker_entirely(
         [f"test:prefix:{x.hex()}" for x in h[:2]] + ["test:prefix_worker:b"]
     )
     assert registry.clear_prefix_blocks("a") == 0
+
+
+def test_prefix_blocks_of_workers_that_are_gone_are_dropped(registry: Registry) -> None:
+    h = chain(3)
+    registry.add_prefix_blocks("live", h)
+    registry.add_prefix_blocks("dead", h[:2])
+    registry.add_prefix_blocks("odd*[id]", h[:1])  # glob characters in an id
+    assert registry.prefix_index_workers() == {"live", "dead", "odd*[id]"}
+    assert registry.drop_stale_prefix_blocks(["live"]) == ["dead", "odd*[id]"]
+    assert registry.prefix_index_workers() == {"live"}
+    assert registry.prefix_match(h) == {"live": 3}
+    assert registry.drop_stale_prefix_blocks(["live"]) == []
 
 
 @settings(

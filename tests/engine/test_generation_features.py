@@ -134,7 +134,7 @@ def test_text_prompts_and_detokenized_text_match_tokens(llm):
         use_tqdm=False,
     )
     for out in outs:
-        assert out.prompt_token_ids == tok.encode(out.prompt, add_special_tokens=False)
+        assert out.prompt_token_ids == tok.encode(out.prompt, add_special_tokens=True)
         assert out.outputs[0].text == tok.decode(out.outputs[0].token_ids, skip_special_tokens=True)
 
 

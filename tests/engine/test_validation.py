@@ -26,6 +26,7 @@ def llm(tiny_models):
         ([5, -1], None, "outside the vocabulary"),
         ([5, "a"], None, "list of ints"),
         ([5, 6], SamplingParams(stop_token_ids=[10**6]), "stop_token_ids"),
+        ([5, 6], SamplingParams(n=257), "max_num_seqs"),  # never scheduled: refused at once
     ],
 )
 def test_bad_request_raises_clear_value_error(llm, prompt, params, message):

@@ -27,13 +27,14 @@ def random_paged_kv(
     dtype: torch.dtype,
     device: torch.device,
     seed: int,
+    kv_dtype: torch.dtype | None = None,
 ) -> PagedKV:
     """A cache whose pages are handed out in random order, holding random keys and values for
     each sequence's first seq_len positions and NaN everywhere else.
 
     It is the middle layer's view of a three-layer block-major pool (the engine's layout:
     pages `num_layers` layers apart), so a kernel that strays into a neighbouring layer reads
-    NaN too."""
+    NaN too. `kv_dtype` (e.g. FP8) stores the same values in another dtype (NaN stays NaN)."""
     gen = torch.Generator().manual_seed(seed)
     values_gen = torch.Generator(device=device).manual_seed(seed)
     blocks_needed = [-(-n // block_size) for n in seq_lens]
@@ -56,6 +57,9 @@ def random_paged_kv(
         cache[:, page_of, offset_of] = torch.randn(
             values, generator=values_gen, device=device, dtype=dtype
         )
+    if kv_dtype is not None:
+        pool = pool.to(kv_dtype)
+        cache = pool[:, 1].transpose(0, 1)
     return PagedKV(
         kv_cache=cache,
         block_tables=tables.to(device),

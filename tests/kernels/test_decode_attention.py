@@ -158,3 +158,22 @@ def test_decode_real_shapes_on_gpu(dtype, batch, max_len, window):
     if batch > 2:
         seq_lens[1] = 0
     _check(seq_lens, 32, 8, 128, 16, window, None, dtype, torch.device("cuda"), seed=batch)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("index", [1, 4, 9])
+def test_an_fp8_cache_matches_the_reference_on_its_values(index, dtype, device):
+    """An FP8 (e4m3) cache under queries of any dtype: the kernel widens each key and value to
+    q's dtype (exactly: every e4m3 value is one of fp16's and bf16's) and attends as usual."""
+    seq_lens, num_heads, num_kv_heads, head_dim, block_size, window, splits = CPU_CASES[index]
+    fp8 = torch.float8_e4m3fn
+    paged = random_paged_kv(
+        seq_lens, num_kv_heads, head_dim, block_size, dtype, device, index, kv_dtype=fp8
+    )
+    assert paged.kv_cache.dtype == fp8
+    gen = torch.Generator().manual_seed(index + 1)
+    q = torch.randn(len(seq_lens), num_heads, head_dim, generator=gen).to(device, dtype)
+    args = (q, paged.kv_cache, paged.block_tables, paged.seq_lens, head_dim**-0.5, window)
+    got = decode_attention(*args, num_splits=splits)
+    atol, rtol = tolerance(dtype)
+    torch.testing.assert_close(got, decode_attention_ref(*args), atol=atol, rtol=rtol)

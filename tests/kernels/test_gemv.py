@@ -71,3 +71,23 @@ def test_gemv_rejects_bad_shapes(device):
 )
 def test_gemv_real_shapes_on_gpu(n, k, dtype):
     _check(n, k, dtype, torch.device("cuda"))
+
+
+@pytest.mark.parametrize("dtype", GPU_DTYPES)
+@pytest.mark.parametrize(("n", "k", "bias"), [(40, 96, False), (33, 700, True), (1, 5, False)])
+def test_fp8_gemv_matches_the_dequantized_product(n, k, bias, dtype, device):
+    """An FP8 (e4m3) weight with one float32 scale per output channel: the product of the
+    dequantized weight, in float32, scaled and biased, rounded once."""
+    from splitserve.engine.quantization import quantize_weight
+
+    gen = torch.Generator().manual_seed(n * 7 + k)
+    x = torch.randn(1, k, generator=gen).to(device, dtype)
+    w8, scale = quantize_weight(torch.randn(n, k, generator=gen) / k**0.5)
+    w8, scale = w8.to(device), scale.to(device)
+    b = torch.randn(n, generator=gen).to(device, dtype) if bias else None
+    got = gemv(x, w8, b, weight_scale=scale)
+    exact = gemv_ref(x, w8, b, weight_scale=scale).float()
+    ulp = 2.0**-7 if dtype == torch.bfloat16 else 2.0**-10
+    torch.testing.assert_close(got.float(), exact, atol=4 * ulp, rtol=2 * ulp)
+    with pytest.raises(ValueError, match="weight"):
+        gemv(x, w8.to(dtype), b, weight_scale=scale)  # a scale belongs to an FP8 weight

@@ -106,3 +106,24 @@ def test_bad_arguments_raise_before_launch(device):
 @pytest.mark.parametrize("dtype", GPU_DTYPES)
 def test_write_real_shapes_on_gpu(dtype):
     _check(4096, 8, 128, 512, 16, dtype, torch.device("cuda"), seed=0, strided=True)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_an_fp8_cache_stores_saturated_nearest_even_values(dtype, device):
+    """Into an FP8 (e4m3, scale 1) cache: each value rounded to nearest even, those beyond
+    +-448 saturated (a plain cast would store NaN); the same bits as the reference."""
+    gen = torch.Generator().manual_seed(7)
+    num_tokens, heads, dim, num_blocks, block_size = 29, 2, 16, 4, 8
+    scale = torch.logspace(-4, 3, num_tokens)[:, None, None]  # 1e-4 (subnormal) to 1000
+    k = (torch.randn(num_tokens, heads, dim, generator=gen) * scale).to(device, dtype)
+    v = (torch.randn(num_tokens, heads, dim, generator=gen) * scale).to(device, dtype)
+    slots = torch.randperm(num_blocks * block_size, generator=gen)[:num_tokens].to(device)
+    pool_shape = (num_blocks, 3, 2, block_size, heads, dim)
+    pool = torch.full(pool_shape, float("nan"), dtype=torch.float8_e4m3fn, device=device)
+    want = pool.clone()
+    write_kv_cache(k, v, pool[:, 1].transpose(0, 1), slots)
+    write_kv_cache_ref(k, v, want[:, 1].transpose(0, 1), slots)
+    assert torch.equal(pool.view(torch.uint8), want.view(torch.uint8))
+    written = pool[:, 1].float()
+    assert written.nan_to_num(0).abs().max() == 448.0  # saturated, not NaN
+    assert int((~written.isnan()).sum()) == 2 * num_tokens * heads * dim

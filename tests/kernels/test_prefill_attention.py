@@ -40,8 +40,11 @@ def _check(
     dtype: torch.dtype,
     device: torch.device,
     seed: int,
+    kv_dtype: torch.dtype | None = None,
 ) -> None:
-    paged = random_paged_kv(seq_lens, num_kv_heads, head_dim, block_size, dtype, device, seed)
+    paged = random_paged_kv(
+        seq_lens, num_kv_heads, head_dim, block_size, dtype, device, seed, kv_dtype
+    )
     gen = torch.Generator().manual_seed(seed + 1)
     q = torch.randn(sum(query_lens), num_heads, head_dim, generator=gen).to(device, dtype)
     cu = torch.tensor([0, *query_lens], dtype=torch.int32).cumsum(0).int().to(device)
@@ -59,6 +62,13 @@ def _check(
 @pytest.mark.parametrize("index", range(len(CPU_CASES)))
 def test_prefill_matches_reference(index, dtype, device):
     _check(*CPU_CASES[index], dtype, device, seed=index)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("index", [2, 7])
+def test_an_fp8_cache_matches_the_reference_on_its_values(index, dtype, device):
+    """An FP8 (e4m3) cache: keys and values widen to q's dtype exactly, then attend as usual."""
+    _check(*CPU_CASES[index], dtype, device, seed=index, kv_dtype=torch.float8_e4m3fn)
 
 
 @pytest.mark.parametrize("window", [None, 6])

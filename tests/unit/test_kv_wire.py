@@ -83,7 +83,7 @@ def test_cache_layout_of_an_engine_region_matches_the_pool(dtype: torch.dtype) -
 def test_wire_constants() -> None:
     assert LAYOUT == "block,layer,kv,slot,head,dim"
     assert MAX_CHUNK_BYTES == 4 * 1024 * 1024
-    assert set(wire.DTYPES) == {"float32", "float16", "bfloat16"}
+    assert set(wire.DTYPES) == {"float32", "float16", "bfloat16", "float8_e4m3fn"}
 
 
 @pytest.mark.parametrize("field", ["num_layers", "block_size", "num_kv_heads", "head_dim"])

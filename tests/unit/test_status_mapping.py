@@ -30,6 +30,7 @@ RAISES = {
     "full": Overloaded("the gateway is at its limit of 2 requests in flight"),
     "down": Unavailable("draining"),
     "late": DeadlineExceeded("the request's deadline passed"),
+    "echo": InvalidRequest("stop must not be " + "x" * 100_000),  # echoes a 100 KB input
     "bug_value": ValueError("int() of a bad internal string"),
     "bug_key": KeyError("some-internal-key"),
     "bug_type": TypeError("unsupported operand"),
@@ -125,6 +126,17 @@ def test_a_domain_error_reaches_the_client_with_its_status_and_message(served, k
         call(channel, kind, error.encode())
     assert err.value.code() == code
     assert err.value.details() == str(RAISES[error])
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_message_that_echoes_huge_input_reaches_the_client_clipped(served, kind):
+    channel, _ = served
+    with pytest.raises(grpc.RpcError) as err:
+        call(channel, kind, b"echo")
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT  # not RESOURCE_EXHAUSTED
+    details = err.value.details()
+    assert details.startswith("stop must not be xxx") and details.endswith("…")
+    assert len(details.encode()) < 1024
 
 
 @pytest.mark.parametrize("kind", KINDS)

@@ -1,0 +1,185 @@
+"""The Generate stream, shaped as OpenAI's responses: chunks of `text_completion` or
+`chat.completion.chunk` for server-sent events, or one `text_completion` / `chat.completion`
+object gathered from the whole stream; `usage` from the final message; errors in OpenAI's
+`{"error": {...}}` shape with the HTTP status of their gRPC code."""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+
+from splitserve.protos.v1 import common_pb2, gateway_pb2
+
+FINISH_REASONS = {
+    common_pb2.FINISH_REASON_STOP: "stop",
+    common_pb2.FINISH_REASON_LENGTH: "length",
+    common_pb2.FINISH_REASON_ABORT: "abort",
+}
+
+# gRPC status -> (HTTP status, OpenAI error type)
+HTTP_STATUS = {
+    grpc.StatusCode.INVALID_ARGUMENT: (400, "invalid_request_error"),
+    grpc.StatusCode.FAILED_PRECONDITION: (400, "invalid_request_error"),
+    grpc.StatusCode.OUT_OF_RANGE: (400, "invalid_request_error"),
+    grpc.StatusCode.UNAUTHENTICATED: (401, "authentication_error"),
+    grpc.StatusCode.PERMISSION_DENIED: (403, "permission_error"),
+    grpc.StatusCode.NOT_FOUND: (404, "not_found_error"),
+    grpc.StatusCode.ALREADY_EXISTS: (409, "invalid_request_error"),
+    grpc.StatusCode.RESOURCE_EXHAUSTED: (429, "rate_limit_error"),
+    grpc.StatusCode.CANCELLED: (499, "cancelled"),
+    grpc.StatusCode.UNAVAILABLE: (503, "service_unavailable"),
+    grpc.StatusCode.DEADLINE_EXCEEDED: (504, "timeout"),
+}
+
+
+def error_body(code: grpc.StatusCode, message: str) -> tuple[int, dict[str, Any]]:
+    """(HTTP status, OpenAI error object) for a request that ended with gRPC status `code`."""
+    status, kind = HTTP_STATUS.get(code, (500, "internal_server_error"))
+    return status, {
+        "error": {"message": message, "type": kind, "param": None, "code": code.name.lower()}
+    }
+
+
+def sse(payload: dict[str, Any] | str) -> bytes:
+    """One server-sent event: `data: <json>` and a blank line."""
+    data = payload if isinstance(payload, str) else json.dumps(payload, ensure_ascii=False)
+    return f"data: {data}\n\n".encode()
+
+
+def usage(msg: common_pb2.Usage) -> dict[str, Any]:
+    return {
+        "prompt_tokens": msg.prompt_tokens,
+        "completion_tokens": msg.completion_tokens,
+        "total_tokens": msg.prompt_tokens + msg.completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": msg.cached_prompt_tokens},
+    }
+
+
+@dataclass
+class Shaper:
+    """Turns one request's Generate messages into OpenAI chunks or one final object.
+
+    `chat` picks the chat shapes; `top_logprobs` is how many alternatives each logprobs entry
+    lists; `token_text` turns a token id into its text (the model's tokenizer)."""
+
+    model: str
+    chat: bool
+    n: int
+    top_logprobs: int | None
+    token_text: Any
+    id: str = field(default_factory=lambda: uuid.uuid4().hex)
+    created: int = field(default_factory=lambda: int(time.time()))
+    _texts: dict[int, list[str]] = field(default_factory=dict)
+    _logprobs: dict[int, list[common_pb2.TokenLogprobs]] = field(default_factory=dict)
+    _started: set[int] = field(default_factory=set)
+
+    @property
+    def object_id(self) -> str:
+        return f"{'chatcmpl' if self.chat else 'cmpl'}-{self.id}"
+
+    def _envelope(self, choices: list[dict[str, Any]], stream: bool) -> dict[str, Any]:
+        kind = "chat.completion" if self.chat else "text_completion"
+        return {
+            "id": self.object_id,
+            "object": f"{kind}.chunk" if stream and self.chat else kind,
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
+        }
+
+    # -- streaming ---------------------------------------------------------------------------
+
+    def chunk(self, delta: common_pb2.SampleDelta) -> dict[str, Any]:
+        """The chunk for new tokens of one sample."""
+        logprobs = self._logprobs_json(list(delta.logprobs)) if delta.logprobs else None
+        if self.chat:
+            message: dict[str, Any] = {"content": delta.text}
+            if delta.index not in self._started:
+                self._started.add(delta.index)
+                message = {"role": "assistant", **message}
+            choice: dict[str, Any] = {"index": delta.index, "delta": message}
+        else:
+            choice = {"index": delta.index, "text": delta.text}
+        choice.update(logprobs=logprobs, finish_reason=None)
+        return self._envelope([choice], stream=True)
+
+    def final_chunks(self, finished: gateway_pb2.Finished) -> list[dict[str, Any]]:
+        """A last chunk per sample, carrying its finish_reason."""
+        chunks = []
+        for sample in finished.samples:
+            if self.chat:
+                delta = {} if sample.index in self._started else {"role": "assistant"}
+                choice: dict[str, Any] = {"index": sample.index, "delta": delta}
+            else:
+                choice = {"index": sample.index, "text": ""}
+            choice.update(logprobs=None, finish_reason=_finish(sample))
+            chunks.append(self._envelope([choice], stream=True))
+        return chunks
+
+    def usage_chunk(self, finished: gateway_pb2.Finished) -> dict[str, Any]:
+        return {**self._envelope([], stream=True), "usage": usage(finished.usage)}
+
+    # -- one response ------------------------------------------------------------------------
+
+    def add(self, delta: common_pb2.SampleDelta) -> None:
+        """Gather a chunk for `response`."""
+        self._texts.setdefault(delta.index, []).append(delta.text)
+        self._logprobs.setdefault(delta.index, []).extend(delta.logprobs)
+
+    def response(self, finished: gateway_pb2.Finished) -> dict[str, Any]:
+        choices = []
+        for sample in sorted(finished.samples, key=lambda s: s.index):
+            text = "".join(self._texts.get(sample.index, []))
+            entries = self._logprobs.get(sample.index, [])
+            logprobs = self._logprobs_json(entries) if self.top_logprobs is not None else None
+            if self.chat:
+                message = {"role": "assistant", "content": text}
+                choice: dict[str, Any] = {"index": sample.index, "message": message}
+            else:
+                choice = {"index": sample.index, "text": text}
+            choice.update(logprobs=logprobs, finish_reason=_finish(sample))
+            choices.append(choice)
+        return {**self._envelope(choices, stream=False), "usage": usage(finished.usage)}
+
+    # -- logprobs ----------------------------------------------------------------------------
+
+    def _logprobs_json(self, entries: list[common_pb2.TokenLogprobs]) -> dict[str, Any] | None:
+        if self.top_logprobs is None:
+            return None
+        k = self.top_logprobs
+        if self.chat:
+            return {
+                "content": [
+                    {
+                        **self._token(e.token_id, e.logprob),
+                        "top_logprobs": [self._token(t.token_id, t.logprob) for t in e.top[:k]],
+                    }
+                    for e in entries
+                ]
+            }
+        tokens = [self.token_text(e.token_id) for e in entries]
+        offsets, at = [], 0
+        for token in tokens:
+            offsets.append(at)
+            at += len(token)
+        return {
+            "tokens": tokens,
+            "token_logprobs": [e.logprob for e in entries],
+            "top_logprobs": [
+                {self.token_text(t.token_id): t.logprob for t in e.top[:k]} for e in entries
+            ],
+            "text_offset": offsets,
+        }
+
+    def _token(self, token_id: int, logprob: float) -> dict[str, Any]:
+        text = self.token_text(token_id)
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+
+
+def _finish(sample: common_pb2.SampleFinish) -> str | None:
+    return FINISH_REASONS.get(sample.finish_reason)

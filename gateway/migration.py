@@ -1,0 +1,302 @@
+"""Decode streams that outlive their decode worker, and deadlines on the calls to workers.
+
+A Decode stream ends early in two ways: its worker dies (the call fails UNAVAILABLE: connection
+refused or reset), or it stops answering (frozen, swapped out: no message for
+`stall_timeout_s` while its heartbeat in the registry has lapsed). Either way the gateway knows
+everything the stream depends on: the prompt, the sampling parameters, and the tokens the
+client already has. It resumes the stream on another decode worker:
+
+    client ◀══ tokens 0..k ══ gateway ◀══ D1 ✗ (dead, or silent with no heartbeat)
+                                 │ D1 marked suspect; its call cancelled, its request aborted
+                                 ├──Reserve(prompt, resume = tokens 0..k)──▶ D2
+                                 └──Decode(resume)──▶ D2: recomputes the KV of prompt + tokens
+    client ◀══ tokens k+1.. ══ gateway ◀══ D2      (locally), samples token k+1 as D1 would have
+
+The continuation is the one D1 would have produced: a seeded draw is keyed by (seed, sample,
+position), not carried from step to step, and the resumed tokens count as generated for
+penalties, min_tokens and max_tokens (`engine.sequence.Resume`). D2 streams only what follows
+what the client has, so the client sees one stream; usage counts the original prompt and every
+generated token. On D2 the request runs under a new id (`<id>~<k>`): D1's records in Redis and
+D1 itself, should it wake up, never touch D2's.
+
+A Prefill whose KV goes to a decode worker that goes silent the same way is cancelled and
+fails ABORTED, which the orchestrator retries with a fresh reservation. A worker that misses a
+deadline (a Reserve not answered in `rpc_timeout_s`, a stalled stream or prefill) is *suspect*
+for `suspect_s`: new requests go to other workers while any is live.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import functools
+import logging
+import threading
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import grpc
+
+from splitserve.engine.errors import DeadlineExceeded, Unavailable
+from splitserve.gateway.observability import DECODE, RequestObservation
+from splitserve.gateway.validation import Job
+from splitserve.kv_transfer.registry import WorkerInfo
+from splitserve.protos import convert
+from splitserve.protos.v1 import common_pb2, worker_pb2
+
+if TYPE_CHECKING:
+    from splitserve.gateway.orchestrator import Orchestrator, Route
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class FailoverSettings:
+    # Reserve and Abort: a healthy worker answers at once, so a silent one is given up on.
+    rpc_timeout_s: float = 5.0
+    # A Decode stream with no message for this long is checked: gone from the registry
+    # (heartbeat lapsed) means it moves to another decode worker.
+    stall_timeout_s: float = 10.0
+    # How long a worker that missed a deadline gets no new request (while others are live).
+    suspect_s: float = 30.0
+    # How many times one stream may move to another decode worker.
+    max_migrations: int = 2
+
+    def __post_init__(self) -> None:
+        for name in ("rpc_timeout_s", "stall_timeout_s", "suspect_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")
+        if self.max_migrations < 0:
+            raise ValueError(f"max_migrations must be >= 0, got {self.max_migrations}")
+
+
+class Suspects:
+    """Workers that missed a deadline lately; routing avoids them while another is live."""
+
+    def __init__(self, hold_s: float) -> None:
+        self.hold_s = hold_s
+        self._until: dict[str, float] = {}
+        self._lock = threading.Lock()
+
+    def mark(self, worker_id: str, why: str) -> None:
+        with self._lock:
+            known = self._until.get(worker_id, 0.0) > time.monotonic()
+            self._until[worker_id] = time.monotonic() + self.hold_s
+        if not known:
+            log.warning("worker %s is suspect for %.0f s: %s", worker_id, self.hold_s, why)
+
+    def current(self) -> set[str]:
+        now = time.monotonic()
+        with self._lock:
+            for worker_id in [w for w, until in self._until.items() if until <= now]:
+                del self._until[worker_id]
+            return set(self._until)
+
+
+class WorkerLost(Exception):
+    """A decode stream's worker went silent and left the registry."""
+
+
+def is_worker_lost(err: BaseException) -> bool:
+    """Whether a failed call means its worker is gone (dead, or unreachable), not the request."""
+    if isinstance(err, WorkerLost):
+        return True
+    return isinstance(err, grpc.RpcError) and err.code() == grpc.StatusCode.UNAVAILABLE
+
+
+class Ledger:
+    """What the client has received of each sample: where a resumed stream goes on from."""
+
+    def __init__(self, n: int) -> None:
+        self.token_ids: dict[int, list[int]] = {i: [] for i in range(n)}
+        self.num_chars: dict[int, int] = dict.fromkeys(range(n), 0)
+
+    def record(self, msg: worker_pb2.DecodeResponse) -> None:
+        if msg.HasField("chunk"):
+            self.token_ids[msg.chunk.index].extend(msg.chunk.token_ids)
+            self.num_chars[msg.chunk.index] += len(msg.chunk.text)
+
+    def resume_from(self, index: int) -> worker_pb2.ResumeFrom:
+        return worker_pb2.ResumeFrom(
+            sample_index=index,
+            output_token_ids=self.token_ids[index],
+            num_text_chars=self.num_chars[index],
+        )
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(ids) for ids in self.token_ids.values())
+
+
+async def watched(
+    stream: Any, stall_s: float, is_live: Callable[[], Any]
+) -> AsyncIterator[worker_pb2.DecodeResponse]:
+    """The messages of a Decode stream; raises WorkerLost when none arrives for `stall_s` and
+    `is_live()` (awaited) says its worker has left the registry. A slow but live worker is
+    waited for."""
+    messages = aiter(stream)
+    while True:
+        # NOTE: one pending read, never cancelled by the wait: cancelling it cancels the call.
+        read = asyncio.ensure_future(anext(messages))
+        while True:
+            done, _ = await asyncio.wait({read}, timeout=stall_s)
+            if done:
+                break
+            if not await is_live():
+                read.cancel()
+                raise WorkerLost(f"no message for {stall_s:.1f} s and no heartbeat")
+        try:
+            msg = read.result()
+        except StopAsyncIteration:
+            return
+        yield msg
+
+
+class StreamMover:
+    """Runs a request's Decode stream and moves it to another decode worker when its own is
+    lost (see the module doc). Owned by the Orchestrator; one call of `stream` per request."""
+
+    def __init__(self, orchestrator: Orchestrator, settings: FailoverSettings) -> None:
+        self.orch = orchestrator
+        self.settings = settings
+        self._background: set[asyncio.Future[Any]] = set()
+
+    async def stream(
+        self,
+        job: Job,
+        route: Route,
+        first: list[worker_pb2.FirstToken],
+        deadline: float,
+        obs: RequestObservation,
+    ) -> AsyncIterator[worker_pb2.DecodeResponse]:
+        orch, settings = self.orch, self.settings
+        ledger = Ledger(job.params.n)
+        resume: worker_pb2.ResumeFrom | None = None
+        for moves in range(settings.max_migrations + 1):
+            worker_request_id = route.worker_request_id or job.request_id
+            try:
+                with obs.call(DECODE, route.decode) as call:
+                    stream = orch.stubs.decode(route.decode.address).Decode(
+                        worker_pb2.DecodeRequest(
+                            request_id=worker_request_id,
+                            sampling=convert.sampling_to_proto(job.params),
+                            first_tokens=first,
+                            priority=job.priority,
+                            resume=resume,
+                        ),
+                        timeout=_remaining(deadline),
+                        metadata=call.metadata,
+                    )
+                    orch._track(route, stream)
+                    is_live = functools.partial(self._is_live, route.decode)
+                    async for msg in watched(stream, settings.stall_timeout_s, is_live):
+                        ledger.record(msg)
+                        yield msg
+                return
+            except (grpc.RpcError, WorkerLost) as err:
+                movable = job.params.n == 1 and not route.cancelled
+                if not (is_worker_lost(err) and movable and moves < settings.max_migrations):
+                    if isinstance(err, WorkerLost):
+                        raise Unavailable(
+                            f"decode worker {route.decode.worker_id}: {err}"
+                        ) from None
+                    raise
+                stream.cancel()  # NOTE: should the worker wake up, it frees the request
+                reason = "stalled" if isinstance(err, WorkerLost) else "unavailable"
+                resume = ledger.resume_from(0)
+                await self._move(job, route, resume, moves + 1, deadline, obs, reason, ledger)
+                first = []
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    async def _move(
+        self,
+        job: Job,
+        route: Route,
+        resume: worker_pb2.ResumeFrom,
+        move: int,
+        deadline: float,
+        obs: RequestObservation,
+        reason: str,
+        ledger: Ledger,
+    ) -> None:
+        """Reserve the resumed sample on another decode worker; `route` then points there."""
+        orch = self.orch
+        lost = route.decode
+        orch.suspects.mark(lost.worker_id, f"its Decode stream was lost ({reason})")
+        self._abort_in_background(lost, route.worker_request_id or job.request_id)
+        # A killed worker's prefix index is gone with it: routing must stop preferring it.
+        await asyncio.to_thread(orch.registry.clear_prefix_blocks, lost.worker_id)
+        route.worker_request_id = f"{job.request_id}~{move}"
+        resumed = dataclasses.replace(job, request_id=route.worker_request_id)
+        picked = await orch._pick_decode(resumed, obs, exclude={lost.worker_id})
+        route.decode, _, route.prefix_blocks = picked
+        orch._count(lost.worker_id, -1)
+        orch._count(route.decode.worker_id, +1)
+        await orch._reserve(resumed, route, deadline, obs, resume=resume)
+        log.warning(
+            "request %s: decode worker %s lost (%s) after %d tokens; resumed on %s",
+            job.request_id, lost.worker_id, reason, ledger.num_tokens, route.decode.worker_id,
+        )  # fmt: skip
+        obs.migrated(lost, route.decode, reason, ledger.num_tokens)
+
+    async def prefill_guarded(self, rpc: Any, decode: WorkerInfo) -> Any:
+        """Await a Prefill call whose KV goes to `decode`. If `decode` goes silent and leaves
+        the registry meanwhile (frozen: the pushes would wait out their send timeout), the call
+        is cancelled and fails ABORTED, which the caller retries with a fresh reservation."""
+        task = asyncio.ensure_future(_awaited(rpc))
+        try:
+            while True:
+                done, _ = await asyncio.wait({task}, timeout=self.settings.stall_timeout_s)
+                if done:
+                    return task.result()
+                if not await self._is_live(decode):
+                    break
+        except asyncio.CancelledError:
+            task.cancel()
+            raise
+        rpc.cancel()
+        self.orch.suspects.mark(decode.worker_id, "it went silent while a prefill pushed to it")
+        raise grpc.aio.AioRpcError(
+            grpc.StatusCode.ABORTED,
+            grpc.aio.Metadata(),
+            grpc.aio.Metadata(),
+            details=f"decode worker {decode.worker_id} went silent during the prefill",
+        )
+
+    async def _is_live(self, worker: WorkerInfo) -> bool:
+        try:
+            live = await asyncio.to_thread(self.orch.registry.live_workers, worker.kind)
+        except Exception:  # noqa: BLE001 - Redis down: no evidence that the worker is gone
+            # NOTE: the registry client warns once per outage; no traceback per request here
+            log.debug("could not check whether %s is live", worker.worker_id, exc_info=True)
+            return True
+        return any(w.worker_id == worker.worker_id for w in live)
+
+    def _abort_in_background(self, worker: WorkerInfo, request_id: str) -> None:
+        """Abort the request on the lost worker without waiting: a frozen one answers late."""
+
+        async def abort() -> None:
+            try:
+                await self.orch.stubs.decode(worker.address).Abort(
+                    common_pb2.AbortRequest(request_id=request_id),
+                    timeout=self.settings.rpc_timeout_s,
+                )
+            except grpc.RpcError as err:
+                log.info("abort of %s on lost %s: %s", request_id, worker.worker_id, err.code())
+
+        task = asyncio.ensure_future(abort())
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+
+def _remaining(deadline: float) -> float:
+    remaining = deadline - time.monotonic()
+    if remaining <= 0:
+        raise DeadlineExceeded("the request's deadline passed")
+    return remaining
+
+
+async def _awaited(call: Any) -> Any:
+    return await call

@@ -1,0 +1,310 @@
+"""A stranger on the same network against a real stack (processes, gRPC on loopback, Redis),
+with API keys at the gateway and a cluster secret between the services: each attack of the
+issue is refused, and the victims' output still equals the offline engine's."""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+
+import grpc
+import httpx
+import pytest
+import redis
+import torch
+
+from splitserve.client import collect, connect, stream
+from splitserve.engine import LLM, SamplingParams
+from splitserve.engine.block_manager import BlockManager
+from splitserve.engine.kv_cache import KVCache
+from splitserve.engine.kv_connector import KVConnector
+from splitserve.engine.model_config import ModelConfig
+from splitserve.kv_transfer.grpc_transport import GrpcKVSender
+from splitserve.kv_transfer.registry import Registry, WorkerInfo
+from splitserve.kv_transfer.transport import Peer, Push, TransferError
+from splitserve.protos import convert
+from splitserve.protos.v1 import common_pb2, worker_pb2, worker_pb2_grpc
+from splitserve.runtime.secrets import redacted_url
+from tests.e2e.harness import assert_nothing_leaks, member_metadata, running_stack, workers
+
+pytestmark = pytest.mark.slow
+
+ALICE, MALLORY = "alice-key-0123456789", "mallory-key-9876543210"
+GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+PROMPT = list(range(10, 74))  # 64 tokens: 4 full blocks, the prefix of the issue's attack
+LONG = SamplingParams(temperature=0, max_tokens=160, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tiny_models):
+    return tiny_models["llama"]
+
+
+@pytest.fixture(scope="module")
+def oracle(model_dir):
+    llm = LLM(model_dir)
+    outs = llm.generate([PROMPT, PROMPT], [GREEDY, LONG], use_tqdm=False)
+    return [o.outputs[0].token_ids for o in outs]
+
+
+@pytest.fixture(scope="module")
+def stack(model_dir):
+    with running_stack(
+        model_dir, prefill=1, decode=1, kv_transport="grpc", api_keys=(ALICE, MALLORY),
+        extra_gateway_args=("--max-inflight-per-key", "2"), http_port=0,
+    ) as s:  # fmt: skip
+        assert s.secrets is not None and s.secrets.cluster_secret  # on: API keys are given
+        yield s
+
+
+def _worker(stack, kind: str) -> WorkerInfo:
+    return next(w for w in workers(stack) if w.kind == kind)
+
+
+def _code(call) -> grpc.StatusCode:
+    with pytest.raises(grpc.RpcError) as err:
+        call()
+    return err.value.code()
+
+
+def test_generate_needs_a_valid_key_and_health_stays_open(stack, oracle):
+    for key in (None, "not-a-key"):
+        channel, stub = connect(stack.address, key)
+        with channel:
+            code = _code(lambda s=stub: collect(stream(s, PROMPT, GREEDY, timeout_s=30)))
+            assert code == grpc.StatusCode.UNAUTHENTICATED
+    channel, stub = connect(stack.address, ALICE)
+    with channel:
+        done = collect(stream(stub, PROMPT, GREEDY, timeout_s=60))
+    assert done.token_ids[0] == oracle[0]
+
+
+def test_the_http_api_checks_the_same_keys(stack, model_dir):
+    body = {"model": model_dir.name, "prompt": PROMPT, "max_tokens": 4, "temperature": 0}
+    url = stack.http_url + "/completions"
+    for headers in ({}, {"Authorization": "Bearer not-a-key"}):
+        assert httpx.post(url, json=body, headers=headers, timeout=30).status_code == 401
+    reply = httpx.post(url, json=body, headers={"Authorization": f"Bearer {ALICE}"}, timeout=60)
+    assert reply.status_code == 200, reply.text
+    assert reply.json()["usage"]["completion_tokens"] == 4
+    assert httpx.get(stack.http_url.removesuffix("/v1") + "/health").status_code == 200
+
+
+def test_a_strangers_abort_does_not_touch_the_victims_request(stack, oracle):
+    alice_channel, alice = connect(stack.address, ALICE)
+    mallory_channel, mallory = connect(stack.address, MALLORY)
+    result: dict = {}
+
+    def victim() -> None:
+        result["done"] = collect(stream(alice, PROMPT, LONG, request_id="victim-1", timeout_s=120))
+
+    with alice_channel, mallory_channel:
+        # an abort sent before the victim's request arrives must not wait for it either
+        assert not mallory.Abort(common_pb2.AbortRequest(request_id="victim-1"), timeout=5).aborted
+        thread = threading.Thread(target=victim)
+        thread.start()
+        answers = []
+        while thread.is_alive():
+            reply = mallory.Abort(common_pb2.AbortRequest(request_id="victim-1"), timeout=5)
+            answers.append(reply.aborted)
+            time.sleep(0.01)
+        thread.join()
+        assert answers and not any(answers)
+        done = result["done"]
+        assert done.finished.samples[0].finish_reason == common_pb2.FINISH_REASON_LENGTH
+        assert done.token_ids[0] == oracle[1]
+
+        # the owner's abort still works: the test can tell an abort that lands
+        thread = threading.Thread(target=victim)
+        thread.start()
+        aborted = False
+        while thread.is_alive() and not aborted:
+            reply = alice.Abort(common_pb2.AbortRequest(request_id="victim-1"), timeout=5)
+            aborted = reply.aborted
+            time.sleep(0.005)
+        thread.join()
+        assert aborted
+        assert result["done"].finished.samples[0].finish_reason == common_pb2.FINISH_REASON_ABORT
+    assert_nothing_leaks(stack)
+
+
+def test_one_key_cannot_take_every_slot(stack, oracle):
+    mallory_channel, mallory = connect(stack.address, MALLORY)
+    alice_channel, alice = connect(stack.address, ALICE)
+    started = threading.Barrier(3)
+    release = threading.Event()
+
+    def hog(i: int) -> None:
+        responses = stream(mallory, PROMPT, LONG, request_id=f"hog-{i}", timeout_s=120)
+        next(responses)  # in flight: its first tokens are out
+        started.wait(60)
+        release.wait(60)
+        responses.cancel()
+
+    with mallory_channel, alice_channel:
+        hogs = [threading.Thread(target=hog, args=(i,)) for i in range(2)]
+        for thread in hogs:
+            thread.start()
+        try:
+            started.wait(60)
+            code = _code(lambda: collect(stream(mallory, PROMPT, GREEDY, timeout_s=30)))
+            assert code == grpc.StatusCode.RESOURCE_EXHAUSTED
+            done = collect(stream(alice, PROMPT, GREEDY, timeout_s=60))  # others still served
+            assert done.token_ids[0] == oracle[0]
+        finally:
+            release.set()
+            for thread in hogs:
+                thread.join()
+        # its slots come back once the gateway has seen the cancels
+        deadline = time.monotonic() + 15
+        while True:
+            try:
+                done = collect(stream(mallory, PROMPT, GREEDY, timeout_s=60))
+                break
+            except grpc.RpcError as err:
+                busy = err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED  # type: ignore[attr-defined]
+                if not busy or time.monotonic() > deadline:
+                    raise
+                time.sleep(0.1)
+        assert done.token_ids[0] == oracle[0]
+    assert_nothing_leaks(stack)
+
+
+def test_worker_calls_without_the_cluster_secret_are_refused(stack):
+    decode, prefill = _worker(stack, "decode"), _worker(stack, "prefill")
+    reserve = worker_pb2.ReserveRequest(
+        request_id="stranger-1",
+        prompt_token_ids=PROMPT,
+        sampling=convert.sampling_to_proto(GREEDY),
+    )
+    with grpc.insecure_channel(decode.address) as d, grpc.insecure_channel(prefill.address) as p:
+        dstub, pstub = worker_pb2_grpc.DecodeWorkerStub(d), worker_pb2_grpc.PrefillWorkerStub(p)
+        wrong = (("x-splitserve-cluster-secret", "guessed"),)
+        calls = [
+            lambda md: dstub.Reserve(reserve, timeout=5, metadata=md),
+            lambda md: list(
+                dstub.Decode(worker_pb2.DecodeRequest(request_id="x"), timeout=5, metadata=md)
+            ),
+            lambda md: dstub.Abort(common_pb2.AbortRequest(request_id="x"), timeout=5, metadata=md),
+            lambda md: dstub.GetStats(worker_pb2.GetStatsRequest(), timeout=5, metadata=md),
+            lambda md: pstub.GetStats(worker_pb2.GetStatsRequest(), timeout=5, metadata=md),
+            lambda md: pstub.Prefill(worker_pb2.PrefillRequest(), timeout=5, metadata=md),
+        ]
+        for call in calls:
+            for metadata in (None, wrong):
+                assert _code(lambda c=call, m=metadata: c(m)) == grpc.StatusCode.UNAUTHENTICATED
+        # a member's call goes through (the refusals above are about the secret alone)
+        dstub.GetStats(worker_pb2.GetStatsRequest(), timeout=5, metadata=member_metadata(stack))
+
+
+def _push_into_a_planted_reservation(
+    stack, model_dir, oracle, cluster_secret: str, capability: bytes | None
+) -> TransferError:
+    """The worst case: a real reservation (made by a member), its fence and blocks known; a
+    rogue sender pushes random KV with a valid checksum into it (with `cluster_secret` and,
+    unless None, `capability` instead of the one minted). Returns the push's refusal, after
+    checking that a victim with the same prompt still gets the oracle's tokens."""
+    decode = _worker(stack, "decode")
+    member = member_metadata(stack)
+    registry = Registry(stack.redis_url)
+    cfg = ModelConfig.from_pretrained(model_dir)
+    pool = torch.randn(16, cfg.num_layers, 2, 16, cfg.num_kv_heads, cfg.head_dim)
+    connector = KVConnector(KVCache.over(pool), BlockManager(16, 16), 16)
+    rogue = GrpcKVSender(connector, cluster_secret=cluster_secret)
+    try:
+        peer = Peer(decode.worker_id, decode.address, registry.kv_endpoint(decode.worker_id) or {})
+        with grpc.insecure_channel(decode.address) as channel:
+            stub = worker_pb2_grpc.DecodeWorkerStub(channel)
+            dest = stub.Reserve(
+                worker_pb2.ReserveRequest(
+                    request_id="planted",
+                    prompt_token_ids=PROMPT,
+                    sampling=convert.sampling_to_proto(GREEDY),
+                ),
+                timeout=10,
+                metadata=member,
+            ).destination
+            assert len(dest.capability) == 16 and dest.capability != capability
+            blocks = tuple(dest.block_ids)
+            src = tuple(range(len(blocks)))
+            cap = dest.capability if capability is None else capability
+            push = Push("planted", dest.fence, src, blocks, len(PROMPT), capability=cap)
+            with pytest.raises(TransferError) as err:
+                rogue.push(peer, push, timeout_s=10)
+            stub.Abort(common_pb2.AbortRequest(request_id="planted"), timeout=5, metadata=member)
+    finally:
+        rogue.close()
+        registry.close()
+    channel, gateway = connect(stack.address, ALICE)
+    with channel:
+        done = collect(stream(gateway, PROMPT, GREEDY, timeout_s=60))
+    assert done.token_ids[0] == oracle[0]
+    assert_nothing_leaks(stack)
+    return err.value
+
+
+def test_a_strangers_kv_push_is_refused_and_the_victim_gets_the_oracle(stack, model_dir, oracle):
+    """Without the cluster secret even the reservation's own capability does not get in."""
+    refused = _push_into_a_planted_reservation(stack, model_dir, oracle, "", None)
+    assert refused.status == "UNAUTHENTICATED", refused
+
+
+@pytest.mark.parametrize("capability", [b"", bytes(16)])
+def test_a_members_push_without_the_reservations_capability_is_refused(
+    stack, model_dir, oracle, capability
+):
+    """Even a member (it has the cluster secret) can't write into a reservation it was not
+    handed: the push must carry the token minted with the reservation, not just its fence."""
+    assert stack.secrets is not None
+    secret = stack.secrets.cluster_secret
+    refused = _push_into_a_planted_reservation(stack, model_dir, oracle, secret, capability)
+    assert refused.status == "PERMISSION_DENIED" and "capability" in str(refused), refused
+
+
+def test_redis_wants_its_password_so_no_fake_worker_registers(stack):
+    bare = redacted_url(stack.redis_url).replace(":***@", "@").replace("//@", "//")
+    client = redis.Redis.from_url(bare, socket_connect_timeout=2)
+    with pytest.raises(redis.AuthenticationError):
+        client.ping()
+    fake = WorkerInfo(
+        worker_id="fake-decode", kind="decode", address="127.0.0.1:9", load=0,
+        num_free_blocks=10_000, num_total_blocks=10_000, block_size=16,
+    )  # fmt: skip
+    stranger = Registry(bare)
+    with pytest.raises(Exception) as err:  # noqa: B017 - redis-py's or the registry's error
+        stranger.register_worker(fake, ttl_s=30)
+    assert "authenticat" in str(err.value).lower(), err.value
+    stranger.close()
+    client.close()
+    # the stack itself, with the password, sees only its own workers
+    assert sorted(w.worker_id for w in workers(stack)) == ["decode-0", "prefill-0"]
+
+
+def _cmdline(pid: int) -> str:
+    return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+
+
+def _children(pid: int) -> list[int]:
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+                found.append(int(entry.name))
+    return found
+
+
+def test_no_secret_in_any_process_argv(stack):
+    assert stack.redis is not None and stack.secrets is not None
+    keeper = stack.redis._proc.pid
+    pids = [p.pid for p in stack.processes] + [keeper, *_children(keeper)]
+    assert len(pids) == len(stack.processes) + 2  # the services, the keeper, redis-server
+    hidden = [s for s in stack.secrets.hidden() if s]
+    assert len(hidden) == 4  # two API keys, the cluster secret, Redis's password
+    for pid in pids:
+        cmdline = _cmdline(pid)
+        assert not [s for s in hidden if s in cmdline], cmdline
