@@ -60,7 +60,7 @@ def launch_config_rows(bandwidth: float, sms: int) -> list[dict]:
     rows = []
     try:
         for config in ((64, 4, 2), (128, 8, 2), (128, 4, 2), (64, 4, 3), (64, 8, 3), (32, 4, 3)):
-            mod._launch_config = lambda dtype, c=config: c
+            mod._launch_config = lambda dtype, cache_dtype=None, c=config: c
             for batch, context in ((16, 2048), (16, 8192), (64, 2048)):
                 num_blocks = batch * context // 16
                 cache = torch.randn(2, num_blocks, 16, 8, 128, device="cuda", dtype=torch.bfloat16)

@@ -84,6 +84,7 @@ for step in "$@"; do
         --kv-cache-dtype fp8 --out "$OUT/roofline_fp8_kv.json"
       run throughput_fp8 8 python3 -m bench.offline_throughput --shape llama-3-8b \
         --quantization fp8 --kv-cache-dtype fp8 --skip-hf --out "$OUT/throughput_fp8.json"
+      run fp8_kv_attention 10 python3 -m bench.fp8_kv_attention --out "$OUT/fp8_kv_attention.json"
       run fp8_accuracy 10 python3 -m bench.fp8_accuracy --out "$OUT/fp8_accuracy.json" ;;
     *) echo "unknown step: $step" >&2 ;;
   esac

@@ -132,7 +132,11 @@ def main(argv: list[str] | None = None) -> None:
         args.concurrency, args.rounds, args.max_tokens = [2], 1, 8
     with tempfile.TemporaryDirectory() as tmp:
         model = make_tiny_model(Path(tmp) / "tiny-llama", "llama")
-        stack = start_stack(StackSettings(model=str(model), http_port=0))
+        # NOTE: both workers may share one GPU: each takes a share of its memory, not 90%.
+        share = ("--gpu-memory-utilization", "0.3")
+        stack = start_stack(
+            StackSettings(model=str(model), http_port=0, extra_worker_args=share)
+        )
         try:
             rows = asyncio.run(_measure(stack, args))
         finally:

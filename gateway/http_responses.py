@@ -45,10 +45,16 @@ def error_body(code: grpc.StatusCode, message: str) -> tuple[int, dict[str, Any]
     }
 
 
+# NOTE: JSON leaves these raw inside strings, but clients that split a stream with Python's
+# `str.splitlines` (httpx's `aiter_lines`, for one) break an event's line at each of them.
+_LINE_BREAKS = str.maketrans({"\x85": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"})
+
+
 def sse(payload: dict[str, Any] | str) -> bytes:
-    """One server-sent event: `data: <json>` and a blank line."""
+    """One server-sent event: `data: <json>` and a blank line. The JSON is UTF-8 on one line
+    by every line-splitting rule (characters that some treat as a line break are escaped)."""
     data = payload if isinstance(payload, str) else json.dumps(payload, ensure_ascii=False)
-    return f"data: {data}\n\n".encode()
+    return f"data: {data.translate(_LINE_BREAKS)}\n\n".encode()
 
 
 def usage(msg: common_pb2.Usage) -> dict[str, Any]:

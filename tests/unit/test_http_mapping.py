@@ -219,3 +219,12 @@ def test_an_authorize_hook_guards_every_endpoint_but_health():
         assert http.get("/v1/models").status_code == 401
         models = http.get("/v1/models", headers={"Authorization": "Bearer right"})
         assert models.status_code == 200 and models.json()["data"][0]["id"] == "m"
+
+
+def test_an_event_stays_one_line_for_every_line_splitting_client():
+    text = "a\x85b\u2028c\u2029d\ne\u00e9\U0001f600"
+    event = sse({"text": text}).decode()
+    assert event.endswith("\n\n")
+    (line,) = event[:-2].splitlines()  # str.splitlines breaks at \x85, \u2028, \u2029 too
+    assert json.loads(line.removeprefix("data: "))["text"] == text
+    assert "\u00e9\U0001f600" in line  # other characters stay UTF-8, unescaped
