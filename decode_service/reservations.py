@@ -21,6 +21,7 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
+from splitserve.engine.errors import Overloaded
 from splitserve.kv_transfer.transport import PushRefused
 
 
@@ -111,12 +112,50 @@ def _wake(future: asyncio.Future[None]) -> None:
 class ReservationBook:
     """Thread-safe map of request id -> LocalReservation; the `Landing` of every transport."""
 
-    def __init__(self, remember: int = 4096) -> None:
+    def __init__(self, remember: int = 4096, per_caller: int = 0) -> None:
         self._items: dict[str, LocalReservation] = {}
+        # Reservations (pending or held, not yet decoding) of each caller; at most `per_caller`
+        # each (0: no limit), so that one caller can't hold the whole pool.
+        self.per_caller = per_caller
+        self._by_caller: dict[str, set[str]] = {}
+        self._caller_of: dict[str, str] = {}
         # Recently removed ids, so a push that arrives late hears "reclaimed", not "unknown".
         self._gone: OrderedDict[str, None] = OrderedDict()
         self._remember = remember
         self._lock = threading.Lock()
+
+    def claim(self, request_id: str, caller: str) -> None:
+        """Count a reservation being made for `caller` (before its blocks are taken); raise
+        Overloaded (RESOURCE_EXHAUSTED) if the caller holds its limit already. `pop` or
+        `unclaim` ends the count."""
+        with self._lock:
+            held = self._by_caller.setdefault(caller, set())
+            if self.per_caller and len(held) >= self.per_caller and request_id not in held:
+                if not held:
+                    del self._by_caller[caller]
+                raise Overloaded(
+                    f"this caller holds {len(held)} reservations on this decode worker, its "
+                    "limit (--max-reservations-per-caller); retry when one is decoding"
+                )
+            held.add(request_id)
+            self._caller_of[request_id] = caller
+
+    def unclaim(self, request_id: str) -> None:
+        with self._lock:
+            self._release(request_id)
+
+    def held_by(self, caller: str) -> int:
+        with self._lock:
+            return len(self._by_caller.get(caller, ()))
+
+    def _release(self, request_id: str) -> None:
+        caller = self._caller_of.pop(request_id, None)
+        if caller is None:
+            return
+        held = self._by_caller[caller]
+        held.discard(request_id)
+        if not held:
+            del self._by_caller[caller]
 
     def add(self, reservation: LocalReservation) -> None:
         with self._lock:
@@ -131,6 +170,7 @@ class ReservationBook:
         """Remove and return it, marked dead so that late pushes are refused."""
         with self._lock:
             reservation = self._items.pop(request_id, None)
+            self._release(request_id)
             if reservation is not None:
                 self._gone[request_id] = None
                 while len(self._gone) > self._remember:

@@ -10,6 +10,7 @@ import grpc
 
 from splitserve.decode_service.observer import DecodeObserver
 from splitserve.decode_service.worker import DecodeWorker
+from splitserve.kv_transfer.cluster import caller_of
 from splitserve.protos import convert
 from splitserve.protos.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 
@@ -28,7 +29,11 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
             if request.HasField("resume"):
                 resume = convert.resume_from_proto(request.resume)
             res = await self.worker.reserve(
-                request.request_id, list(request.prompt_token_ids), params, resume
+                request.request_id,
+                list(request.prompt_token_ids),
+                params,
+                resume,
+                caller=caller_of(context.invocation_metadata()),
             )
             settings = self.worker.settings
             destination = worker_pb2.KVDestination(

@@ -81,13 +81,17 @@ class DecodeWorker:
         prompt_token_ids: list[int],
         params: SamplingParams,
         resume: Resume | None = None,
+        caller: str = "",
     ) -> LocalReservation:
         """Hold blocks for the prompt (and a resumed sample's tokens) and record the reservation
-        (with a lease) in Redis.
+        (with a lease) in Redis. `caller` (the client the gateway acts for) may hold at most
+        `--max-reservations-per-caller` reservations here at once (Overloaded beyond).
 
         NOTE: runs to its end even if the caller goes away meanwhile (blocks held by the engine
         must be recorded or given back), and then gives them back."""
+        self.reservations.claim(request_id, caller)  # NOTE: at once, before any await
         task = asyncio.ensure_future(self._reserve(request_id, prompt_token_ids, params, resume))
+        task.add_done_callback(lambda t: self._unclaim_failed(t, request_id))
         try:
             return await asyncio.shield(task)
         except asyncio.CancelledError:
@@ -125,6 +129,10 @@ class DecodeWorker:
         )
         self.reservations.add(local)
         return local
+
+    def _unclaim_failed(self, task: asyncio.Task[LocalReservation], request_id: str) -> None:
+        if task.cancelled() or task.exception() is not None:
+            self.reservations.unclaim(request_id)
 
     def _undo_reserve(self, task: asyncio.Task[LocalReservation], request_id: str) -> None:
         if task.cancelled() or task.exception() is not None:

@@ -53,6 +53,22 @@ def secret_metadata(secret: str) -> tuple[tuple[str, str], ...]:
     return ((CLUSTER_SECRET_KEY, secret),) if secret else ()
 
 
+CALLER_KEY = "x-splitserve-caller"
+"""The metadata key of the client a member's call is made for (an API key's principal)."""
+
+_MAX_CALLER_CHARS = 64
+
+
+def caller_metadata(caller: str) -> tuple[tuple[str, str], ...]:
+    return ((CALLER_KEY, caller),) if caller else ()
+
+
+def caller_of(metadata: Metadata) -> str:
+    """The client a call is made for ("" when none is named); only members can name one, so
+    it is trusted as far as the cluster secret is."""
+    return (metadata_value(metadata, CALLER_KEY) or "")[:_MAX_CALLER_CHARS]
+
+
 NOT_A_MEMBER = "this call needs the deployment's cluster secret (x-splitserve-cluster-secret)"
 
 

@@ -29,6 +29,7 @@ from splitserve.engine.errors import SplitserveError
 from splitserve.kv_transfer.cluster import (
     NOT_A_MEMBER,
     Metadata,
+    caller_metadata,
     is_member,
     metadata_value,
     secret_metadata,
@@ -183,16 +184,21 @@ def _as_principal(fn: Callable, principal: str) -> Callable:
 
 
 class _AddMetadata:
-    """Adds fixed metadata (the cluster secret) to every call of an aio channel.
+    """Adds fixed metadata (the cluster secret) to every call of an aio channel and, with
+    `forward_caller`, the principal the call is made for (`caller()`, when not anonymous).
 
     NOTE: grpc.aio files an interceptor under the first call type it implements only, so
     each call type gets an instance of its own (`member_channel_interceptors`)."""
 
-    def __init__(self, extra: Sequence[tuple[str, str]]) -> None:
+    def __init__(self, extra: Sequence[tuple[str, str]], forward_caller: bool = False) -> None:
         self._extra = tuple(extra)
+        self._forward_caller = forward_caller
 
     def _details(self, details: grpc.aio.ClientCallDetails) -> grpc.aio.ClientCallDetails:
-        metadata = grpc.aio.Metadata(*(tuple(details.metadata or ())), *self._extra)
+        extra = self._extra
+        if self._forward_caller and caller():
+            extra = (*extra, *caller_metadata(caller()))
+        metadata = grpc.aio.Metadata(*(tuple(details.metadata or ())), *extra)
         return grpc.aio.ClientCallDetails(
             details.method, details.timeout, metadata, details.credentials,
             details.wait_for_ready,
@@ -214,9 +220,13 @@ class _StreamUnary(_AddMetadata, grpc.aio.StreamUnaryClientInterceptor):
         return await continuation(self._details(details), request_iterator)
 
 
-def member_channel_interceptors(secret: str) -> list[Any]:
-    """Interceptors for aio channels to other members (none without a secret)."""
-    if not secret:
+def member_channel_interceptors(secret: str, forward_caller: bool = False) -> list[Any]:
+    """Interceptors for aio channels to other members: the cluster secret on every call and,
+    with `forward_caller` (the gateway's channels), the client each call is made for, which
+    decode workers count reservations against. None when there is nothing to add."""
+    if not secret and not forward_caller:
         return []
     extra = secret_metadata(secret)
-    return [_UnaryUnary(extra), _UnaryStream(extra), _StreamUnary(extra)]
+    return [
+        cls(extra, forward_caller) for cls in (_UnaryUnary, _UnaryStream, _StreamUnary)
+    ]

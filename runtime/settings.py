@@ -76,6 +76,9 @@ class WorkerSettings:
     # FP8 weights: auto runs the checkpoint as stored; fp8 quantizes a 16/32-bit one at load
     quantization: str = "auto"
     kv_cache_dtype: str = "auto"  # auto (the model's dtype) | fp8: every worker must agree
+    # A decode worker's reservations (not yet decoding) per client the gateway acts for (0: no
+    # limit), so that one client can't hold the whole KV pool
+    max_reservations_per_caller: int = 0
 
 
 @dataclass(frozen=True)

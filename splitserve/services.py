@@ -70,7 +70,7 @@ def start_decode(
         engine = build_engine(service, worker, record_prefix_events=True)
         loop = EngineLoop(engine).start()
         registry = Registry(service.redis_url, retry_s=service.registry_retry_s)
-        reservations = ReservationBook()
+        reservations = ReservationBook(per_caller=worker.max_reservations_per_caller)
         tracer = tracing.tracer if tracing.enabled else None
         received = KVTransferMetrics(metrics)
         receivers, offered = (
@@ -253,7 +253,7 @@ def start_gateway(
                     max_migrations=gateway.max_migrations,
                 ),
             ),
-            stubs=Stubs(member_channel_interceptors(security.cluster_secret)),
+            stubs=Stubs(member_channel_interceptors(security.cluster_secret, forward_caller=True)),
         )
         info = ModelInfo(
             name=service.served_model_name,

@@ -20,11 +20,13 @@ from splitserve.engine.block_manager import BlockManager
 from splitserve.engine.kv_cache import KVCache
 from splitserve.engine.kv_connector import KVConnector
 from splitserve.engine.model_config import ModelConfig
+from splitserve.kv_transfer.cluster import caller_metadata
 from splitserve.kv_transfer.grpc_transport import GrpcKVSender
 from splitserve.kv_transfer.registry import Registry, WorkerInfo
 from splitserve.kv_transfer.transport import Peer, Push, TransferError
 from splitserve.protos import convert
 from splitserve.protos.v1 import common_pb2, worker_pb2, worker_pb2_grpc
+from splitserve.runtime.auth import principal_of
 from splitserve.runtime.secrets import redacted_url
 from tests.e2e.harness import assert_nothing_leaks, member_metadata, running_stack, workers
 
@@ -34,6 +36,7 @@ ALICE, MALLORY = "alice-key-0123456789", "mallory-key-9876543210"
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 PROMPT = list(range(10, 74))  # 64 tokens: 4 full blocks, the prefix of the issue's attack
 LONG = SamplingParams(temperature=0, max_tokens=160, ignore_eos=True)
+PER_CALLER = 4  # --max-reservations-per-caller of the decode worker
 
 
 @pytest.fixture(scope="module")
@@ -53,6 +56,7 @@ def stack(model_dir):
     with running_stack(
         model_dir, prefill=1, decode=1, kv_transport="grpc", api_keys=(ALICE, MALLORY),
         extra_gateway_args=("--max-inflight-per-key", "2"), http_port=0,
+        worker_args=("--max-reservations-per-caller", str(PER_CALLER)),
     ) as s:  # fmt: skip
         assert s.secrets is not None and s.secrets.cluster_secret  # on: API keys are given
         yield s
@@ -308,3 +312,50 @@ def test_no_secret_in_any_process_argv(stack):
     for pid in pids:
         cmdline = _cmdline(pid)
         assert not [s for s in hidden if s in cmdline], cmdline
+
+
+def test_one_caller_holds_no_more_reservations_than_its_limit(stack, oracle):
+    """The issue's pool exhaustion (256 reservations in 0.5 s) made by a member for one client:
+    past `--max-reservations-per-caller` the decode worker refuses it, others still reserve,
+    and the gateway names the client it acts for (its requests wait, then run)."""
+    decode = _worker(stack, "decode")
+    member = member_metadata(stack)
+    mallory = principal_of(MALLORY)
+
+    def reserve(stub, request_id: str, caller: str):
+        request = worker_pb2.ReserveRequest(
+            request_id=request_id,
+            prompt_token_ids=PROMPT,
+            sampling=convert.sampling_to_proto(GREEDY),
+        )
+        return stub.Reserve(request, timeout=10, metadata=(*member, *caller_metadata(caller)))
+
+    with grpc.insecure_channel(decode.address) as channel:
+        stub = worker_pb2_grpc.DecodeWorkerStub(channel)
+        held = [f"flood-{i}" for i in range(PER_CALLER)]
+        for request_id in held:
+            reserve(stub, request_id, mallory)
+        refused = _code(lambda: reserve(stub, "flood-more", mallory))
+        assert refused == grpc.StatusCode.RESOURCE_EXHAUSTED
+        reserve(stub, "someone-else", principal_of(ALICE))  # another client is not held up
+
+        # Through the gateway, Mallory's request is counted against Mallory: it waits while
+        # Mallory's reservations are all taken, and Alice's request runs meanwhile.
+        results: dict[str, object] = {}
+
+        def run(name: str, key: str) -> None:
+            channel, gateway = connect(stack.address, key)
+            with channel:
+                results[name] = collect(stream(gateway, PROMPT, GREEDY, timeout_s=60))
+
+        waiting = threading.Thread(target=run, args=("mallory", MALLORY))
+        waiting.start()
+        run("alice", ALICE)
+        assert results["alice"].token_ids[0] == oracle[0]
+        time.sleep(0.5)
+        assert "mallory" not in results, "ran past its caller's reservation limit"
+        for request_id in (*held, "someone-else"):
+            stub.Abort(common_pb2.AbortRequest(request_id=request_id), timeout=5, metadata=member)
+        waiting.join(60)
+        assert results["mallory"].token_ids[0] == oracle[0]
+    assert_nothing_leaks(stack)
