@@ -56,6 +56,7 @@ from splitserve.kv_transfer.registry_records import (
     check_compatible,
 )
 from splitserve.kv_transfer.registry_retry import Outage, call, retrying
+from splitserve.kv_transfer.registry_seal import MAC_FIELD, seal, verified
 
 __all__ = [
     "RECORD_STATES",
@@ -95,12 +96,16 @@ class Registry(PrefixIndex):
     A call on a request's path retries through a Redis outage for up to `retry_s` seconds,
     then raises RegistryUnavailable."""
 
-    def __init__(self, url: str, namespace: str = "splitserve", retry_s: float = 5.0) -> None:
+    def __init__(
+        self, url: str, namespace: str = "splitserve", retry_s: float = 5.0, secret: str = ""
+    ) -> None:
+        """`secret`: the cluster secret; workers' records are sealed with it when written and
+        ignored when read if their seal is wrong (registry_seal.py)."""
         # NOTE: no retries inside redis-py: ours are per registry call, with a time budget.
         client = redis.Redis.from_url(
             url, socket_connect_timeout=2.0, socket_timeout=5.0, retry=Retry(NoBackoff(), 0)
         )
-        self._setup(client, namespace, retry_s)
+        self._setup(client, namespace, retry_s, secret)
 
     @classmethod
     def from_client(
@@ -111,13 +116,16 @@ class Registry(PrefixIndex):
         registry._setup(client, namespace, retry_s)
         return registry
 
-    def _setup(self, client: redis.Redis, namespace: str, retry_s: float) -> None:
+    def _setup(
+        self, client: redis.Redis, namespace: str, retry_s: float, secret: str = ""
+    ) -> None:
         if not namespace:
             raise ValueError("namespace must be non-empty")
         if not math.isfinite(retry_s) or retry_s < 0:
             raise ValueError(f"retry_s must be a finite number of seconds >= 0, got {retry_s!r}")
         self._client = client
         self._ns = namespace
+        self._secret = secret
         self._retry_s = retry_s
         self._outage = Outage()
         self._reserve = client.register_script(lua.RESERVE)
@@ -175,7 +183,7 @@ class Registry(PrefixIndex):
             key = self._endpoint_key(info.worker_id)
             pipe = self._client.pipeline(transaction=True)
             pipe.delete(key)
-            endpoint: dict[Any, Any] = dict(kv_endpoint)
+            endpoint: dict[Any, Any] = seal(self._secret, key, dict(kv_endpoint))
             pipe.hset(key, mapping=endpoint)
             pipe.pexpire(key, _ms(ttl_s, "ttl_s"))
             pipe.execute()
@@ -184,8 +192,9 @@ class Registry(PrefixIndex):
     def _advertise(self, info: WorkerInfo, ttl_s: float) -> bool:
         ttl_ms = _ms(ttl_s, "ttl_s")
         key = self._worker_key(info.kind, info.worker_id)
-        mapping: dict[Any, str] = {f.name: str(getattr(info, f.name)) for f in fields(info)}
-        mapping["kv_transports"] = ",".join(info.kv_transports)
+        plain = {f.name: str(getattr(info, f.name)).encode() for f in fields(info)}
+        plain["kv_transports"] = ",".join(info.kv_transports).encode()
+        mapping: dict[Any, bytes] = seal(self._secret, key, plain)
         pipe = self._client.pipeline(transaction=True)
         pipe.exists(key)
         pipe.hset(key, mapping=mapping)
@@ -196,9 +205,13 @@ class Registry(PrefixIndex):
 
     def kv_endpoint(self, worker_id: str) -> dict[str, bytes] | None:
         """What a live worker published for reaching its KV receivers (None if nothing)."""
-        raw = self._client.hgetall(self._endpoint_key(worker_id))
+        key = self._endpoint_key(worker_id)
+        raw = self._client.hgetall(key)
         endpoint = {_text(k): _raw(v) for k, v in raw.items()}
-        return endpoint or None
+        if not endpoint or not verified(self._secret, key, endpoint):
+            return None
+        endpoint.pop(MAC_FIELD, None)
+        return endpoint
 
     def heartbeat(self, info: WorkerInfo, ttl_s: float) -> bool:
         """Refresh the worker's advertisement (load, free blocks) and extend its TTL; False if
@@ -224,10 +237,11 @@ class Registry(PrefixIndex):
         keys = [self._worker_set(kind)] + [self._worker_key(kind, i) for i in ids]
         rows = self._live_workers(keys=keys, args=ids)
         live = []
-        for row in rows:
+        for worker_id, row in zip(ids, rows, strict=True):
             if row:
-                flat = [_text(v) for v in row]
-                live.append(_worker_from_hash(dict(zip(flat[::2], flat[1::2], strict=True))))
+                record = {_text(k): _raw(v) for k, v in zip(row[::2], row[1::2], strict=True)}
+                if verified(self._secret, self._worker_key(kind, worker_id), record):
+                    live.append(_worker_from_hash({k: _text(v) for k, v in record.items()}))
         return live
 
     # -- per-request block records ------------------------------------------------------------

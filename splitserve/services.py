@@ -69,7 +69,9 @@ def start_decode(
     try:
         engine = build_engine(service, worker, record_prefix_events=True)
         loop = EngineLoop(engine).start()
-        registry = Registry(service.redis_url, retry_s=service.registry_retry_s)
+        registry = Registry(
+            service.redis_url, retry_s=service.registry_retry_s, secret=security.cluster_secret
+        )
         reservations = ReservationBook(per_caller=worker.max_reservations_per_caller)
         tracer = tracing.tracer if tracing.enabled else None
         received = KVTransferMetrics(metrics)
@@ -156,7 +158,9 @@ def start_prefill(
     try:
         engine = build_engine(service, worker)
         loop = EngineLoop(engine).start()
-        registry = Registry(service.redis_url, retry_s=service.registry_retry_s)
+        registry = Registry(
+            service.redis_url, retry_s=service.registry_retry_s, secret=security.cluster_secret
+        )
         transfer_metrics = KVTransferMetrics(metrics)
         senders = Senders(
             {
@@ -237,7 +241,9 @@ def start_gateway(
     try:
         model_config = ModelConfig.from_pretrained(service.model)
         tokenizer = load_tokenizer(service.model)
-        registry = Registry(service.redis_url, retry_s=service.registry_retry_s)
+        registry = Registry(
+            service.redis_url, retry_s=service.registry_retry_s, secret=security.cluster_secret
+        )
         orchestrator = Orchestrator(
             registry,
             make_policy(gateway.routing_policy),

@@ -4,6 +4,7 @@ issue is refused, and the victims' output still equals the offline engine's."""
 
 from __future__ import annotations
 
+import socket
 import threading
 import time
 from pathlib import Path
@@ -358,4 +359,37 @@ def test_one_caller_holds_no_more_reservations_than_its_limit(stack, oracle):
             stub.Abort(common_pb2.AbortRequest(request_id=request_id), timeout=5, metadata=member)
         waiting.join(60)
         assert results["mallory"].token_ids[0] == oracle[0]
+    assert_nothing_leaks(stack)
+
+
+def test_a_forged_worker_record_gets_no_prompt_even_with_the_redis_password(stack, oracle):
+    """Redis's password leaked (or Redis is shared): a stranger advertises a decode worker with
+    a pool far emptier than the real one's. Its record has no valid seal (the cluster secret
+    keys it), so the gateway never routes to it: its port sees no connection."""
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen()
+    listener.setblocking(False)
+    address = f"127.0.0.1:{listener.getsockname()[1]}"
+    fake = WorkerInfo(
+        worker_id="a-decode", kind="decode", address=address, load=0,  # first by id, too
+        num_free_blocks=1_000_000, num_total_blocks=1_000_000, block_size=16,
+        kv_transports=("grpc",), max_num_seqs=256, max_model_len=4096,
+    )  # fmt: skip
+    stranger = Registry(stack.redis_url)  # the password, not the cluster secret
+    try:
+        stranger.register_worker(fake, ttl_s=60, kv_endpoint={"grpc.address": address.encode()})
+        channel, gateway = connect(stack.address, ALICE)
+        with channel:
+            done = collect(stream(gateway, PROMPT, GREEDY, timeout_s=60))
+            assert done.token_ids[0] == oracle[0]
+            for i in range(4):  # NOTE: prompts no worker has cached: nothing favours the real one
+                done = collect(stream(gateway, [200 + i] * 20, GREEDY, timeout_s=60))
+                assert len(done.token_ids[0]) == GREEDY.max_tokens
+        with pytest.raises(BlockingIOError):
+            listener.accept()  # nobody came
+    finally:
+        stranger.deregister_worker("decode", "a-decode")
+        stranger.close()
+        listener.close()
     assert_nothing_leaks(stack)
