@@ -39,6 +39,7 @@ class Claim:
     finished: bool = False  # its final message is out: nothing is left to abort
     _cancelled: bool = False  # `abort` cancelled the task (once)
     owner: str = ""  # the principal (API key) that made it: only it can abort it
+    generated: int = 0  # tokens streamed so far (all its samples)
 
     def abort(self) -> bool:
         """Stop the request; False if its final message was already sent."""

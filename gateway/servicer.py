@@ -6,15 +6,16 @@ no thread, so `max_inflight` alone bounds how many run at once. Request ids are 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 
 import grpc
 
 from splitserve.engine.errors import Overloaded
 from splitserve.engine.model_config import ModelConfig
-from splitserve.gateway.key_limits import PerKeyInflight
+from splitserve.gateway.key_limits import PerKeyInflight, PerKeyTokenRate
 from splitserve.gateway.limits import AdvertisedLimits, check_job, check_request
 from splitserve.gateway.observability import GatewayObserver
 from splitserve.gateway.orchestrator import Orchestrator
@@ -41,6 +42,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         max_inflight: int,
         observer: GatewayObserver,
         max_inflight_per_key: int = 0,
+        max_tokens_per_minute_per_key: int = 0,
     ) -> None:
         self.orchestrator = orchestrator
         self.observer = observer
@@ -51,6 +53,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         self.requests = RequestTable()
         self.limits = AdvertisedLimits(orchestrator.registry)
         self.per_key = PerKeyInflight(max_inflight_per_key)
+        self.token_rate = PerKeyTokenRate(max_tokens_per_minute_per_key)
 
     def _validate(self, request: gateway_pb2.GenerateRequest) -> Job:
         limits = self.limits.current()
@@ -67,7 +70,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         # NOTE: before anything it could undo; the request belongs to the caller's API key
         claim = self.requests.claim(job.request_id, caller())
         try:
-            with self.per_key.hold(claim.owner):
+            with self.per_key.hold(claim.owner), self._charged(job, claim):
                 if not self._slots.acquire(blocking=False):
                     raise Overloaded(
                         f"the gateway is at its limit of {self.max_inflight} requests in flight",
@@ -79,6 +82,17 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                     self._slots.release()
         finally:
             self.requests.release(claim)
+
+    @contextlib.contextmanager
+    def _charged(self, job: Job, claim: Claim) -> Iterator[None]:
+        """The request's tokens against its key's rate (--max-tokens-per-minute-per-key):
+        charged at most what it may use, given back what it did not generate."""
+        most = job.params.n * job.params.max_tokens
+        self.token_rate.charge(claim.owner, len(job.prompt_token_ids) + most)
+        try:
+            yield
+        finally:
+            self.token_rate.refund(claim.owner, most - claim.generated)
 
     async def _generate(
         self, job: Job, claim: Claim, context: grpc.aio.ServicerContext
@@ -107,6 +121,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                 if msg.HasField("chunk"):
                     obs.on_chunk()
                     num_generated += len(msg.chunk.token_ids)
+                    claim.generated = num_generated
                     yield gateway_pb2.GenerateResponse(request_id=rid, chunk=msg.chunk)
                 else:
                     claim.finished = True

@@ -86,6 +86,9 @@ class GatewaySettings:
     max_inflight: int = 256
     # Requests one API key may have in flight at once (0: only --max-inflight bounds them)
     max_inflight_per_key: int = 0
+    # Tokens one API key may ask for per minute (prompt + n * max_tokens, the unused part given
+    # back; 0: no limit)
+    max_tokens_per_minute_per_key: int = 0
     local_prefill_tokens: int = 0
     routing_policy: str = "least-loaded-prefix"
     request_timeout_s: float = 600.0

@@ -281,6 +281,7 @@ def start_gateway(
                 gateway.max_inflight,
                 observer,
                 max_inflight_per_key=gateway.max_inflight_per_key,
+                max_tokens_per_minute_per_key=gateway.max_tokens_per_minute_per_key,
             )
         )
         # NOTE: its channels to the workers live on the server's loop: closed there, at stop.

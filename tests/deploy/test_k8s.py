@@ -260,10 +260,12 @@ def test_the_redis_password_lives_only_in_the_secret(kustomization):
         assert ref == {"name": secret["metadata"]["name"], "key": "password"}, name
         if name in SERVICES:
             assert env["SPLITSERVE_REDIS_URL"] == "redis://:$(REDIS_PASSWORD)@redis:6379/0"
-    assert containers(of_kind(docs, "Deployment")["redis"])[0]["args"][:2] == [
-        "--requirepass",
-        "$(REDIS_PASSWORD)",
-    ]
+    # Redis reads it as configuration on stdin, from the shell's environment: not in argv.
+    redis_container = containers(of_kind(docs, "Deployment")["redis"])[0]
+    assert "args" not in redis_container
+    command = redis_container["command"]
+    assert command[:2] == ["sh", "-c"] and "$(" not in " ".join(command)
+    assert "redis-server - " in command[2] and 'requirepass "$REDIS_PASSWORD"' in command[2]
     # …and in the repository only the Secret's source holds it.
     holders = [
         path.relative_to(REPO).as_posix()

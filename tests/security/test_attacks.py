@@ -38,6 +38,7 @@ GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 PROMPT = list(range(10, 74))  # 64 tokens: 4 full blocks, the prefix of the issue's attack
 LONG = SamplingParams(temperature=0, max_tokens=160, ignore_eos=True)
 PER_CALLER = 4  # --max-reservations-per-caller of the decode worker
+TOKENS_PER_MINUTE = 20_000  # --max-tokens-per-minute-per-key: ample for every other test here
 
 
 @pytest.fixture(scope="module")
@@ -56,7 +57,9 @@ def oracle(model_dir):
 def stack(model_dir):
     with running_stack(
         model_dir, prefill=1, decode=1, kv_transport="grpc", api_keys=(ALICE, MALLORY),
-        extra_gateway_args=("--max-inflight-per-key", "2"), http_port=0,
+        extra_gateway_args=("--max-inflight-per-key", "2",
+                            "--max-tokens-per-minute-per-key", str(TOKENS_PER_MINUTE)),
+        http_port=0,
         worker_args=("--max-reservations-per-caller", str(PER_CALLER)),
     ) as s:  # fmt: skip
         assert s.secrets is not None and s.secrets.cluster_secret  # on: API keys are given
@@ -392,4 +395,26 @@ def test_a_forged_worker_record_gets_no_prompt_even_with_the_redis_password(stac
         stranger.deregister_worker("decode", "a-decode")
         stranger.close()
         listener.close()
+    assert_nothing_leaks(stack)
+
+
+def test_a_request_past_its_keys_token_rate_is_refused_on_both_apis(stack, model_dir, oracle):
+    """16 samples of 1,500 tokens ask for more than the key's tokens per minute: refused before
+    any worker sees it (gRPC RESOURCE_EXHAUSTED, HTTP 429), and the key still has its budget."""
+    huge = SamplingParams(temperature=0, max_tokens=1500, n=16, ignore_eos=True)
+    channel, gateway = connect(stack.address, ALICE)
+    with channel:
+        with pytest.raises(grpc.RpcError) as err:
+            collect(stream(gateway, PROMPT, huge, timeout_s=30))
+        assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "tokens per minute" in err.value.details()
+        body = {"model": model_dir.name, "prompt": PROMPT, "max_tokens": 1500, "n": 16}
+        reply = httpx.post(
+            stack.http_url + "/completions", json=body, timeout=30,
+            headers={"Authorization": f"Bearer {ALICE}"},
+        )  # fmt: skip
+        assert reply.status_code == 429, reply.text
+        assert "per minute" in reply.json()["error"]["message"]
+        done = collect(stream(gateway, PROMPT, GREEDY, timeout_s=60))
+        assert done.token_ids[0] == oracle[0]
     assert_nothing_leaks(stack)
