@@ -54,6 +54,7 @@ from splitserve.kv_transfer.registry_records import (
     StaleFenceError,
     WorkerInfo,
     check_compatible,
+    worker_from_fields,
 )
 from splitserve.kv_transfer.registry_retry import Outage, call, retrying
 from splitserve.kv_transfer.registry_seal import MAC_FIELD, seal, verified
@@ -241,7 +242,7 @@ class Registry(PrefixIndex):
             if row:
                 record = {_text(k): _raw(v) for k, v in zip(row[::2], row[1::2], strict=True)}
                 if verified(self._secret, self._worker_key(kind, worker_id), record):
-                    live.append(_worker_from_hash({k: _text(v) for k, v in record.items()}))
+                    live.append(worker_from_fields({k: _text(v) for k, v in record.items()}))
         return live
 
     # -- per-request block records ------------------------------------------------------------
@@ -387,22 +388,6 @@ class Registry(PrefixIndex):
             "writer": f"the record is already being written by {detail!r}",
         }[status]
         raise StaleFenceError(f"{where} refused: {message}", status)
-
-
-def _worker_from_hash(raw: dict[str, str]) -> WorkerInfo:
-    return WorkerInfo(
-        worker_id=raw["worker_id"],
-        kind=raw["kind"],
-        address=raw["address"],
-        load=int(raw["load"]),
-        num_free_blocks=int(raw["num_free_blocks"]),
-        num_total_blocks=int(raw["num_total_blocks"]),
-        block_size=int(raw.get("block_size", 0)),
-        kv_transports=tuple(n for n in raw.get("kv_transports", "").split(",") if n),
-        max_num_seqs=int(raw.get("max_num_seqs", 0)),
-        max_model_len=int(raw.get("max_model_len", 0)),
-        kv_dtype=raw.get("kv_dtype", ""),
-    )
 
 
 def _glob_escape(text: str) -> str:

@@ -74,6 +74,23 @@ class WorkerInfo:
                 raise ValueError(f"{name} must be an int >= 0, got {value!r}")
 
 
+def worker_from_fields(raw: dict[str, str]) -> WorkerInfo:
+    """A WorkerInfo from its advertisement's fields (as the registry stores them)."""
+    return WorkerInfo(
+        worker_id=raw["worker_id"],
+        kind=raw["kind"],
+        address=raw["address"],
+        load=int(raw["load"]),
+        num_free_blocks=int(raw["num_free_blocks"]),
+        num_total_blocks=int(raw["num_total_blocks"]),
+        block_size=int(raw.get("block_size", 0)),
+        kv_transports=tuple(n for n in raw.get("kv_transports", "").split(",") if n),
+        max_num_seqs=int(raw.get("max_num_seqs", 0)),
+        max_model_len=int(raw.get("max_model_len", 0)),
+        kv_dtype=raw.get("kv_dtype", ""),
+    )
+
+
 def check_compatible(info: WorkerInfo, other: WorkerInfo) -> None:
     """Raises BlockSizeMismatch unless `info` can exchange KV blocks with live worker `other`."""
     if other.block_size and other.block_size != info.block_size:
