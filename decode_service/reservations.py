@@ -131,8 +131,6 @@ class ReservationBook:
         with self._lock:
             held = self._by_caller.setdefault(caller, set())
             if self.per_caller and len(held) >= self.per_caller and request_id not in held:
-                if not held:
-                    del self._by_caller[caller]
                 raise Overloaded(
                     f"this caller holds {len(held)} reservations on this decode worker, its "
                     "limit (--max-reservations-per-caller); retry when one is decoding"
@@ -143,10 +141,6 @@ class ReservationBook:
     def unclaim(self, request_id: str) -> None:
         with self._lock:
             self._release(request_id)
-
-    def held_by(self, caller: str) -> int:
-        with self._lock:
-            return len(self._by_caller.get(caller, ()))
 
     def _release(self, request_id: str) -> None:
         caller = self._caller_of.pop(request_id, None)
