@@ -67,8 +67,8 @@ class PerKeyTokenRate:
         self._buckets: dict[str, tuple[float, float]] = {}  # principal -> (tokens, as of)
 
     def _level(self, principal: str) -> float:
-        tokens, since = self._buckets.get(principal, (float(self.per_minute), self._clock()))
         now = self._clock()
+        tokens, since = self._buckets.get(principal, (float(self.per_minute), now))
         return min(float(self.per_minute), tokens + (now - since) * self.per_minute / 60.0)
 
     def charge(self, principal: str, tokens: int) -> None:

@@ -57,7 +57,7 @@ from splitserve.kv_transfer.registry_records import (
     worker_from_fields,
 )
 from splitserve.kv_transfer.registry_retry import Outage, call, retrying
-from splitserve.kv_transfer.registry_seal import MAC_FIELD, seal, verified
+from splitserve.kv_transfer.registry_seal import MAC_FIELD, Seal
 
 __all__ = [
     "RECORD_STATES",
@@ -126,7 +126,7 @@ class Registry(PrefixIndex):
             raise ValueError(f"retry_s must be a finite number of seconds >= 0, got {retry_s!r}")
         self._client = client
         self._ns = namespace
-        self._secret = secret
+        self._seal = Seal(secret)
         self._retry_s = retry_s
         self._outage = Outage()
         self._reserve = client.register_script(lua.RESERVE)
@@ -184,7 +184,7 @@ class Registry(PrefixIndex):
             key = self._endpoint_key(info.worker_id)
             pipe = self._client.pipeline(transaction=True)
             pipe.delete(key)
-            endpoint: dict[Any, Any] = seal(self._secret, key, dict(kv_endpoint))
+            endpoint: dict[Any, Any] = self._seal.seal(key, dict(kv_endpoint))
             pipe.hset(key, mapping=endpoint)
             pipe.pexpire(key, _ms(ttl_s, "ttl_s"))
             pipe.execute()
@@ -195,7 +195,7 @@ class Registry(PrefixIndex):
         key = self._worker_key(info.kind, info.worker_id)
         plain = {f.name: str(getattr(info, f.name)).encode() for f in fields(info)}
         plain["kv_transports"] = ",".join(info.kv_transports).encode()
-        mapping: dict[Any, bytes] = seal(self._secret, key, plain)
+        mapping: dict[Any, bytes] = self._seal.seal(key, plain)
         pipe = self._client.pipeline(transaction=True)
         pipe.exists(key)
         pipe.hset(key, mapping=mapping)
@@ -209,7 +209,7 @@ class Registry(PrefixIndex):
         key = self._endpoint_key(worker_id)
         raw = self._client.hgetall(key)
         endpoint = {_text(k): _raw(v) for k, v in raw.items()}
-        if not endpoint or not verified(self._secret, key, endpoint):
+        if not endpoint or not self._seal.verified(key, endpoint):
             return None
         endpoint.pop(MAC_FIELD, None)
         return endpoint
@@ -241,7 +241,7 @@ class Registry(PrefixIndex):
         for worker_id, row in zip(ids, rows, strict=True):
             if row:
                 record = {_text(k): _raw(v) for k, v in zip(row[::2], row[1::2], strict=True)}
-                if verified(self._secret, self._worker_key(kind, worker_id), record):
+                if self._seal.verified(self._worker_key(kind, worker_id), record):
                     live.append(worker_from_fields({k: _text(v) for k, v in record.items()}))
         return live
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import logging
+from collections import OrderedDict
 from collections.abc import Mapping
 
 log = logging.getLogger("splitserve.registry")
@@ -33,24 +34,37 @@ def _digest(secret: str, key: str, fields: Mapping[str, bytes]) -> str:
     return mac.hexdigest()
 
 
-def seal(secret: str, key: str, fields: Mapping[str, bytes]) -> dict[str, bytes]:
-    """`fields` plus their seal (unchanged without a secret)."""
-    if not secret:
-        return dict(fields)
-    return {**fields, MAC_FIELD: _digest(secret, key, fields).encode()}
+class Seal:
+    """Seals records with the cluster `secret` and checks them (no secret: records are taken as
+    they are). A record that fails is logged once per key, not on every read: the gateway reads
+    the workers' records for every request."""
 
+    def __init__(self, secret: str, remember: int = 1024) -> None:
+        self._secret = secret
+        self._warned: OrderedDict[str, None] = OrderedDict()
+        self._remember = remember
 
-def verified(secret: str, key: str, fields: Mapping[str, bytes]) -> bool:
-    """True if the record's seal is right (always, without a secret); a wrong or missing one
-    is logged (key only: never the record's contents)."""
-    if not secret:
-        return True
-    given = fields.get(MAC_FIELD, b"")
-    if hmac.compare_digest(given, _digest(secret, key, fields).encode()):
-        return True
-    log.warning(
-        "ignored registry record %r: its seal is %s (written by a non-member?)",
-        key,
-        "wrong" if given else "missing",
-    )
-    return False
+    def seal(self, key: str, fields: Mapping[str, bytes]) -> dict[str, bytes]:
+        """`fields` plus their seal (unchanged without a secret)."""
+        if not self._secret:
+            return dict(fields)
+        return {**fields, MAC_FIELD: _digest(self._secret, key, fields).encode()}
+
+    def verified(self, key: str, fields: Mapping[str, bytes]) -> bool:
+        """True if the record's seal is right (always, without a secret); a wrong or missing
+        one is logged (key only: never the record's contents)."""
+        if not self._secret:
+            return True
+        given = fields.get(MAC_FIELD, b"")
+        if hmac.compare_digest(given, _digest(self._secret, key, fields).encode()):
+            return True
+        if key not in self._warned:
+            self._warned[key] = None
+            while len(self._warned) > self._remember:
+                self._warned.popitem(last=False)
+            log.warning(
+                "ignored registry record %r: its seal is %s (written by a non-member?)",
+                key,
+                "wrong" if given else "missing",
+            )
+        return False

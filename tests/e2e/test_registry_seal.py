@@ -84,3 +84,11 @@ def test_without_a_secret_records_are_taken_as_they_are(redis_server, redis_clie
         assert plain.kv_endpoint("d0") == ENDPOINT
     finally:
         plain.close()
+
+
+def test_a_bad_record_is_logged_once_not_on_every_read(member, stranger, caplog):
+    stranger.register_worker(worker("fake"), ttl_s=30)
+    with caplog.at_level(logging.WARNING, logger="splitserve.registry"):
+        for _ in range(5):  # the gateway reads the records for every request
+            assert member.live_workers("decode") == []
+    assert caplog.text.count("sealed:worker:decode:fake") == 1
