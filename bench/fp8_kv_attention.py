@@ -3,9 +3,12 @@
     python -m bench.fp8_kv_attention [--out F]     (GPU; Llama-3-8B heads: 32 q / 8 KV, head 128)
 
 Each (batch, context) is timed over a bf16 cache (the baseline) and an FP8 (e4m3) cache, under
-the kernel's launch config and the other candidate (BLOCK_N, num_warps, num_stages) tiles, as
-the engine runs it: CUDA-graph replays over disjoint page sets beyond L2. The FP8 rows' outputs
-are checked against the default config's first. Picks `_launch_config`'s FP8 tiles.
+the kernel's launch config and the other candidate (BLOCK_N, num_warps, num_stages, dots) tiles,
+as the engine runs it: CUDA-graph replays over disjoint page sets beyond L2. "dots" is the
+dtype the FP8 keys and values widen to for the dot products: bf16 (q's dtype) or fp16 (one
+conversion instruction per pair on Hopper; the query rows scaled by a power of two). The FP8
+rows' outputs are checked against the default config's first. Picks `_launch_config`'s FP8
+tiles.
 """
 
 from __future__ import annotations
@@ -19,7 +22,15 @@ import splitserve.kernels.decode_attention as attention
 from bench.common import device_name, table, write_results
 from bench.kernels import FULL, copies_beyond_l2, random_paged_cache, shuffled_tables, time_graph_us
 
-CANDIDATES = [(64, 4, 2), (128, 4, 2), (128, 8, 2), (128, 4, 3), (64, 4, 3)]
+CANDIDATES = [
+    (128, 4, 3, False), (64, 4, 2, True), (128, 4, 2, True), (128, 8, 2, True),
+    (128, 4, 3, True), (64, 4, 3, True), (128, 8, 3, True),
+]  # fmt: skip
+
+
+def _name(config) -> str:
+    block_n, warps, stages, f16 = config
+    return f"{block_n}x{warps}x{stages} {'f16' if f16 else 'bf16'}"
 CASES = [(8, 1024), (8, 4096), (64, 1024), (64, 4096), (256, 1024), (256, 4096)]
 
 
@@ -65,7 +76,7 @@ def main(argv: list[str] | None = None) -> dict:
         for config in CANDIDATES:
             us, got = time_case(batch, context, torch.float8_e4m3fn, config)
             torch.testing.assert_close(got, want, atol=2e-2, rtol=2e-2)
-            row["x".join(map(str, config))] = us
+            row[_name(config)] = us
         rows.append(row)
         torch.cuda.empty_cache()
     picked = attention._launch_config(torch.bfloat16, torch.float8_e4m3fn)
@@ -73,12 +84,13 @@ def main(argv: list[str] | None = None) -> dict:
         "benchmark": "fp8_kv_attention",
         "device": device_name(),
         "heads": {"q": FULL.num_heads, "kv": FULL.num_kv_heads, "dim": FULL.head_dim},
-        "fp8_launch_config": picked,
+        "fp8_launch_config": _name(picked),
         "timing": "us per call, CUDA-graph replays over disjoint page sets beyond L2",
         "rows": rows,
     }
     write_results(args.out, results)
-    print(f"{device_name()}: FP8 cache tiles {picked} (BLOCK_N, warps, stages); us per call")
+    print(f"{device_name()}: FP8 cache tiles {_name(picked)} (BLOCK_N x warps x stages, dots);"
+          " us per call")
     print(table(rows, list(rows[0])))
     return results
 

@@ -50,11 +50,10 @@ class TritonPagedAttention(AttentionBackend):
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
     ) -> torch.Tensor:
-        if not self.ops.triton or kv_cache.dtype != q.dtype:
-            # NOTE: the interpreter: torch's rotary, as the CPU engine does; an FP8 cache: the
-            # rotated keys round to q's dtype first, then the write quantizes them.
+        if not self.ops.triton:  # NOTE: the interpreter: torch's rotary, as the CPU engine does
             return super().rotate_and_forward(positions, q, k, v, rotary, kv_cache, meta)
-        # One launch rotates q and k and writes the keys and values into the cache.
+        # One launch rotates q and k and writes the keys and values into the cache (an FP8 cache:
+        # the rotated keys round to q's dtype first, then are quantized, as the unfused path).
         q = rotary_embedding_write_kv(
             positions, q, k, v, rotary.cos, rotary.sin, kv_cache, meta.slot_mapping, pdl=self.pdl
         )

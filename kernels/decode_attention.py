@@ -19,6 +19,7 @@ so BLOCK_N need not match block_size and a window may start anywhere inside a pa
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import torch
 import triton
@@ -86,6 +87,7 @@ def _decode_split_kernel(
     USE_WINDOW: tl.constexpr,
     SINGLE_SPLIT: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    F16_DOTS: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
     pdl_wait(USE_PDL)
@@ -103,6 +105,18 @@ def _decode_split_kernel(
         mask=row_mask[:, None],
         other=0.0,
     )
+    if F16_DOTS:
+        # An FP8 cache under 16-bit queries: e4m3 widens to fp16 in one instruction per pair
+        # (to bf16 it takes several), so the dots run in fp16. Each query row is first scaled
+        # by a power of two that puts its largest |q| in [2^13, 2^14]: fp16 then holds every
+        # bf16 value of the row to within fp16's (finer) mantissa, with no overflow, and the
+        # scores are scaled back by the same power of two.
+        q_max = tl.max(tl.abs(q.to(tl.float32)), 1)
+        q_shift = tl.exp2(14.0 - tl.ceil(tl.log2(tl.maximum(q_max, 1e-30))))
+        q = (q.to(tl.float32) * q_shift[:, None]).to(tl.float16)
+        row_scale = scale_log2e / q_shift
+    else:
+        row_scale = tl.full([BLOCK_H], scale_log2e, tl.float32)
 
     window_start = tl.maximum(seq_len - window, 0) if USE_WINDOW else seq_len * 0
     tile_base = (window_start // BLOCK_N) * BLOCK_N
@@ -128,7 +142,7 @@ def _decode_split_kernel(
         k = tl.load(
             k_cache_ptr + kv_offsets[:, None] + dims[None, :], mask=visible[:, None], other=0.0
         ).to(q.dtype)  # an FP8 cache widens here (scale 1); else a no-op
-        scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2e
+        scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * row_scale[:, None]
         scores = tl.where(visible[None, :], scores, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(scores, 1))
         p = tl.exp2(scores - m_new[:, None])
@@ -206,10 +220,15 @@ def choose_num_splits(batch: int, num_kv_heads: int, max_seq_len: int, num_sms: 
     return max(1, min(wanted, longest, MAX_SPLITS))
 
 
-def _launch_config(
-    dtype: torch.dtype, cache_dtype: torch.dtype | None = None
-) -> tuple[int, int, int]:
-    """(BLOCK_N, num_warps, num_stages) for queries of `dtype` over a cache of `cache_dtype`.
+class LaunchConfig(NamedTuple):
+    block_n: int
+    num_warps: int
+    num_stages: int
+    f16_dots: bool = False  # an FP8 cache under 16-bit queries: dots in fp16 (see the kernel)
+
+
+def _launch_config(dtype: torch.dtype, cache_dtype: torch.dtype | None = None) -> LaunchConfig:
+    """The tiles for queries of `dtype` over a cache of `cache_dtype`.
 
     16-bit: 64-key tiles, 4 warps, K/V loads double-buffered (cp.async); about 80 registers and
     38 KiB of shared memory per program on sm_90 for head_dim 128, so several programs fit on
@@ -220,10 +239,10 @@ def _launch_config(
     same context in bf16 (bench/fp8_kv_attention.py).
     """
     if dtype == torch.float32:
-        return 32, 8, 2
+        return LaunchConfig(32, 8, 2)
     if cache_dtype == torch.float8_e4m3fn:
-        return 128, 4, 3
-    return 64, 4, 2
+        return LaunchConfig(128, 4, 3, f16_dots=True)
+    return LaunchConfig(64, 4, 2)
 
 
 def decode_attention(
@@ -280,7 +299,7 @@ def decode_attention(
         num_splits = choose_num_splits(batch, num_kv_heads, max_seq_len, num_sms)
 
     group = num_heads // num_kv_heads
-    block_n, num_warps, num_stages = _launch_config(q.dtype, kv_cache.dtype)
+    config = LaunchConfig(*_launch_config(q.dtype, kv_cache.dtype))  # (a bench passes tuples)
     single = num_splits == 1
     part_shape = (batch, num_heads, num_splits)
     # Partials are float32 whatever q's dtype: they are summed again in the merge.
@@ -314,13 +333,14 @@ def decode_attention(
         BLOCK_H=max(16, triton.next_power_of_2(group)),
         HEAD_DIM=head_dim,
         BLOCK_SIZE=block_size,
-        BLOCK_N=block_n,
+        BLOCK_N=config.block_n,
         USE_WINDOW=sliding_window is not None,
         SINGLE_SPLIT=single,
         DOT_PRECISION=dot_precision(q.dtype),
+        F16_DOTS=config.f16_dots and q.dtype != torch.float32,
         USE_PDL=pdl,
-        num_warps=num_warps,
-        num_stages=num_stages,
+        num_warps=config.num_warps,
+        num_stages=config.num_stages,
         **launch_options(pdl),
     )
     if not single:

@@ -20,6 +20,7 @@ from splitserve.kernels._validate import (
     check_paged_cache,
     check_tensor,
 )
+from splitserve.kernels.fp8_quant import round_to_e4m3
 from splitserve.kernels.pdl import launch_options, pdl_start, use_pdl
 
 __all__ = [
@@ -44,8 +45,9 @@ def _rotate_heads(
     HALF: tl.constexpr,
     BLOCK_H: tl.constexpr,
 ):
-    """Rotate the [num_heads, 2 * HALF] rows of one token (pointers at its head 0)."""
-    dtype = dst_ptr.dtype.element_ty
+    """Rotate the [num_heads, 2 * HALF] rows of one token (pointers at its head 0). The
+    arithmetic rounds in src's dtype; an FP8 dst then takes the result as `_store_rows` does."""
+    dtype = src_ptr.dtype.element_ty
     heads = tl.arange(0, BLOCK_H)[:, None]
     dims = tl.arange(0, HALF)[None, :]
     mask = heads < num_heads
@@ -56,8 +58,17 @@ def _rotate_heads(
     o1 = (x1 * c1).to(dtype).to(tl.float32) - (x2 * s1).to(dtype).to(tl.float32)
     o2 = (x2 * c2).to(dtype).to(tl.float32) + (x1 * s2).to(dtype).to(tl.float32)
     dst = dst_ptr + heads * stride_dst + dims
-    tl.store(dst, o1.to(dtype), mask=mask)
-    tl.store(dst + HALF, o2.to(dtype), mask=mask)
+    _store_rows(dst, o1.to(dtype), mask)
+    _store_rows(dst + HALF, o2.to(dtype), mask)
+
+
+@triton.jit
+def _store_rows(dst, x, mask):
+    """Store x at dst in dst's dtype; into an FP8 (e4m3, scale 1) cache as
+    kernels/kv_cache_write.py stores: saturated to +-448, rounded to nearest even."""
+    if dst.dtype.element_ty == tl.float8e4nv:
+        x = round_to_e4m3(tl.minimum(tl.maximum(x.to(tl.float32), -448.0), 448.0))
+    tl.store(dst, x.to(dst.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -150,7 +161,7 @@ def _rotary_kernel(
             cols = tl.arange(0, 2 * HALF)[None, :]
             mask = heads < num_kv_heads
             v = tl.load(v_ptr + token * stride_vt + heads * stride_vh + cols, mask=mask)
-            tl.store(v_out_ptr + row_offset + heads * stride_koh + cols, v, mask=mask)
+            _store_rows(v_out_ptr + row_offset + heads * stride_koh + cols, v, mask)
 
 
 def _launch(
@@ -313,10 +324,13 @@ def rotary_embedding_write_kv(
 ) -> torch.Tensor:
     """`rotary_embedding` and `write_kv_cache` in one launch: returns the rotated q (in `q_out`
     or a new tensor) and writes the rotated k and v into `kv_cache` at `slot_mapping`; k itself
-    is left as it was. Same arguments and rules as those two functions."""
+    is left as it was. Same arguments and rules as those two functions: the cache holds q's
+    dtype or FP8 (the rotated keys round to q's dtype first, then are quantized)."""
     num_tokens, _, head_dim = _check_rotary(positions, q, k, cos, sin)
     check_tensor("v", v, dtypes=(q.dtype,), shape=tuple(k.shape))
-    check_paged_cache("kv_cache", kv_cache, q.dtype)
+    check_paged_cache("kv_cache", kv_cache)
+    if kv_cache.dtype not in (q.dtype, torch.float8_e4m3fn):
+        raise ValueError(f"kv_cache must have dtype {q.dtype} (q's) or FP8, got {kv_cache.dtype}")
     if tuple(kv_cache.shape[3:]) != tuple(k.shape[1:]):
         raise ValueError(f"kv_cache shape {tuple(kv_cache.shape)} does not fit k {tuple(k.shape)}")
     check_tensor("slot_mapping", slot_mapping, dtypes=(torch.int64,), shape=(num_tokens,))

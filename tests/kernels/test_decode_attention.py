@@ -163,8 +163,9 @@ def test_decode_real_shapes_on_gpu(dtype, batch, max_len, window):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("index", [1, 4, 9])
 def test_an_fp8_cache_matches_the_reference_on_its_values(index, dtype, device):
-    """An FP8 (e4m3) cache under queries of any dtype: the kernel widens each key and value to
-    q's dtype (exactly: every e4m3 value is one of fp16's and bf16's) and attends as usual."""
+    """An FP8 (e4m3) cache under queries of any dtype: the kernel widens each key and value
+    exactly (every e4m3 value is one of fp16's and bf16's; 16-bit queries run their dots in
+    fp16, each row scaled by a power of two) and attends as usual."""
     seq_lens, num_heads, num_kv_heads, head_dim, block_size, window, splits = CPU_CASES[index]
     fp8 = torch.float8_e4m3fn
     paged = random_paged_kv(
@@ -176,4 +177,26 @@ def test_an_fp8_cache_matches_the_reference_on_its_values(index, dtype, device):
     args = (q, paged.kv_cache, paged.block_tables, paged.seq_lens, head_dim**-0.5, window)
     got = decode_attention(*args, num_splits=splits)
     atol, rtol = tolerance(dtype)
+    torch.testing.assert_close(got, decode_attention_ref(*args), atol=atol, rtol=rtol)
+
+
+@needs_gpu
+@pytest.mark.parametrize("num_splits", [1, 4])
+def test_an_fp8_cache_under_bf16_queries_beyond_fp16_range(num_splits):
+    """bf16 queries past fp16's range (|q| up to 1e5 > 65504) over an FP8 cache: the fp16 dots
+    must not overflow (each query row is scaled by a power of two first)."""
+    device = torch.device("cuda")
+    seq_lens = [300, 17, 1000]
+    fp8 = torch.float8_e4m3fn
+    paged = random_paged_kv(seq_lens, 8, 128, 16, torch.bfloat16, device, 7, kv_dtype=fp8)
+    # Small keys and values keep the scores moderate, so float32 summation order stays negligible.
+    cache = (paged.kv_cache.float() * 2.0**-7).to(fp8)
+    gen = torch.Generator().manual_seed(3)
+    q = torch.randn(len(seq_lens), 32, 128, generator=gen)
+    q[:, ::2] *= 1e5 / q[:, ::2].abs().amax(-1, keepdim=True)  # the largest |q| is 1e5
+    q = q.to(device, torch.bfloat16)
+    args = (q, cache, paged.block_tables, paged.seq_lens, 128**-0.5, None)
+    got = decode_attention(*args, num_splits=num_splits)
+    assert torch.isfinite(got).all()
+    atol, rtol = tolerance(torch.bfloat16)
     torch.testing.assert_close(got, decode_attention_ref(*args), atol=atol, rtol=rtol)

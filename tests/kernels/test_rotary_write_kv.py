@@ -14,7 +14,10 @@ from tests.kernels.paged_inputs import DTYPES, GPU_DTYPES
 needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 
-def _check(num_tokens, num_heads, num_kv_heads, head_dim, dtype, device, num_blocks=6, block=4):
+def _check(
+    num_tokens, num_heads, num_kv_heads, head_dim, dtype, device, num_blocks=6, block=4,
+    kv_dtype=None,
+):
     gen = torch.Generator().manual_seed(num_tokens * 131 + num_heads * 7 + head_dim)
     rotary = RotaryEmbedding(RopeConfig(theta=1e4), head_dim, max_len=512)
     rotary.reset(device)
@@ -27,7 +30,7 @@ def _check(num_tokens, num_heads, num_kv_heads, head_dim, dtype, device, num_blo
     slots = slots.to(device)
     # The last layer of a two-layer block-major pool (the engine's layout): pages are strided.
     pool = torch.randn(num_blocks, 2, 2, block, num_kv_heads, head_dim, generator=gen)
-    pool = pool.to(device, dtype)
+    pool = pool.to(device, kv_dtype or dtype)
     want_pool = pool.clone()
     cache, want_cache = pool[:, 1].transpose(0, 1), want_pool[:, 1].transpose(0, 1)
     k_before = k.clone()
@@ -47,9 +50,13 @@ def _check(num_tokens, num_heads, num_kv_heads, head_dim, dtype, device, num_blo
     else:
         tol = {"atol": 0, "rtol": 0}
     torch.testing.assert_close(got_q, want_q, **tol)
-    torch.testing.assert_close(pool, want_pool, **tol)
-    assert torch.equal(cache[1], want_cache[1]), "v is copied, not rounded"
-    assert torch.equal(pool[:, 0], want_pool[:, 0]), "the other layer is untouched"
+    if kv_dtype == torch.float8_e4m3fn and device.type == "cuda":
+        # A rotated key as far apart as q's tolerance allows (contracted multiply-adds) may
+        # round to the next e4m3 value: one e4m3 step more, relative or (subnormal) absolute.
+        tol = {"atol": tol["atol"] + 2.0**-9, "rtol": 2.0**-3}
+    torch.testing.assert_close(pool.float(), want_pool.float(), **tol)
+    assert torch.equal(cache[1].float(), want_cache[1].float()), "v is copied (or quantized)"
+    assert torch.equal(pool[:, 0].float(), want_pool[:, 0].float()), "the other layer is untouched"
     assert torch.equal(k, k_before), "k itself is not modified"
 
 
@@ -62,6 +69,19 @@ def test_rotary_write_kv_matches_the_two_references(
     num_tokens, num_heads, num_kv_heads, head_dim, dtype, device
 ):
     _check(num_tokens, num_heads, num_kv_heads, head_dim, dtype, device)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("num_tokens", "num_heads", "num_kv_heads", "head_dim"), [(7, 4, 2, 16)])
+def test_rotary_write_kv_into_an_fp8_cache_quantizes_as_the_references(
+    num_tokens, num_heads, num_kv_heads, head_dim, dtype, device
+):
+    # The keys round to q's dtype, then saturate to +-448 and round to nearest even, as
+    # rotary_embedding then write_kv_cache do; v is quantized the same way.
+    _check(
+        num_tokens, num_heads, num_kv_heads, head_dim, dtype, device,
+        kv_dtype=torch.float8_e4m3fn,
+    )
 
 
 def test_rotary_write_kv_rejects_a_cache_of_the_wrong_shape(device):
@@ -79,3 +99,12 @@ def test_rotary_write_kv_rejects_a_cache_of_the_wrong_shape(device):
 @pytest.mark.parametrize("dtype", GPU_DTYPES)
 def test_rotary_write_kv_real_shapes_on_gpu(dtype):
     _check(300, 32, 8, 128, dtype, torch.device("cuda"), num_blocks=64, block=16)
+
+
+@needs_gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_rotary_write_kv_into_an_fp8_cache_real_shapes_on_gpu(dtype):
+    _check(
+        300, 32, 8, 128, dtype, torch.device("cuda"), num_blocks=64, block=16,
+        kv_dtype=torch.float8_e4m3fn,
+    )
