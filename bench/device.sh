@@ -21,6 +21,9 @@
 #   structured      bench/structured.py (sampler step, batch 64, half constrained vs free)
 #   fp8             FP8 weights and KV cache: GEMV tiles, decode floor, throughput, accuracy
 #   fp8-profile     where an FP8 batch-1 decode step's time goes (graph replay, host, kernels)
+#   fp8-kv          the FP8 KV cache: its kernel tests, decode attention tiles, the decode step
+#   fp8-throughput  offline throughput, FP8 weights and FP8 KV against bf16 (Llama-3-8B shape)
+#   http-overhead   bench/http_overhead.py: HTTP vs gRPC per streamed token at the gateway
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1 PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH}
@@ -48,7 +51,8 @@ for step in "$@"; do
         python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
       fi
       if [ -f .nixl/site.tgz ]; then mkdir -p /tmp/nixl && tar xzf .nixl/site.tgz -C /tmp/nixl; fi
-      export PYTHONPATH=$PYTHONPATH:/tmp/site:/tmp/nixl
+      # NOTE: ahead of the host's own packages: the generated protos need these grpcio/protobuf.
+      export PYTHONPATH=.:/tmp/site:/tmp/nixl:$PYTHONPATH
       python3 -c 'import nixl_cu13, crc32c, opentelemetry; print("setup ok")' ;;
     info)
       python3 -c 'import torch, triton, transformers; print("torch", torch.__version__,
@@ -86,6 +90,18 @@ for step in "$@"; do
         --quantization fp8 --kv-cache-dtype fp8 --skip-hf --out "$OUT/throughput_fp8.json"
       run fp8_kv_attention 10 python3 -m bench.fp8_kv_attention --out "$OUT/fp8_kv_attention.json"
       run fp8_accuracy 10 python3 -m bench.fp8_accuracy --out "$OUT/fp8_accuracy.json" ;;
+    fp8-kv)
+      run fp8_kv_tests 4 pytest_q tests/kernels/test_decode_attention.py \
+        tests/kernels/test_rotary_write_kv.py tests/kernels/test_kv_cache_write.py
+      run fp8_kv_attention 12 python3 -m bench.fp8_kv_attention --out "$OUT/fp8_kv_attention.json"
+      run roofline_fp8_kv 40 python3 -m bench.decode_roofline --quantization fp8 --pdl on \
+        --kv-cache-dtype fp8 --breakdown --out "$OUT/roofline_fp8_kv.json" ;;
+    fp8-throughput)
+      run throughput_fp8 8 python3 -m bench.offline_throughput --shape llama-3-8b \
+        --quantization fp8 --kv-cache-dtype fp8 --skip-hf --out "$OUT/throughput_fp8.json" ;;
+    http-overhead)
+      run http_overhead 16 env SPLITSERVE_KV_TRANSPORT=grpc python3 -m bench.http_overhead \
+        --out "$OUT/http_overhead.json" ;;
     *) echo "unknown step: $step" >&2 ;;
   esac
 done

@@ -8,6 +8,9 @@ ignored; output tokens/s of `LLM.generate`. Baseline in the same run: HF `transf
 longest output) on the same shape and dtype; `--baseline-batches K` times only the first K
 batches (stated in the results) because a full baseline of a large shape takes many minutes.
 Also a fixed-length grid (in/out 128/128, 1024/128, 128/1024) as output and total tokens/s.
+`--gpu-busy` runs each configuration once more under the profiler (GPU activity only) and
+reports the share of that run's wall time the GPU spent in kernels, by kind: what is left is
+the GPU waiting on the host (scheduling, sampling, outputs between steps).
 """
 
 from __future__ import annotations
@@ -31,6 +34,30 @@ def workload(num: int, seed: int, lo: int = 100, hi: int = 1024, vocab: int = 10
     return prompts, [n_out for _, n_out in lens]
 
 
+KERNEL_KINDS = (  # (kind, name fragments), first match wins
+    ("attention", ("decode_split", "decode_merge", "prefill_attention")),
+    ("matmul", ("gemv", "gemm", "cutlass", "nvjet", "sm90_", "scaled_mm")),
+)
+
+
+def gpu_busy(llm, prompts, params) -> dict[str, float]:
+    """Share of a profiled run's wall time the GPU spent in kernels: in all, and by kind."""
+    from torch.profiler import ProfilerActivity, profile
+
+    sync()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        start = time.perf_counter()
+        llm.generate(prompts, params, use_tqdm=False)
+        sync()
+        wall_us = (time.perf_counter() - start) * 1e6
+    busy = {kind: 0.0 for kind, _ in KERNEL_KINDS} | {"other": 0.0}
+    for event in prof.key_averages():
+        kind = next((k for k, parts in KERNEL_KINDS if any(p in event.key for p in parts)), "other")
+        busy[kind] += event.self_device_time_total
+    shares = {f"GPU {kind}": us / wall_us for kind, us in busy.items()}
+    return {"GPU busy": sum(busy.values()) / wall_us, **shares, "profiled_s": wall_us / 1e6}
+
+
 def run_engine(
     path: Path,
     prompts,
@@ -38,6 +65,7 @@ def run_engine(
     dtype: str,
     quantization: str | None = None,
     kv_cache_dtype: str = "auto",
+    profile_busy: bool = False,
 ) -> dict[str, Any]:
     from splitserve.engine import LLM, SamplingParams
 
@@ -61,6 +89,7 @@ def run_engine(
     seconds = time.perf_counter() - start
     produced = sum(len(o.outputs[0].token_ids) for o in outs)
     assert produced == sum(outputs), "every request must produce its full output"
+    busy = gpu_busy(llm, prompts, params) if profile_busy else {}
     del llm
     torch.cuda.empty_cache()
     return {
@@ -68,6 +97,7 @@ def run_engine(
         "output_tokens": produced,
         "prompt_tokens": sum(map(len, prompts)),
         "num_requests": len(prompts),
+        **busy,
     }
 
 
@@ -123,11 +153,13 @@ def _rate(result: dict[str, Any]) -> float:
 
 
 def _row(system: str, result: dict[str, Any]) -> dict[str, Any]:
+    shares = {k: v for k, v in result.items() if k.startswith("GPU ")}
     return {
         "system": system,
         "requests": result["num_requests"],
         "out tok/s": _rate(result),
         "seconds": result["seconds"],
+        **shares,
     }
 
 
@@ -149,27 +181,26 @@ def main() -> None:
         help="fp8 (with --quantization fp8): also FP8 weights with an FP8 KV cache",
     )
     parser.add_argument("--skip-hf", action="store_true", help="no HF baseline (FP8 A/B only)")
+    parser.add_argument(
+        "--gpu-busy", action="store_true", help="also the GPU's busy share (a profiled rerun)"
+    )
     args = parser.parse_args()
     assert torch.cuda.is_available(), "this benchmark needs a GPU"
     dtype = torch.bfloat16
     with tempfile.TemporaryDirectory() as tmp:
         path = model_dir(args.shape, Path(tmp))
         prompts, outputs = workload(args.num_requests, args.seed)
-        ours = run_engine(path, prompts, outputs, "bfloat16")
-        rows = [
-            {
-                "system": "splitserve LLM",
-                "requests": len(prompts),
-                "out tok/s": ours["output_tokens"] / ours["seconds"],
-                "seconds": ours["seconds"],
-            }
-        ]
+        busy = args.gpu_busy
+        ours = run_engine(path, prompts, outputs, "bfloat16", profile_busy=busy)
+        rows = [_row("splitserve LLM", ours)]
         fp8 = fp8_kv = None
         if args.quantization == "fp8":
-            fp8 = run_engine(path, prompts, outputs, "bfloat16", "fp8")
+            fp8 = run_engine(path, prompts, outputs, "bfloat16", "fp8", profile_busy=busy)
             rows.append(_row("splitserve LLM, FP8 weights", fp8))
             if args.kv_cache_dtype == "fp8":
-                fp8_kv = run_engine(path, prompts, outputs, "bfloat16", "fp8", "fp8")
+                fp8_kv = run_engine(
+                    path, prompts, outputs, "bfloat16", "fp8", "fp8", profile_busy=busy
+                )
                 rows.append(_row("splitserve LLM, FP8 weights + KV", fp8_kv))
         hf = None
         if not args.skip_hf:
@@ -215,7 +246,7 @@ def main() -> None:
     }
     write_results(args.out, results)
     print(f"device: {device_name()}  shape: {args.shape}  dtype: bf16  EOS ignored")
-    print(table(rows, ["system", "requests", "out tok/s", "seconds"]))
+    print(table(rows, list(rows[0])))
     if speedup is not None:
         print(f"speedup over HF static batching: {speedup:.1f}x")
     if fp8 is not None:
