@@ -234,9 +234,9 @@ def _launch_config(dtype: torch.dtype, cache_dtype: torch.dtype | None = None) -
     38 KiB of shared memory per program on sm_90 for head_dim 128, so several programs fit on
     an SM. float32 runs its dots on FMA units (exact "ieee" precision): half the tile and twice
     the warps keep it from spilling registers. An FP8 cache: 128-key tiles (the same bytes per
-    load as 16-bit) three deep; on an H100 (Llama-3-8B heads, batch 8-256, 1k-4k context) that
-    read the FP8 cache 14-19% faster than the 16-bit tiles did, and 1.1-1.45x faster than the
-    same context in bf16 (bench/fp8_kv_attention.py).
+    load as 16-bit) three deep, dots in fp16; on an H100 (Llama-3-8B heads, batch 8-256, 1k-4k
+    context) fp16 dots were 0-13% faster than bf16 ones on the same tiles, and the FP8 cache
+    read 1.10-1.58x faster than the same context in bf16 (bench/fp8_kv_attention.py).
     """
     if dtype == torch.float32:
         return LaunchConfig(32, 8, 2)
