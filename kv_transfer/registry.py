@@ -6,7 +6,7 @@ Key layout, everything under `{ns}:` (the namespace)::
     {ns}:since                      string  the first fence issued since Redis (re)started empty
     {ns}:workers:{kind}             set     ids of workers of that kind (pruned lazily)
     {ns}:worker:{kind}:{worker_id}  hash    WorkerInfo fields; PEXPIRE = heartbeat TTL
-    {ns}:kv_endpoint:{worker_id}    hash    what KV senders need to reach it; same TTL
+    {ns}:kv_endpoint:{worker_id}    hash    what its KV peers need (registry_endpoints); same TTL
     {ns}:req:{request_id}           hash    state, owner, writer, fence, blocks; PEXPIRE = lease
     {ns}:prefix:{hash_hex}          set     ids of workers holding that block in their prefix cache
     {ns}:prefix_worker:{worker_id}  set     hash_hex of every block that worker holds
@@ -41,6 +41,7 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from splitserve.kv_transfer import registry_lua as lua
+from splitserve.kv_transfer.registry_endpoints import KVEndpoints
 from splitserve.kv_transfer.registry_prefix import PrefixIndex
 from splitserve.kv_transfer.registry_records import (
     RECORD_STATES,
@@ -57,7 +58,7 @@ from splitserve.kv_transfer.registry_records import (
     worker_from_fields,
 )
 from splitserve.kv_transfer.registry_retry import Outage, call, retrying
-from splitserve.kv_transfer.registry_seal import MAC_FIELD, Seal
+from splitserve.kv_transfer.registry_seal import Seal
 
 __all__ = [
     "RECORD_STATES",
@@ -91,7 +92,7 @@ PATIENT = ("register_worker", "kv_endpoint", "live_workers", "reserve", "begin_w
 
 
 @retrying(patient=(*PATIENT, "get_record", "prefix_match"), own=("reserve",))
-class Registry(PrefixIndex):
+class Registry(PrefixIndex, KVEndpoints):
     """Who owns which KV blocks, which workers are alive, and which prefixes they hold.
 
     A call on a request's path retries through a Redis outage for up to `retry_s` seconds,
@@ -100,8 +101,9 @@ class Registry(PrefixIndex):
     def __init__(
         self, url: str, namespace: str = "splitserve", retry_s: float = 5.0, secret: str = ""
     ) -> None:
-        """`secret`: the cluster secret; workers' records are sealed with it when written and
-        ignored when read if their seal is wrong (registry_seal.py)."""
+        """`secret`: the cluster secret; workers' records are sealed with it (their fields that
+        grant access encrypted) when written, and ignored when read if they do not open
+        (registry_seal.py)."""
         # NOTE: no retries inside redis-py: ours are per registry call, with a time budget.
         client = redis.Redis.from_url(
             url, socket_connect_timeout=2.0, socket_timeout=5.0, retry=Retry(NoBackoff(), 0)
@@ -148,9 +150,6 @@ class Registry(PrefixIndex):
 
     # -- keys ---------------------------------------------------------------------------------
 
-    def _worker_set(self, kind: str) -> str:
-        return f"{self._ns}:workers:{kind}"
-
     def _worker_key(self, kind: str, worker_id: str) -> str:
         return f"{self._ns}:worker:{kind}:{worker_id}"
 
@@ -158,9 +157,6 @@ class Registry(PrefixIndex):
         if not request_id:
             raise ValueError("request_id must be non-empty")
         return f"{self._ns}:req:{request_id}"
-
-    def _endpoint_key(self, worker_id: str) -> str:
-        return f"{self._ns}:kv_endpoint:{worker_id}"
 
     def _since_key(self) -> str:
         return f"{self._ns}:since"
@@ -171,7 +167,8 @@ class Registry(PrefixIndex):
         self, info: WorkerInfo, ttl_s: float, kv_endpoint: Mapping[str, bytes] | None = None
     ) -> None:
         """Join: check that `info` agrees with the live workers, then advertise it, with what
-        senders need to reach its KV receivers (`kv_endpoint`, kept as long as it heartbeats).
+        its KV peers need (`kv_endpoint`, kept as long as it heartbeats; its `Concealed`
+        values encrypted at rest).
 
         Raises BlockSizeMismatch if a live worker uses another block size: KV blocks move
         between workers whole, and the gateway's prefix hashes are per block.
@@ -181,13 +178,7 @@ class Registry(PrefixIndex):
                 for other in self.live_workers(kind):
                     check_compatible(info, other)
         if kv_endpoint:
-            key = self._endpoint_key(info.worker_id)
-            pipe = self._client.pipeline(transaction=True)
-            pipe.delete(key)
-            endpoint: dict[Any, Any] = self._seal.seal(key, dict(kv_endpoint))
-            pipe.hset(key, mapping=endpoint)
-            pipe.pexpire(key, _ms(ttl_s, "ttl_s"))
-            pipe.execute()
+            self._publish_endpoint(info.worker_id, kv_endpoint, _ms(ttl_s, "ttl_s"))
         self._advertise(info, ttl_s)
 
     def _advertise(self, info: WorkerInfo, ttl_s: float) -> bool:
@@ -203,16 +194,6 @@ class Registry(PrefixIndex):
         pipe.pexpire(self._endpoint_key(info.worker_id), ttl_ms)
         pipe.sadd(self._worker_set(info.kind), info.worker_id)
         return bool(pipe.execute()[0])
-
-    def kv_endpoint(self, worker_id: str) -> dict[str, bytes] | None:
-        """What a live worker published for reaching its KV receivers (None if nothing)."""
-        key = self._endpoint_key(worker_id)
-        raw = self._client.hgetall(key)
-        endpoint = {_text(k): _raw(v) for k, v in raw.items()}
-        if not endpoint or not self._seal.verified(key, endpoint):
-            return None
-        endpoint.pop(MAC_FIELD, None)
-        return endpoint
 
     def heartbeat(self, info: WorkerInfo, ttl_s: float) -> bool:
         """Refresh the worker's advertisement (load, free blocks) and extend its TTL; False if
@@ -240,8 +221,9 @@ class Registry(PrefixIndex):
         live = []
         for worker_id, row in zip(ids, rows, strict=True):
             if row:
-                record = {_text(k): _raw(v) for k, v in zip(row[::2], row[1::2], strict=True)}
-                if self._seal.verified(self._worker_key(kind, worker_id), record):
+                stored = {_text(k): _raw(v) for k, v in zip(row[::2], row[1::2], strict=True)}
+                record = self._seal.opened(self._worker_key(kind, worker_id), stored)
+                if record is not None:
                     live.append(worker_from_fields({k: _text(v) for k, v in record.items()}))
         return live
 

@@ -1,0 +1,74 @@
+"""The registry's KV endpoints (`{ns}:kv_endpoint:{worker_id}`): what a worker publishes for its
+KV peers, kept as long as it heartbeats. A decode worker publishes what senders need to reach
+its receivers (`KVReceiver.endpoint`), a prefill worker what receivers know its senders by
+(`KVSender.endpoint`). Sealed with the cluster secret, their access-granting fields encrypted
+(registry_seal.py). Part of `Registry` (see registry.py for the key layout)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import redis
+
+from splitserve.kv_transfer.registry_records import WORKER_KINDS
+from splitserve.kv_transfer.registry_seal import Seal
+
+
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def _raw(value: Any) -> bytes:
+    return value if isinstance(value, bytes) else str(value).encode()
+
+
+class KVEndpoints:
+    """The KV-endpoint calls of `Registry`, over the registry's client, keys and seal."""
+
+    _client: redis.Redis
+    _ns: str
+    _seal: Seal
+
+    def _endpoint_key(self, worker_id: str) -> str:
+        return f"{self._ns}:kv_endpoint:{worker_id}"
+
+    def _worker_set(self, kind: str) -> str:
+        return f"{self._ns}:workers:{kind}"
+
+    def _publish_endpoint(self, worker_id: str, endpoint: Mapping[str, bytes], ttl_ms: int) -> None:
+        key = self._endpoint_key(worker_id)
+        pipe = self._client.pipeline(transaction=True)
+        pipe.delete(key)
+        sealed: dict[Any, Any] = self._seal.seal(key, endpoint)
+        pipe.hset(key, mapping=sealed)
+        pipe.pexpire(key, ttl_ms)
+        pipe.execute()
+
+    def _open_endpoint(self, worker_id: str, raw: Mapping[Any, Any]) -> dict[str, bytes] | None:
+        endpoint = {_text(k): _raw(v) for k, v in raw.items()}
+        if not endpoint:
+            return None
+        return self._seal.opened(self._endpoint_key(worker_id), endpoint)
+
+    def kv_endpoint(self, worker_id: str) -> dict[str, bytes] | None:
+        """What a live worker published for its KV peers (None if nothing, or if its record
+        does not open: a wrong seal, a concealed field that does not decrypt)."""
+        return self._open_endpoint(worker_id, self._client.hgetall(self._endpoint_key(worker_id)))
+
+    def kv_endpoint_values(self, field: str) -> set[bytes]:
+        """What live workers of every kind published under endpoint `field` in records that
+        open (sealed by a member): e.g. the agent names NIXL senders are known by."""
+        pipe = self._client.pipeline(transaction=False)
+        for kind in WORKER_KINDS:
+            pipe.smembers(self._worker_set(kind))
+        ids = sorted({_text(m) for members in pipe.execute() for m in members})
+        pipe = self._client.pipeline(transaction=False)
+        for worker_id in ids:
+            pipe.hgetall(self._endpoint_key(worker_id))
+        values = set()
+        for worker_id, raw in zip(ids, pipe.execute(), strict=True):
+            endpoint = self._open_endpoint(worker_id, raw)
+            if endpoint is not None and field in endpoint:
+                values.add(endpoint[field])
+        return values
