@@ -2,57 +2,51 @@
 
     prefill worker (NixlSender)                        decode worker (NixlReceiver)
     pool ─ registered once, one prepped                pool ─ registered once; endpoint():
-           descriptor per block                               agent name, metadata, base,
-                │                                             block_bytes, num_blocks, device
-    push: make_prepped_xfer(WRITE,                            │  (published in the registry)
+           descriptor per block;                              agent name, metadata, base,
+           endpoint(): its agent name                         block_bytes, num_blocks, device
+           (published in the registry)                        (published in the registry)
+                │                                             │
+    push: make_prepped_xfer(WRITE,                            │
           src ids ──────── bytes (UCX) ─────────────▶  dst blocks (no receiver CPU involved)
-          notif) ───────── notification ───────────▶  poller thread: JSON {r, f, d, n, b}
-    poll check_xfer_state until DONE                   Landing.allowed_blocks (fence) ─▶ landed
+          notif) ───────── notification ───────────▶  poller thread: sender vouched for
+    poll check_xfer_state until DONE                   (nixl_vetting.py)? else dropped;
+                                                       JSON {r, f, d, n, b, c}:
+                                                       Landing.allowed_blocks (fence) ─▶ landed
                                                        or Landing.refused (request fails)
 
 The sender loads each peer's metadata and preps its remote block list once (keyed by the remote
 agent name, so a restarted peer, which publishes a new name, gets a new entry). NIXL merges
-adjacent descriptors of one transfer into one copy.
+adjacent descriptors of one transfer into one copy. The receiver is in nixl_receiver.py.
 
 NOTE: the write is one-sided: the receiver checks the reservation only after the bytes are in
 its pool. A refused notification (stale fence, unknown request, blocks outside the reservation)
-fails the request on the decode side; it cannot un-write the bytes.
+fails the request on the decode side; it cannot un-write the bytes. Whoever loads a receiver's
+metadata can write into its pool, so the registry keeps it encrypted at rest (`Concealed`); a
+notification names its sender's agent and nothing else authenticates it, so agent names are
+128 random bits, concealed too, and a receiver drops a notification from an agent no member
+vouches for without touching any request.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import secrets
 import threading
 import time
-import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from opentelemetry import trace
-from opentelemetry.trace import Span, SpanKind, Status, StatusCode
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 from splitserve.engine.kv_connector import KVConnector, KVRegion
-from splitserve.kv_transfer.transport import (
-    KVReceiver,
-    KVSender,
-    Landing,
-    Peer,
-    Push,
-    PushObserver,
-    PushRefused,
-    PushResult,
-    ReceiverBind,
-    TransferError,
-)
+from splitserve.kv_transfer.registry_conceal import Concealed
+from splitserve.kv_transfer.transport import KVSender, Peer, Push, PushResult, TransferError
 
 log = logging.getLogger(__name__)
 
-MAX_LOGGED_BYTES = 200  # of a malformed notification
-IDLE_POLL_S = 0.0005  # receiver: sleep between empty notification polls
 SPIN_S, POLL_S = 0.001, 0.0001  # sender: yield-only polling first, then short sleeps
-_MAX_WARNED = 4096  # requests remembered for the once-per-request refusal warning
+SENDER_FIELD = "nixl.sender"  # a sender's endpoint field: its agent name
 
 
 def _blocks(
@@ -62,8 +56,9 @@ def _blocks(
     return [(base + b * block_bytes, block_bytes, device) for b in range(num_blocks)]
 
 
-class _Agent:
-    """A NIXL agent (UCX backend) with the connector's whole pool registered once."""
+class NixlAgent:
+    """A NIXL agent (UCX backend) with the connector's whole pool registered once; its name is
+    the worker id and 128 random bits (receivers take notifications by name: not guessable)."""
 
     def __init__(self, connector: KVConnector, worker_id: str) -> None:
         try:
@@ -74,7 +69,7 @@ class _Agent:
         device = self.region.device
         self.mem_type = "VRAM" if device.type == "cuda" else "DRAM"
         self.device_id = (device.index or 0) if device.type == "cuda" else 0
-        self.name = f"{worker_id}-{uuid.uuid4().hex[:8]}"
+        self.name = f"{worker_id}-{secrets.token_hex(16)}"
         size = self.region.num_blocks * self.region.block_bytes
         try:
             # NOTE: no progress thread: the Python API runs it with a 0 us delay, so it spins a
@@ -110,7 +105,7 @@ class NixlSender(KVSender):
     name = "nixl"
 
     def __init__(self, connector: KVConnector, worker_id: str) -> None:
-        self._nixl = _Agent(connector, worker_id)
+        self._nixl = NixlAgent(connector, worker_id)
         region = self._nixl.region
         self._block_bytes = region.block_bytes
         self._num_blocks = region.num_blocks
@@ -127,6 +122,10 @@ class NixlSender(KVSender):
         except Exception as e:
             self._nixl.deregister()
             raise RuntimeError(f"NIXL agent {self._nixl.name!r}: cannot prep the pool: {e}") from e
+
+    def endpoint(self) -> dict[str, bytes]:
+        """Its agent name, by which receivers vouch for its notifications (concealed at rest)."""
+        return {SENDER_FIELD: Concealed(self._nixl.name.encode())}
 
     def push(self, peer: Peer, push: Push, timeout_s: float) -> PushResult:
         """Write the source blocks into the peer's destination blocks and notify it; returns once
@@ -257,139 +256,3 @@ class NixlSender(KVSender):
             self._peers.clear()
             self._local.release()
             self._nixl.deregister()
-
-
-class NixlReceiver(KVReceiver):
-    """Exposes this worker's pool to NIXL writers and lands their pushes as notifications
-    arrive (a daemon thread). Counters: `num_pushes`, `num_refused`, `num_bytes`,
-    `num_malformed`."""
-
-    name = "nixl"
-
-    def __init__(
-        self,
-        connector: KVConnector,
-        landing: Landing,
-        worker_id: str,
-        tracer: trace.Tracer | None = None,
-        on_push: PushObserver | None = None,
-        bind: ReceiverBind | None = None,  # NOTE: unused: UCX picks its own sockets
-    ) -> None:
-        self._nixl = _Agent(connector, worker_id)
-        self._landing = landing
-        self._tracer = tracer
-        self._on_push = on_push
-        try:  # NOTE: read after registering: the metadata carries the pool's remote keys
-            self._metadata: bytes = self._nixl.agent.get_agent_metadata()
-        except Exception as e:
-            self._nixl.deregister()
-            raise RuntimeError(f"NIXL agent {self._nixl.name!r}: no metadata: {e}") from e
-        self.num_pushes = self.num_refused = self.num_bytes = self.num_malformed = 0
-        self._warned: set[str] = set()  # requests warned about (refusals), bounded
-        self._stop = threading.Event()
-        self._closed = False
-        self._thread = threading.Thread(
-            target=self._run, name=f"nixl-recv-{self._nixl.name}", daemon=True
-        )
-        self._thread.start()
-
-    def endpoint(self) -> dict[str, bytes]:
-        """What a `NixlSender` needs: agent name and metadata, and the pool's block layout."""
-        region, nixl = self._nixl.region, self._nixl
-        fields = {
-            "agent": nixl.name, "base": region.base_address, "block_bytes": region.block_bytes,
-            "num_blocks": region.num_blocks, "device": nixl.device_id, "mem_type": nixl.mem_type,
-        }  # fmt: skip
-        out = {f"nixl.{k}": str(v).encode("ascii") for k, v in fields.items()}
-        out["nixl.metadata"] = self._metadata
-        return out
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            try:
-                notifs = self._nixl.agent.get_new_notifs()
-            except Exception:
-                log.exception("NIXL receiver %s: polling notifications failed", self._nixl.name)
-                notifs = {}
-            if not notifs:
-                self._stop.wait(IDLE_POLL_S)
-                continue
-            for sender, messages in notifs.items():
-                for message in messages:
-                    try:
-                        self._handle(str(sender), message)
-                    except Exception:
-                        log.exception("NIXL receiver: handling a notification from %s", sender)
-
-    def _handle(self, sender: str, message: bytes) -> None:
-        try:
-            note = json.loads(message)
-            request_id, fence = str(note["r"]), int(note["f"])
-            dst, num_bytes = [int(b) for b in note["d"]], int(note["b"])
-            traceparent = str(note.get("t", ""))
-            capability = bytes.fromhex(str(note.get("c", "")))
-        except (ValueError, KeyError, TypeError) as e:
-            self.num_malformed += 1
-            log.warning(
-                "NIXL receiver: malformed notification from %s (%r): %r",
-                sender, e, message[:MAX_LOGGED_BYTES],
-            )  # fmt: skip
-            return
-        span = self._span(traceparent, request_id, num_bytes, len(dst))
-        try:
-            allowed = self._landing.allowed_blocks(request_id, fence)
-            self._landing.check_capability(request_id, capability)
-            outside = [b for b in dst if b not in allowed]
-            if outside:
-                raise PushRefused(
-                    "FAILED_PRECONDITION",
-                    f"blocks {outside[:8]} are outside the reservation (fence {fence})",
-                )
-            self._landing.landed(request_id, fence, dst, num_bytes)
-        except PushRefused as e:
-            span.set_status(Status(StatusCode.ERROR, f"{e.status}: {e}"))
-            span.end()
-            self._refuse(sender, request_id, f"{e.status}: {e}")
-            if self._on_push is not None:
-                self._on_push(0, None, False)
-            return
-        span.end()
-        self.num_pushes += 1
-        self.num_bytes += num_bytes
-        if self._on_push is not None:
-            self._on_push(num_bytes, None, True)  # one-sided: the receiver can't time it
-
-    def _span(self, traceparent: str, request_id: str, num_bytes: int, num_blocks: int) -> Span:
-        """A `kv.receive` span under the sender's `kv.push` (its context rode the notification)."""
-        if self._tracer is None or not traceparent:
-            return trace.INVALID_SPAN
-        parent = TraceContextTextMapPropagator().extract({"traceparent": traceparent})
-        return self._tracer.start_span(
-            "kv.receive",
-            context=parent,
-            kind=SpanKind.SERVER,
-            attributes={
-                "splitserve.request_id": request_id,
-                "splitserve.kv.bytes": num_bytes,
-                "splitserve.kv.num_blocks": num_blocks,
-                "splitserve.kv.transport": "nixl",
-            },
-        )
-
-    def _refuse(self, sender: str, request_id: str, reason: str) -> None:
-        self.num_refused += 1
-        self._landing.refused(request_id, reason)
-        if request_id not in self._warned:
-            if len(self._warned) >= _MAX_WARNED:
-                self._warned.clear()
-            self._warned.add(request_id)
-            log.warning("NIXL push from %s for %r refused: %s", sender, request_id, reason)
-
-    def close(self) -> None:
-        """Stop the notification thread and deregister the pool (idempotent)."""
-        if self._closed:
-            return
-        self._closed = True
-        self._stop.set()
-        self._thread.join()
-        self._nixl.deregister()

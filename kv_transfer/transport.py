@@ -10,13 +10,15 @@ Each transport has two halves behind two small classes, built by name from `TRAN
 
 A decode worker advertises the transports it started (and what a sender needs to reach them:
 `KVReceiver.endpoint`) in the registry; a prefill worker picks, per peer, the first of its own
-transports, in `PREFERENCE` order, that the peer also offers.
+transports, in `PREFERENCE` order, that the peer also offers, and publishes what its receivers
+know its senders by (`KVSender.endpoint`). Endpoint values that grant access on their own are
+marked `Concealed`: the registry keeps them encrypted at rest (registry_conceal.py).
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import ClassVar, Protocol
@@ -126,6 +128,10 @@ class KVSender(ABC):
 
     name: ClassVar[str]
 
+    def endpoint(self) -> dict[str, bytes]:
+        """What receivers know this sender by (published in the registry before it pushes)."""
+        return {}
+
     @abstractmethod
     def push(self, peer: Peer, push: Push, timeout_s: float) -> PushResult:
         """Move the source blocks into the peer's destination blocks; return once the peer has
@@ -158,16 +164,25 @@ PushObserver = Callable[[int, float | None, bool], None]
 it, whether it landed)."""
 
 
+Vouch = Callable[[str], Collection[bytes]]
+"""What live members published under one endpoint field (e.g. the agent names of NIXL senders),
+read from their sealed registry records: how a receiver that can't check a secret on each
+push vets its senders. May raise (Redis unreachable): the receiver asks again later."""
+
+
 @dataclass(frozen=True)
 class ReceiverBind:
     """Where a receiver that listens on a socket of its own binds (`host`, `port`; port 0 takes
-    a free one) and the host it publishes for senders (`public_host`; default: `host`); a
-    push must carry `cluster_secret` when one is set (`kv_transfer/cluster.py`)."""
+    a free one) and the host it publishes for senders (`public_host`; default: `host`); who
+    may push to it: a push must carry `cluster_secret` when one is set (`kv_transfer/
+    cluster.py`), and a receiver that vets senders by name takes them from `vouch` (None:
+    any sender that reaches it)."""
 
     host: str = "127.0.0.1"
     port: int = 0
     public_host: str | None = None
     cluster_secret: str = field(default="", repr=False)
+    vouch: Vouch | None = field(default=None, repr=False, compare=False)
 
 
 class ReceiverFactory(Protocol):
@@ -203,10 +218,11 @@ def _grpc() -> TransportKind:
 
 
 def _nixl() -> TransportKind:
-    from splitserve.kv_transfer.nixl_transport import NixlReceiver, NixlSender
+    from splitserve.kv_transfer.nixl_receiver import NixlReceiver
+    from splitserve.kv_transfer.nixl_transport import NixlSender
 
-    # NOTE: NIXL notifications reach only agents whose metadata a member published in the
-    # registry; the cluster secret guards the gRPC planes.
+    # NOTE: a NIXL receiver takes notifications only from senders whose agent names members
+    # published (`ReceiverBind.vouch`); the cluster secret guards the gRPC planes.
     return TransportKind(
         sender=lambda connector, worker_id, cluster_secret="": NixlSender(connector, worker_id),
         receiver=NixlReceiver,

@@ -24,6 +24,9 @@ class ObservedSender(KVSender):
         self.tracing = tracing
         self.metrics = metrics
 
+    def endpoint(self) -> dict[str, bytes]:
+        return self.inner.endpoint()
+
     def push(self, peer: Peer, push: Push, timeout_s: float) -> PushResult:
         if not self.tracing.enabled:
             return self._push(peer, push, timeout_s)

@@ -55,6 +55,10 @@ class Senders:
     def names(self) -> tuple[str, ...]:
         return tuple(self.senders)
 
+    def endpoint(self) -> dict[str, bytes]:
+        """What receivers know this worker's senders by (its record in the registry)."""
+        return {k: v for sender in self.senders.values() for k, v in sender.endpoint().items()}
+
     def route(self, destination: worker_pb2.KVDestination) -> Route:
         theirs = list(destination.kv_transports) or ["grpc"]
         name = choose(self.names, theirs)

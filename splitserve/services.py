@@ -86,7 +86,11 @@ def start_decode(
                 tracer,
                 received.observe,
                 ReceiverBind(
-                    service.host, worker.kv_port, service.public_host, security.cluster_secret
+                    service.host,
+                    worker.kv_port,
+                    service.public_host,
+                    security.cluster_secret,
+                    vouch=registry.kv_endpoint_values,  # the senders members published
                 ),
             )
         )
@@ -188,6 +192,8 @@ def start_prefill(
         metrics.registry.register(EngineCollector(loop, metrics.model_name))
         servicer = PrefillServicer(prefill, tracing)
         opened.gates[0].bind(servicer)
+        # NOTE: Prefill is refused until `set_serving`, after `start` wrote this record: a
+        # decode worker that reads the registry on a sender's first push finds its name.
         presence = Presence(
             registry,
             lambda: worker_info(
@@ -200,6 +206,7 @@ def start_prefill(
             ),
             ttl_s=worker.heartbeat_ttl_s,
             interval_s=worker.heartbeat_ttl_s / 6,
+            kv_endpoint=senders.endpoint(),
         ).start()
     except BaseException:
         opened.close()

@@ -27,8 +27,16 @@ import torch
 from splitserve.engine.block_manager import BlockManager
 from splitserve.engine.kv_cache import KVCache
 from splitserve.engine.kv_connector import KVConnector
-from splitserve.kv_transfer.nixl_transport import NixlReceiver, NixlSender
-from splitserve.kv_transfer.transport import Peer, Push, PushRefused, TransferError
+from splitserve.kv_transfer.nixl_receiver import NixlReceiver
+from splitserve.kv_transfer.nixl_transport import NixlSender
+from splitserve.kv_transfer.registry import Registry, WorkerInfo
+from splitserve.kv_transfer.transport import (
+    Peer,
+    Push,
+    PushRefused,
+    ReceiverBind,
+    TransferError,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -99,11 +107,19 @@ class RecordingLanding:
         raise AssertionError("NIXL writes one-sided: its receiver never holds a reservation")
 
 
-def receiver_main(conn: Connection, dtype_name: str) -> None:
-    """Serve the test's commands until told to quit (or the test process goes away)."""
+def receiver_main(conn: Connection, dtype_name: str, redis_url: str = "", secret: str = "") -> None:
+    """Serve the test's commands until told to quit (or the test process goes away). With
+    `redis_url`, as a decode worker does: senders vetted by the registry (cluster `secret`),
+    the endpoint published there."""
     pool = make_pool(DTYPES[dtype_name])
     landing = RecordingLanding()
-    receiver = NixlReceiver(make_connector(pool), landing, "decode-0")
+    registry = Registry(redis_url, secret=secret) if redis_url else None
+    bind = ReceiverBind(vouch=registry.kv_endpoint_values) if registry is not None else None
+    receiver = NixlReceiver(make_connector(pool), landing, "decode-0", bind=bind)
+    if registry is not None:
+        info = WorkerInfo("decode-0", "decode", "unused:0", block_size=BLOCK_SIZE,
+                          kv_transports=("nixl",))  # fmt: skip
+        registry.register_worker(info, ttl_s=600, kv_endpoint=receiver.endpoint())
     conn.send(receiver.endpoint())
     try:
         while True:
@@ -125,22 +141,26 @@ def receiver_main(conn: Connection, dtype_name: str) -> None:
                 elif cmd == "pool":
                     conn.send(pool.view(torch.uint8).numpy().tobytes())
                 elif cmd == "stats":
-                    names = ("num_pushes", "num_refused", "num_bytes", "num_malformed")
+                    names = ("num_pushes", "num_refused", "num_bytes", "num_malformed",
+                             "num_unvouched")  # fmt: skip
                     conn.send({name: getattr(receiver, name) for name in names})
     except EOFError:
         pass
     finally:
         receiver.close()
+        if registry is not None:
+            registry.close()
 
 
 class RemoteReceiver:
     """The test's handle on one receiver process."""
 
-    def __init__(self, dtype_name: str) -> None:
+    def __init__(self, dtype_name: str, redis_url: str = "", secret: str = "") -> None:
         ctx = mp.get_context("spawn")
         self.conn, child = ctx.Pipe()
         self.dtype = DTYPES[dtype_name]
-        self.process = ctx.Process(target=receiver_main, args=(child, dtype_name), daemon=True)
+        args = (child, dtype_name, redis_url, secret)
+        self.process = ctx.Process(target=receiver_main, args=args, daemon=True)
         self.process.start()
         child.close()
         if not self.conn.poll(60):
@@ -307,7 +327,7 @@ def test_stale_fence_unknown_request_and_foreign_blocks_are_refused(
         assert "PERMISSION_DENIED" in events[3][2] and "capability" in events[3][2]
         assert events[4][:4] == ("landed", "req-b", 5, [10, 11])
         expected = {"num_pushes": 1, "num_refused": 4, "num_bytes": 2 * BLOCK_BYTES,
-                    "num_malformed": 1}  # fmt: skip
+                    "num_malformed": 1, "num_unvouched": 0}  # fmt: skip
         deadline = time.monotonic() + TIMEOUT_S  # counters move just after the landing calls
         while (delta := float32.stats_since(before)) != expected and time.monotonic() < deadline:
             time.sleep(0.005)

@@ -2,7 +2,8 @@
 reservation, over each transport: a stale fence, an unknown request and a push without the
 reservation's capability are refused, the request
 is never admitted with that KV (Decode fails FAILED_PRECONDITION at once, not after a timeout),
-and nothing is left behind. A rogue sender here is a real transport over its own pool."""
+and nothing is left behind. A rogue sender here is a real transport over its own pool, which
+a member published (a NIXL receiver hears only those)."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from splitserve.engine.block_manager import BlockManager
 from splitserve.engine.kv_cache import KVCache
 from splitserve.engine.kv_connector import KVConnector
 from splitserve.engine.model_config import ModelConfig
-from splitserve.kv_transfer.registry import Registry
+from splitserve.kv_transfer.registry import Registry, WorkerInfo
 from splitserve.kv_transfer.transport import Peer, Push, TransferError, transport_kind
 from splitserve.protos import convert
 from splitserve.protos.v1 import common_pb2, worker_pb2, worker_pb2_grpc
@@ -39,12 +40,19 @@ def setup(tiny_models, request):
         connector = KVConnector(KVCache.over(pool), BlockManager(64, 16), 16)
         sender = transport_kind(request.param).sender(connector, "rogue")
         registry = Registry(stack.redis_url)
+        # A member's sender, vouched for in the registry: a decode worker does not even read a
+        # stranger's NIXL notifications (tests/security/test_nixl_strangers.py). It sits at the
+        # prefill worker's address, which the leak checks ask for stats.
+        (prefill,) = [w for w in workers(stack) if w.kind == "prefill"]
+        rogue = WorkerInfo("rogue", "prefill", prefill.address, block_size=16)
+        registry.register_worker(rogue, ttl_s=600, kv_endpoint=sender.endpoint())
         endpoint = registry.kv_endpoint(decode.worker_id) or {}
         peer = Peer(decode.worker_id, decode.address, endpoint)
         channel = grpc.insecure_channel(decode.address)
         try:
             yield stack, worker_pb2_grpc.DecodeWorkerStub(channel), sender, peer
         finally:
+            registry.deregister_worker("prefill", "rogue")
             channel.close()
             sender.close()
             registry.close()
