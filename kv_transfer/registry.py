@@ -54,6 +54,8 @@ from splitserve.kv_transfer.registry_records import (
     Reservation,
     StaleFenceError,
     WorkerInfo,
+    as_bytes,
+    as_text,
     check_compatible,
     worker_from_fields,
 )
@@ -72,14 +74,6 @@ __all__ = [
     "StaleFenceError",
     "WorkerInfo",
 ]
-
-
-def _text(value: Any) -> str:
-    return value.decode() if isinstance(value, bytes) else str(value)
-
-
-def _raw(value: Any) -> bytes:
-    return value if isinstance(value, bytes) else str(value).encode()
 
 
 def _ms(seconds: float, what: str) -> int:
@@ -213,7 +207,7 @@ class Registry(PrefixIndex, KVEndpoints):
 
         Ids whose advertisement expired are pruned from the kind's set on the way.
         """
-        ids = sorted(_text(m) for m in self._client.smembers(self._worker_set(kind)))
+        ids = sorted(as_text(m) for m in self._client.smembers(self._worker_set(kind)))
         if not ids:
             return []
         keys = [self._worker_set(kind)] + [self._worker_key(kind, i) for i in ids]
@@ -221,10 +215,10 @@ class Registry(PrefixIndex, KVEndpoints):
         live = []
         for worker_id, row in zip(ids, rows, strict=True):
             if row:
-                stored = {_text(k): _raw(v) for k, v in zip(row[::2], row[1::2], strict=True)}
+                stored = {as_text(k): as_bytes(v) for k, v in zip(row[::2], row[1::2], strict=True)}
                 record = self._seal.opened(self._worker_key(kind, worker_id), stored)
                 if record is not None:
-                    live.append(worker_from_fields({k: _text(v) for k, v in record.items()}))
+                    live.append(worker_from_fields({k: as_text(v) for k, v in record.items()}))
         return live
 
     # -- per-request block records ------------------------------------------------------------
@@ -259,7 +253,7 @@ class Registry(PrefixIndex, KVEndpoints):
         created, value = call(attempt, self._retry_s, self._outage)
         if not created:
             raise RegistryError(
-                f"request {request_id!r} already has a block record (state {_text(value)!r}); "
+                f"request {request_id!r} already has a block record (state {as_text(value)!r}); "
                 "pass replace=True to supersede it"
             )
         return Reservation(request_id, decode_worker, int(value), blocks, lease_ms)
@@ -276,7 +270,7 @@ class Registry(PrefixIndex, KVEndpoints):
             keys=[self._req_key(request_id), self._since_key()],
             args=[prefill_worker, int(fence), _ms(lease_s, "lease_s")],
         )
-        self._check("begin_write", request_id, fence, _text(status), _text(detail))
+        self._check("begin_write", request_id, fence, as_text(status), as_text(detail))
 
     def handoff(self, request_id: str, decode_worker: str, fence: int, lease_s: float) -> None:
         """Make `decode_worker` (the worker that reserved the blocks) their owner.
@@ -290,7 +284,7 @@ class Registry(PrefixIndex, KVEndpoints):
             keys=[self._req_key(request_id), self._since_key()],
             args=[decode_worker, int(fence), _ms(lease_s, "lease_s")],
         )
-        self._check("handoff", request_id, fence, _text(status), _text(detail))
+        self._check("handoff", request_id, fence, as_text(status), as_text(detail))
 
     def renew(self, request_id: str, fence: int, lease_s: float) -> bool:
         """Extend the lease; False if the record is gone or carries another fence."""
@@ -314,7 +308,7 @@ class Registry(PrefixIndex, KVEndpoints):
         raw, ttl = pipe.execute()
         if not raw:
             return None
-        rec = {_text(k): _text(v) for k, v in raw.items()}
+        rec = {as_text(k): as_text(v) for k, v in raw.items()}
         return BlockRecord(
             request_id=request_id,
             state=rec["state"],
@@ -353,7 +347,7 @@ class Registry(PrefixIndex, KVEndpoints):
     def request_record_keys(self) -> list[str]:
         """Every request record key in this namespace (SCAN; for leak checks, not hot paths)."""
         pattern = f"{_glob_escape(self._ns)}:req:*"
-        return sorted(_text(k) for k in self._client.scan_iter(match=pattern, count=1000))
+        return sorted(as_text(k) for k in self._client.scan_iter(match=pattern, count=1000))
 
     def _check(self, op: str, request_id: str, fence: int, status: str, detail: str) -> None:
         if status == "ok":

@@ -11,16 +11,8 @@ from typing import Any
 
 import redis
 
-from splitserve.kv_transfer.registry_records import WORKER_KINDS
+from splitserve.kv_transfer.registry_records import WORKER_KINDS, as_bytes, as_text
 from splitserve.kv_transfer.registry_seal import Seal
-
-
-def _text(value: Any) -> str:
-    return value.decode() if isinstance(value, bytes) else str(value)
-
-
-def _raw(value: Any) -> bytes:
-    return value if isinstance(value, bytes) else str(value).encode()
 
 
 class KVEndpoints:
@@ -46,7 +38,7 @@ class KVEndpoints:
         pipe.execute()
 
     def _open_endpoint(self, worker_id: str, raw: Mapping[Any, Any]) -> dict[str, bytes] | None:
-        endpoint = {_text(k): _raw(v) for k, v in raw.items()}
+        endpoint = {as_text(k): as_bytes(v) for k, v in raw.items()}
         if not endpoint:
             return None
         return self._seal.opened(self._endpoint_key(worker_id), endpoint)
@@ -62,7 +54,7 @@ class KVEndpoints:
         pipe = self._client.pipeline(transaction=False)
         for kind in WORKER_KINDS:
             pipe.smembers(self._worker_set(kind))
-        ids = sorted({_text(m) for members in pipe.execute() for m in members})
+        ids = sorted({as_text(m) for members in pipe.execute() for m in members})
         pipe = self._client.pipeline(transaction=False)
         for worker_id in ids:
             pipe.hgetall(self._endpoint_key(worker_id))

@@ -4,6 +4,7 @@ errors of its steps (see `registry.py` for the life cycle)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from splitserve.engine.errors import FailedPrecondition, Unavailable
 
@@ -72,6 +73,16 @@ class WorkerInfo:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"{name} must be an int >= 0, got {value!r}")
+
+
+def as_text(value: Any) -> str:
+    """A value read from Redis (bytes) or about to be written, as text."""
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def as_bytes(value: Any) -> bytes:
+    """A value read from Redis, as the bytes it holds."""
+    return value if isinstance(value, bytes) else str(value).encode()
 
 
 def worker_from_fields(raw: dict[str, str]) -> WorkerInfo:
