@@ -24,6 +24,7 @@
 #   fp8-kv          the FP8 KV cache: its kernel tests, decode attention tiles, the decode step
 #   fp8-throughput  offline throughput, FP8 weights and FP8 KV against bf16 (Llama-3-8B shape)
 #   http-overhead   bench/http_overhead.py: HTTP vs gRPC per streamed token at the gateway
+#   async           overlapped decode steps: GPU parity, decode step and FP8 throughput, on/off
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1 PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH}
@@ -65,7 +66,7 @@ for step in "$@"; do
       run cache_tests 4 pytest_q tests/kernels/test_kv_cache_write.py \
         tests/kernels/test_rotary_write_kv.py tests/kernels/test_decode_attention.py \
         tests/kernels/test_prefill_attention.py tests/kernels/test_triton_backend.py ;;
-    parity) run parity 12 pytest_q -s tests/engine/test_gpu_parity.py ;;
+    parity) run parity 14 pytest_q -s tests/engine/test_gpu_parity.py ;;
     kernels) run kernels 30 python3 -m bench.kernels --out "$OUT/kernels.json" ;;
     roofline) run roofline 12 python3 -m bench.decode_roofline --pdl both --out "$OUT/roofline.json" ;;
     throughput)
@@ -102,6 +103,15 @@ for step in "$@"; do
     http-overhead)
       run http_overhead 16 env SPLITSERVE_KV_TRANSPORT=grpc python3 -m bench.http_overhead \
         --out "$OUT/http_overhead.json" ;;
+    async)
+      run parity 14 pytest_q -s tests/engine/test_gpu_parity.py
+      run roofline_async 16 python3 -m bench.decode_roofline --quantization both --pdl on \
+        --async-scheduling both --out "$OUT/roofline_async.json"
+      run throughput_async 8 python3 -m bench.offline_throughput --shape llama-3-8b \
+        --quantization fp8 --kv-cache-dtype fp8 --skip-hf --out "$OUT/throughput_async.json"
+      run throughput_sync 8 python3 -m bench.offline_throughput --shape llama-3-8b \
+        --quantization fp8 --kv-cache-dtype fp8 --skip-hf --async-scheduling off \
+        --out "$OUT/throughput_sync.json" ;;
     *) echo "unknown step: $step" >&2 ;;
   esac
 done

@@ -16,6 +16,7 @@ the GPU waiting on the host (scheduling, sampling, outputs between steps).
 from __future__ import annotations
 
 import argparse
+import functools
 import random
 import tempfile
 import time
@@ -66,6 +67,7 @@ def run_engine(
     quantization: str | None = None,
     kv_cache_dtype: str = "auto",
     profile_busy: bool = False,
+    async_scheduling: bool | None = None,
 ) -> dict[str, Any]:
     from splitserve.engine import LLM, SamplingParams
 
@@ -78,6 +80,7 @@ def run_engine(
         max_num_seqs=256,
         max_num_batched_tokens=8192,
         max_model_len=2048,
+        async_scheduling=async_scheduling,
     )
     warm = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     llm.generate(prompts[:4], warm, use_tqdm=False)
@@ -184,23 +187,28 @@ def main() -> None:
     parser.add_argument(
         "--gpu-busy", action="store_true", help="also the GPU's busy share (a profiled rerun)"
     )
+    parser.add_argument(
+        "--async-scheduling",
+        choices=["on", "off"],
+        default="on",
+        help="overlapped decode steps (engine/overlap.py), the engine's default on a GPU",
+    )
     args = parser.parse_args()
     assert torch.cuda.is_available(), "this benchmark needs a GPU"
     dtype = torch.bfloat16
+    run = functools.partial(run_engine, async_scheduling=args.async_scheduling == "on")
     with tempfile.TemporaryDirectory() as tmp:
         path = model_dir(args.shape, Path(tmp))
         prompts, outputs = workload(args.num_requests, args.seed)
         busy = args.gpu_busy
-        ours = run_engine(path, prompts, outputs, "bfloat16", profile_busy=busy)
+        ours = run(path, prompts, outputs, "bfloat16", profile_busy=busy)
         rows = [_row("splitserve LLM", ours)]
         fp8 = fp8_kv = None
         if args.quantization == "fp8":
-            fp8 = run_engine(path, prompts, outputs, "bfloat16", "fp8", profile_busy=busy)
+            fp8 = run(path, prompts, outputs, "bfloat16", "fp8", profile_busy=busy)
             rows.append(_row("splitserve LLM, FP8 weights", fp8))
             if args.kv_cache_dtype == "fp8":
-                fp8_kv = run_engine(
-                    path, prompts, outputs, "bfloat16", "fp8", "fp8", profile_busy=busy
-                )
+                fp8_kv = run(path, prompts, outputs, "bfloat16", "fp8", "fp8", profile_busy=busy)
                 rows.append(_row("splitserve LLM, FP8 weights + KV", fp8_kv))
         hf = None
         if not args.skip_hf:
@@ -218,7 +226,7 @@ def main() -> None:
         if args.grid:
             for n_in, n_out in ((128, 128), (1024, 128), (128, 1024)):
                 g_prompts, _ = workload(args.num_requests, args.seed + 1, n_in, n_in)
-                res = run_engine(path, g_prompts, [n_out] * len(g_prompts), "bfloat16")
+                res = run(path, g_prompts, [n_out] * len(g_prompts), "bfloat16")
                 grid.append(
                     {
                         "in/out": f"{n_in}/{n_out}",
@@ -234,6 +242,7 @@ def main() -> None:
         "config": SHAPES[args.shape],
         "dtype": "bfloat16",
         "ignore_eos": True,
+        "async_scheduling": args.async_scheduling,
         "workload": f"{args.num_requests} requests, in/out uniform 100-1024, seed {args.seed}",
         "splitserve": ours,
         "splitserve_fp8": fp8,
@@ -245,7 +254,10 @@ def main() -> None:
         "grid": grid,
     }
     write_results(args.out, results)
-    print(f"device: {device_name()}  shape: {args.shape}  dtype: bf16  EOS ignored")
+    print(
+        f"device: {device_name()}  shape: {args.shape}  dtype: bf16  EOS ignored  "
+        f"async scheduling {args.async_scheduling}"
+    )
     print(table(rows, list(rows[0])))
     if speedup is not None:
         print(f"speedup over HF static batching: {speedup:.1f}x")

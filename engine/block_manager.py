@@ -44,6 +44,9 @@ class Allocation:
     copies: tuple[tuple[int, int], ...] = ()
 
 
+_NO_COPIES = Allocation()
+
+
 @dataclass(frozen=True)
 class KVUsage:
     """A snapshot of the KV pool, in blocks and token slots."""
@@ -120,9 +123,18 @@ class BlockManager:
 
         A new sequence may start from `prefix_hit`. Nothing changes when None is returned.
         """
+        table = self._tables.get(seq_id)
+        if (
+            table is not None
+            and prefix_hit is None
+            and num_total_tokens <= len(table) * self.block_size
+            and not self._needs_copy(seq_id, num_total_tokens)
+        ):  # most decode steps: the next slot is in a block the sequence holds alone
+            if num_total_tokens > self._num_tokens[seq_id]:
+                self._num_tokens[seq_id] = num_total_tokens
+            return _NO_COPIES
         if not self.can_allocate(seq_id, num_total_tokens, prefix_hit):
             return None
-        table = self._tables.get(seq_id)
         if table is None:
             table = self._tables[seq_id] = []
             self._hashes[seq_id] = []

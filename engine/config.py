@@ -74,10 +74,14 @@ class EngineConfig:
     # The KV cache's dtype: "auto" is the model's; "fp8" stores e4m3 (scale 1: values saturate
     # at +-448), half the bytes of bf16 per block, so twice the tokens in the same memory.
     kv_cache_dtype: str = "auto"
-    # Detokenize every step (services stream text); off, text is made when a sample finishes.
+    # Stream outputs, text included, every step (services); off (offline `LLM`), `step` returns
+    # a request's output once, when it finishes, and its text is decoded then.
     stream_text: bool = True
     # Capture CUDA graphs for decode batches (one per batch-size bucket).
     enable_cuda_graphs: bool = True
+    # Launch a plain-greedy decode step before the previous one's tokens reach the host
+    # (engine/overlap.py); None turns it on with CUDA graphs.
+    async_scheduling: bool | None = None
     # Programmatic dependent launch for the Triton kernels (Hopper and newer; kernels/pdl.py).
     enable_pdl: bool = True
     seed: int = 0

@@ -49,7 +49,8 @@ class DecodeGraphs:
         device = kv_caches[0].device
         # Rows of one int64 buffer: input ids, positions, slots. One int32 buffer: seq lens,
         # then the block tables, so a step's used part of it is one contiguous prefix.
-        self._ids_host = torch.zeros(3, size, dtype=torch.int64, pin_memory=True)
+        # Two more rows carry an overlapped step's tokens in: destination rows, source rows.
+        self._ids_host = torch.zeros(5, size, dtype=torch.int64, pin_memory=True)
         self._ids_host[2] = -1  # no slots: capture's warm-up run writes no KV
         width = 1 + max_blocks_per_seq
         self._lens_host = torch.zeros(size * width, dtype=torch.int32, pin_memory=True)
@@ -57,7 +58,7 @@ class DecodeGraphs:
         self._lens_np = self._lens_host.numpy()
         self._ids = self._ids_host.to(device)
         self._lens = torch.zeros_like(self._lens_host, device=device)
-        self.input_ids, self.positions, self.slot_mapping = self._ids
+        self.input_ids, self.positions, self.slot_mapping, self._dst, self._src = self._ids
         self.seq_lens = self._lens[:size]
         self.block_tables = self._lens[size:].view(size, max_blocks_per_seq)
         self._copied = torch.cuda.Event()  # the host mirrors may be rewritten once it is done
@@ -111,9 +112,11 @@ class DecodeGraphs:
         slots: list[int],
         seq_lens: list[int],
         tables: list[list[int]],
+        carry: tuple[torch.Tensor, list[tuple[int, int]]] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """One decode step for len(input_ids) sequences: their logits [batch, vocab] and the
-        argmax of each row [batch]."""
+        argmax of each row [batch]. `carry` = (tokens on the device, [(row, source row)]) sets
+        those rows' input ids from a step still in flight (engine/overlap.py)."""
         batch = len(input_ids)
         bucket = next(b for b in self.buckets if b >= batch)
         size = self.buckets[-1]
@@ -131,10 +134,17 @@ class DecodeGraphs:
             # blocks below each sequence's length.
             start = size + row * width
             lens[start : start + len(table)] = table
+        moves = carry[1] if carry is not None else []
+        if moves:
+            ids[3, : len(moves)], ids[4, : len(moves)] = zip(*moves, strict=True)
         self._ids.copy_(self._ids_host, non_blocking=True)
         used = size + bucket * width
         self._lens[:used].copy_(self._lens_host[:used], non_blocking=True)
         self._copied.record()
+        if moves:
+            assert carry is not None
+            k = len(moves)
+            self.input_ids.index_copy_(0, self._dst[:k], carry[0].index_select(0, self._src[:k]))
         graph = self._graphs[bucket]
         graph.graph.replay()
         return graph.logits[:batch], graph.argmax[:batch]

@@ -30,7 +30,9 @@ from splitserve.engine.model_config import ModelConfig
 from splitserve.engine.model_runner import ModelRunner
 from splitserve.engine.output_processor import OutputProcessor, RequestState
 from splitserve.engine.outputs import RequestOutput, Resume, SampledToken
+from splitserve.engine.overlap import PLACEHOLDER, InFlight
 from splitserve.engine.platform import Platform
+from splitserve.engine.request_checks import check_request
 from splitserve.engine.sampling_params import SamplingParams
 from splitserve.engine.scheduler import Scheduler
 from splitserve.engine.sequence import FinishReason, Sequence
@@ -91,6 +93,9 @@ class LLMEngine:
         self.outputs = OutputProcessor(self.tokenizer, self.config.stream_text)
         self._reserved: dict[str, Sequence] = {}
         self._sent_prefills: list[str] = []  # watched prefills whose last blocks are pinned
+        overlap = self.config.async_scheduling
+        self.overlap = self.platform.cuda_graphs if overlap is None else overlap
+        self._inflight: InFlight | None = None  # a decode step launched, not yet settled
         self._ids = itertools.count()
 
     @property
@@ -162,6 +167,10 @@ class LLMEngine:
         Blocks this worker already caches for the prompt's prefix are reused; only the rest
         need to be sent. Raises InvalidRequest on bad input, CapacityError when full."""
         seq = self._new_sequence(request_id, prompt_token_ids, params)
+        if self._inflight is not None:
+            # NOTE: blocks freed while a step was in flight may still take its KV writes;
+            # remote writers fill a reservation outside the GPU stream's order.
+            self._inflight.wait()
         if resume is not None:
             seq.resume(resume, self.model_config.vocab_size)
         bm = self.block_manager
@@ -248,37 +257,17 @@ class LLMEngine:
         return None, token_ids
 
     def _validate(self, token_ids: list[int], params: SamplingParams) -> None:
-        if not token_ids:
-            raise InvalidRequest("prompt is empty (no tokens)")
-        vocab = self.model_config.vocab_size
-        bad = [t for t in token_ids if not 0 <= t < vocab]
-        if bad:
-            raise InvalidRequest(
-                f"prompt has token ids outside the vocabulary [0, {vocab}): {bad[:5]}"
-            )
-        params.check_token_ids(vocab)
-        if params.structured is not None:
-            self.grammars.compile(params.structured)  # a bad spec fails here, not mid-batch
-        if params.n > self.config.max_num_seqs:
-            # NOTE: the n samples are scheduled together; more than max_num_seqs never would be.
-            raise InvalidRequest(
-                f"n is {params.n} but this worker runs at most {self.config.max_num_seqs} "
-                "sequences at once (max_num_seqs)"
-            )
-        if len(token_ids) >= self.max_model_len:
-            raise InvalidRequest(
-                f"prompt has {len(token_ids)} tokens but the model's context is "
-                f"{self.max_model_len}, which leaves no room to generate"
-            )
-        # NOTE: a lone sequence must always fit in the pool, or preemption could loop forever.
-        need = -(
-            -min(len(token_ids) + params.max_tokens, self.max_model_len) // self.config.block_size
-        )
         assert self.config.num_kv_blocks is not None
-        if need > self.config.num_kv_blocks:
-            raise InvalidRequest(
-                f"request needs {need} KV blocks but the pool holds {self.config.num_kv_blocks}"
-            )
+        check_request(
+            token_ids,
+            params,
+            vocab_size=self.model_config.vocab_size,
+            max_model_len=self.max_model_len,
+            max_num_seqs=self.config.max_num_seqs,
+            num_kv_blocks=self.config.num_kv_blocks,
+            block_size=self.config.block_size,
+            grammars=self.grammars,
+        )
 
     def abort_request(self, request_id: str) -> bool:
         """Stop a request wherever it is (reserved, queued, running, or held for sending) and
@@ -309,18 +298,44 @@ class LLMEngine:
         return request_id in self.outputs.requests or request_id in self._reserved
 
     def step(self) -> list[RequestOutput]:
-        """Run one iteration; return the outputs of the requests that gained tokens."""
+        """Run one iteration; return the outputs of the requests that gained tokens.
+
+        With `async_scheduling`, a plain-greedy decode step is left in flight and its outputs
+        come with the next call's (engine/overlap.py)."""
         self.housekeeping()
+        prev, self._inflight = self._inflight, None
         out = self.scheduler.schedule()
-        if out.is_empty:
-            return []
-        tables = {s.seq.seq_id: self.block_manager.block_table(s.seq.seq_id) for s in out.scheduled}
-        sampled = self.runner.execute(out, tables)
-        outputs = self._process_outputs(self.scheduler.update(out, sampled))
+        overlap = self.overlap and not out.is_empty and self.runner.can_overlap(out)
+        outputs: list[RequestOutput] = []
+        if prev is not None and not overlap:
+            outputs = self._settle(prev)
+            prev = None
+            out = dataclasses.replace(
+                out, scheduled=[s for s in out.scheduled if not s.seq.is_finished]
+            )
+        if not out.is_empty:
+            bm = self.block_manager
+            tables = {s.seq.seq_id: bm.block_table(s.seq.seq_id) for s in out.scheduled}
+            if overlap:
+                launched = self.runner.launch(out, tables, prev)
+                if prev is not None:
+                    outputs = self._settle(prev)
+                launched.advanced = self.scheduler.advance(out, PLACEHOLDER)
+                self._inflight = launched
+            else:
+                sampled = self.runner.execute(out, tables)
+                outputs += self._process_outputs(self.scheduler.update(out, sampled))
         # NOTE: a watched prefill that finished is forgotten (its unpinned blocks freed) on the
         # next turn, not now: step hooks still see its final progress after this step.
         self._sent_prefills += self.kv_connector.after_step(self._prompt_progress)
+        if len(outputs) > 1:  # a request settled from the step in flight and stepped again
+            outputs = list({o.request_id: o for o in outputs}.values())
         return outputs
+
+    def _settle(self, inflight: InFlight) -> list[RequestOutput]:
+        """Wait for a step left in flight and apply its tokens."""
+        touched = self.scheduler.settle(inflight.advanced, inflight.token_ids())
+        return self._process_outputs(touched)
 
     def take_prefix_events(self) -> list[tuple[bool, bytes]]:
         """Prefix-cache insertions (True) and evictions (False) of block hashes since the last
@@ -345,7 +360,10 @@ class LLMEngine:
             else:
                 self.scheduler.finish(hit.seq, FinishReason.STOP, hit.stop)
         results = []
+        requests = self.outputs.requests
         for request_id in dict.fromkeys(seq.request_id for seq in touched):
+            if not (self.config.stream_text or requests[request_id].finished):
+                continue  # offline: a request's output is made once, when it finishes
             output = self.outputs.output(request_id)
             results.append(output)
             # NOTE: a watched prefill-only request stays known until its last blocks are pinned

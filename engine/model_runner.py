@@ -16,6 +16,7 @@ from splitserve.engine.cuda_graphs import DecodeGraphs
 from splitserve.engine.kv_cache import KVCache
 from splitserve.engine.model import CausalLM
 from splitserve.engine.outputs import SampledToken
+from splitserve.engine.overlap import PLACEHOLDER, InFlight, plain_greedy
 from splitserve.engine.sampler import Sampler, SamplingRow
 from splitserve.engine.scheduler import SchedulerOutput
 from splitserve.engine.sequence import Sequence, step_generator
@@ -36,6 +37,12 @@ class ModelRunner:
         self.eos_token_ids = frozenset(model.cfg.eos_token_ids)
         self.sampler = Sampler()
         self.graphs: DecodeGraphs | None = None
+        # Host buffers for overlapped steps' tokens, used in turn (engine/overlap.py).
+        pin = self.device.type == "cuda"
+        self._token_hosts = [
+            torch.zeros(config.max_num_seqs, dtype=torch.int64, pin_memory=pin) for _ in range(2)
+        ]
+        self._launches = 0
 
     def capture_cuda_graphs(self) -> None:
         """Capture decode graphs (CUDA only; the attention backend must be graph-safe)."""
@@ -93,6 +100,53 @@ class ModelRunner:
             sampled[sampling[i].seq_id].append(SampledToken(token_id, logprobs))
         return sampled
 
+    def can_overlap(self, out: SchedulerOutput) -> bool:
+        """Whether `out` is a decode step whose tokens may stay on the device (`launch`)."""
+        return all(
+            s.num_new_tokens == 1 and s.samples and plain_greedy(s.seq, self.eos_token_ids)
+            for s in out.scheduled
+        )
+
+    @torch.inference_mode()
+    def launch(
+        self, out: SchedulerOutput, block_tables: dict[str, list[int]], prev: InFlight | None
+    ) -> InFlight:
+        """Start a `can_overlap` step without waiting for it. A sequence whose newest token is
+        still in flight in `prev` takes it from `prev`'s tokens on the device."""
+        self.kv_cache.copy_blocks(out.block_copies)
+        batch = _gather(out, block_tables, self.config.block_size)
+        seqs = [s.seq for s in out.scheduled]
+        moves = []
+        if prev is not None:
+            for row, seq in enumerate(seqs):
+                if seq.output_token_ids and seq.output_token_ids[-1] == PLACEHOLDER:
+                    moves.append((row, prev.rows[seq]))
+                    batch.input_ids[row] = 0  # overwritten on the device
+        graphs = self.graphs
+        if graphs is not None and graphs.can_run(len(seqs)):
+            carry = (prev.tokens, moves) if prev is not None else None
+            _, tokens = graphs.run(
+                batch.input_ids, batch.positions, batch.slots, batch.seq_lens, batch.tables, carry
+            )
+        else:
+            ids = self._to_dev(batch.input_ids)
+            if moves:
+                assert prev is not None
+                dst, src = zip(*moves, strict=True)
+                ids[self._to_dev(list(dst))] = prev.tokens[self._to_dev(list(src))]
+            hidden = self._forward_eager(batch, ids)
+            tokens = self.model.compute_logits(hidden).argmax(dim=-1)
+        host = self._token_hosts[self._launches % 2][: len(seqs)]
+        self._launches += 1
+        done = None
+        if tokens.device.type == "cuda":
+            host.copy_(tokens, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record()
+        else:
+            host.copy_(tokens)
+        return InFlight(out, {seq: i for i, seq in enumerate(seqs)}, tokens, host, done)
+
     def _sampling_row(self, seq: Sequence) -> SamplingRow:
         params = seq.params
         banned: frozenset[int] = frozenset()
@@ -114,7 +168,7 @@ class ModelRunner:
     def _to_dev(self, values: list, dtype: torch.dtype = torch.int64) -> torch.Tensor:
         return torch.tensor(values, dtype=dtype).to(self.device, non_blocking=True)
 
-    def _forward_eager(self, batch: _Batch) -> torch.Tensor:
+    def _forward_eager(self, batch: _Batch, input_ids: torch.Tensor | None = None) -> torch.Tensor:
         width = max(len(t) for t in batch.tables)
         padded = [t + [0] * (width - len(t)) for t in batch.tables]
         cu = [0]
@@ -129,9 +183,9 @@ class ModelRunner:
             seq_lens_cpu=tuple(batch.seq_lens),
             block_size=self.config.block_size,
         )
-        return self.model(
-            self._to_dev(batch.input_ids), self._to_dev(batch.positions), self.kv_caches, meta
-        )
+        if input_ids is None:
+            input_ids = self._to_dev(batch.input_ids)
+        return self.model(input_ids, self._to_dev(batch.positions), self.kv_caches, meta)
 
 
 @dataclass

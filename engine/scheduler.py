@@ -170,6 +170,40 @@ class Scheduler:
                 touched.extend(self._append_samples(seq, sampled[seq.seq_id]))
         return touched
 
+    def advance(self, out: SchedulerOutput, placeholder: int) -> list[tuple[Sequence, int]]:
+        """A launched decode step's sequences count its token as computed and hold `placeholder`
+        as the token it samples (engine/overlap.py). Returns them with their computed counts."""
+        advanced = []
+        for item in out.scheduled:
+            seq = item.seq
+            if seq.status is SequenceStatus.RUNNING:
+                seq.num_computed_tokens += 1
+                seq.output_token_ids.append(placeholder)
+                advanced.append((seq, seq.num_computed_tokens))
+        return advanced
+
+    def settle(
+        self, advanced: list[tuple[Sequence, int]], tokens: dict[Sequence, int]
+    ) -> list[Sequence]:
+        """Put an advanced step's sampled tokens in place of its placeholders: cache a block that
+        became full, apply token stops. Returns the sequences that gained a token, as `update`."""
+        touched: list[Sequence] = []
+        bm = self.block_manager
+        for seq, computed in advanced:
+            if seq.is_finished:  # aborted while in flight
+                continue
+            if computed % bm.block_size == 0 and bm.has_seq(seq.seq_id):
+                # NOTE: a full block holds computed tokens only, never the placeholder.
+                bm.cache_blocks(seq.seq_id, seq.token_ids, computed)
+            # NOTE: what `_append_samples` does, for a plain-greedy sequence (no fork, grammar
+            # or logprobs): this runs for every sequence of every overlapped step.
+            token = seq.output_token_ids[-1] = tokens[seq]
+            reason = self._stop_reason(seq, token)
+            if reason is not None:
+                self.finish(seq, *reason)
+            touched.append(seq)
+        return touched
+
     def admit_prefilled(self, seq: Sequence, first_tokens: list[SampledToken]) -> list[Sequence]:
         """Queue a prompt whose KV was computed elsewhere (pushed by a prefill worker) with its
         first sampled token(s); it joins the running batch when `max_num_seqs` and the pool
