@@ -145,7 +145,7 @@ class ModelRunner:
             done.record()
         else:
             host.copy_(tokens)
-        return InFlight(out, {seq: i for i, seq in enumerate(seqs)}, tokens, host, done)
+        return InFlight({seq: i for i, seq in enumerate(seqs)}, tokens, host, done)
 
     def _sampling_row(self, seq: Sequence) -> SamplingRow:
         params = seq.params

@@ -23,7 +23,6 @@ from dataclasses import dataclass, field
 
 import torch
 
-from splitserve.engine.scheduler import SchedulerOutput
 from splitserve.engine.sequence import Sequence
 
 PLACEHOLDER = -1
@@ -34,7 +33,6 @@ PLACEHOLDER = -1
 class InFlight:
     """A launched decode step whose tokens are still on the device."""
 
-    out: SchedulerOutput
     rows: dict[Sequence, int]  # each launched sequence's row in `tokens`
     tokens: torch.Tensor  # [rows] int64, on the model's device
     host: torch.Tensor  # [rows] int64 on the host, filled once `done` is reached
