@@ -305,6 +305,8 @@ class LLMEngine:
         self.housekeeping()
         prev, self._inflight = self._inflight, None
         out = self.scheduler.schedule()
+        if out.is_empty and prev is None:
+            return []
         overlap = self.overlap and not out.is_empty and self.runner.can_overlap(out)
         outputs: list[RequestOutput] = []
         if prev is not None and not overlap:
