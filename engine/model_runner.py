@@ -16,8 +16,8 @@ from splitserve.engine.cuda_graphs import DecodeGraphs
 from splitserve.engine.kv_cache import KVCache
 from splitserve.engine.model import CausalLM
 from splitserve.engine.outputs import SampledToken
-from splitserve.engine.overlap import PLACEHOLDER, InFlight, plain_greedy
-from splitserve.engine.sampler import Sampler, SamplingRow
+from splitserve.engine.overlap import PLACEHOLDER, InFlight
+from splitserve.engine.sampler import Sampler, SamplingRow, plain_greedy_params
 from splitserve.engine.scheduler import SchedulerOutput
 from splitserve.engine.sequence import Sequence, step_generator
 
@@ -101,9 +101,15 @@ class ModelRunner:
         return sampled
 
     def can_overlap(self, out: SchedulerOutput) -> bool:
-        """Whether `out` is a decode step whose tokens may stay on the device (`launch`)."""
+        """Whether `out` is a decode step whose tokens may stay on the device (`launch`): the
+        sampler's plain-greedy case for every row, none about to fork, and none whose blocks
+        are watched (a prefill-only sequence's are sent as they are computed)."""
         return all(
-            s.num_new_tokens == 1 and s.samples and plain_greedy(s.seq, self.eos_token_ids)
+            s.num_new_tokens == 1
+            and s.samples
+            and not (s.seq.pending_children or s.seq.prefill_only or s.seq.grammar)
+            and plain_greedy_params(s.seq.params)
+            and not self._banned(s.seq)
             for s in out.scheduled
         )
 
@@ -147,21 +153,24 @@ class ModelRunner:
             host.copy_(tokens)
         return InFlight({seq: i for i, seq in enumerate(seqs)}, tokens, host, done)
 
-    def _sampling_row(self, seq: Sequence) -> SamplingRow:
+    def _banned(self, seq: Sequence) -> frozenset[int]:
+        """Ids `seq` must not produce this step: EOS and stop ids before `min_tokens`."""
         params = seq.params
-        banned: frozenset[int] = frozenset()
         # NOTE: a grammar alone decides where a structured output ends; banning EOS there
         # could leave a row with no allowed token at all.
         if len(seq.output_token_ids) < params.min_tokens and seq.grammar is None:
-            banned = frozenset(params.stop_token_ids) | (
+            return frozenset(params.stop_token_ids) | (
                 frozenset() if params.ignore_eos else self.eos_token_ids
             )
+        return frozenset()
+
+    def _sampling_row(self, seq: Sequence) -> SamplingRow:
         return SamplingRow(
-            params=params,
+            params=seq.params,
             prompt_token_ids=seq.prompt_token_ids,
             output_token_ids=seq.output_token_ids,
             generator=step_generator(seq),
-            banned_token_ids=banned,
+            banned_token_ids=self._banned(seq),
             grammar=seq.grammar,
         )
 

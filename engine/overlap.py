@@ -49,23 +49,3 @@ class InFlight:
         self.wait()
         values = self.host.tolist()
         return {seq: values[row] for seq, row in self.rows.items()}
-
-
-def plain_greedy(seq: Sequence, eos_token_ids: frozenset[int]) -> bool:
-    """True when `seq`'s next token is its logits' argmax and nothing else needs the host: the
-    sampler's plain-greedy case (engine/sampler.py) for a sequence that is not about to fork and
-    whose blocks nobody watches (a prefill-only sequence's are sent as they are computed)."""
-    p = seq.params
-    if seq.pending_children or seq.prefill_only or seq.grammar is not None:
-        return False
-    if len(seq.output_token_ids) < p.min_tokens and (
-        p.stop_token_ids or (not p.ignore_eos and eos_token_ids)
-    ):
-        return False  # the sampler would ban EOS and stop tokens this step
-    return (
-        p.is_greedy
-        and p.logprobs is None
-        and p.repetition_penalty == 1.0
-        and p.presence_penalty == 0.0
-        and p.frequency_penalty == 0.0
-    )

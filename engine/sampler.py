@@ -153,18 +153,20 @@ def apply_top_k_top_p(
     return torch.empty_like(logits).scatter_(1, sorted_ids, sorted_logits)
 
 
-def _plain_greedy(row: SamplingRow) -> bool:
-    """Greedy with no logprobs, bans or penalties: the token is the raw logits' argmax."""
-    p = row.params
+def plain_greedy_params(p: SamplingParams) -> bool:
+    """Greedy with no logprobs or penalties (bans and grammars are per row, not per request)."""
     return (
         p.is_greedy
-        and row.grammar is None
         and p.logprobs is None
-        and not row.banned_token_ids
         and p.repetition_penalty == 1.0
         and p.presence_penalty == 0.0
         and p.frequency_penalty == 0.0
     )
+
+
+def _plain_greedy(row: SamplingRow) -> bool:
+    """Greedy with no logprobs, bans or penalties: the token is the raw logits' argmax."""
+    return row.grammar is None and not row.banned_token_ids and plain_greedy_params(row.params)
 
 
 class Sampler:
