@@ -1,14 +1,16 @@
 """FP8 projections at small batches: what the engine runs for 2-256 rows against bf16 cuBLAS.
 
-    python -m bench.fp8_gemm [--rows 2,8,...] [--out F]
+    python -m bench.fp8_gemm [--rows 2,8,...] [--sweep] [--out F]
 
-For each Llama-3-8B projection and row count M, the engine's FP8 path for M > 1 (`TritonOps.
-linear`: per-token activation quantization, kernels/fp8_quant.py, then rowwise-scaled
-`torch._scaled_mm`) against `F.linear` on the bf16 weight. Timed from CUDA-graph replays over
-disjoint weight copies totalling >= 2x L2, as in bench/gemv.py. "% of copy" is the weight bytes
-(one per FP8 weight, two per bf16 one) over the time, against the device copy bandwidth of the
-same run: a memory-bound matmul at these sizes should sit near it. Summed over a layer's four
-projections x 32 layers, the last table is what the FP8 matmuls cost per decode step.
+For each Llama-3-8B projection and row count M, three FP8 paths against `F.linear` on the bf16
+weight: "scaled_mm" (per-token activation quantization, kernels/fp8_quant.py, then rowwise
+`torch._scaled_mm`), "skinny" (kernels/fp8_skinny.py, its picked tiles) and "engine" (what
+`TritonOps.linear` runs at that M: skinny up to `MAX_ROWS` rows, scaled_mm above). Timed from
+CUDA-graph replays over disjoint weight copies totalling >= 2x L2, as in bench/gemv.py. "% of
+copy" is the weight bytes (one per FP8 weight, two per bf16 one) over the time, against the
+device copy bandwidth of the same run: a memory-bound matmul at these sizes should sit near it.
+Summed over a layer's four projections x 32 layers, the last table is what the matmuls cost
+per decode step. `--sweep` also times every candidate tile of the skinny kernel.
 """
 
 from __future__ import annotations
@@ -22,10 +24,18 @@ from bench.common import SHAPES, device_name, table, write_results
 from bench.gemv import projections
 from bench.kernels import copies_beyond_l2, copy_bandwidth, time_graph_us
 
+# (BLOCK_N, BLOCK_K, programs the K split aims for, num_warps, num_stages); BLOCK_M follows
+# the rows (kernels/fp8_skinny.py).
+CANDIDATES = [
+    (n, k, p, 4, s) for n in (64, 128) for k in (128, 256) for p in (256, 512, 1024) for s in (3, 4)
+]
 
-def bench_one(n: int, k: int, rows: int, device: torch.device) -> dict:
-    from splitserve.engine.ops import TritonOps
+
+def bench_one(n: int, k: int, rows: int, sweep: bool, device: torch.device) -> dict:
+    from splitserve.engine.ops import TritonOps, fp8_scaled_mm
     from splitserve.engine.quantization import quantize_weight
+    from splitserve.kernels.fp8_quant import quantize_rows
+    from splitserve.kernels.fp8_skinny import pick_config, skinny_fp8_gemm, split_for
 
     ops = TritonOps(pdl=True)
     copies = copies_beyond_l2(n * k * 2, device)
@@ -34,16 +44,52 @@ def bench_one(n: int, k: int, rows: int, device: torch.device) -> dict:
     ]
     quantized = [quantize_weight(w) for w in weights]
     x = torch.randn(rows, k, device=device, dtype=torch.bfloat16)
-    bf16_us = time_graph_us([lambda w=w: F.linear(x, w) for w in weights], device)
-    fp8_us = time_graph_us(
-        [lambda q=q, s=s: ops.linear(x, q, weight_scale=s) for q, s in quantized], device
-    )
-    return {"bf16_us": bf16_us, "fp8_us": fp8_us}
+
+    def scaled_mm(q: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+        xq, xs = quantize_rows(x, pdl=True)
+        return fp8_scaled_mm(xq, xs, q, s, None, x.dtype)
+
+    def skinny_call(q: torch.Tensor, s: torch.Tensor, config: tuple[int, ...]) -> torch.Tensor:
+        xq, xs = quantize_rows(x, pdl=True)
+        return skinny_fp8_gemm(xq, xs, q, s, config=config, pdl=True)  # type: ignore[arg-type]
+
+    def skinny(config: tuple[int, ...]) -> float:
+        calls = [lambda q=q, s=s: skinny_call(q, s, config) for q, s in quantized]
+        calls[0]()  # NOTE: compile (or fail on too little shared memory) outside the graph
+        return time_graph_us(calls, device)
+
+    picked = pick_config(rows, n, k)
+    result = {
+        "bf16_us": time_graph_us([lambda w=w: F.linear(x, w) for w in weights], device),
+        "scaled_mm_us": time_graph_us(
+            [lambda q=q, s=s: scaled_mm(q, s) for q, s in quantized], device
+        ),
+        "skinny_us": skinny(picked),
+        "engine_us": time_graph_us(
+            [lambda q=q, s=s: ops.linear(x, q, weight_scale=s) for q, s in quantized], device
+        ),
+        "picked": "x".join(map(str, picked)),
+    }
+    if sweep:
+        timed = {}
+        for block_n, block_k, programs, warps, stages in CANDIDATES:
+            split = split_for(rows, n, k, picked[0], block_n, block_k, programs)
+            config = (picked[0], block_n, block_k, split, warps, stages)
+            if "x".join(map(str, config)) in timed:
+                continue
+            try:
+                timed["x".join(map(str, config))] = skinny(config)
+            except Exception as err:  # noqa: BLE001 - a tile too big for shared memory
+                print(f"skip {config}: {type(err).__name__}", flush=True)
+        best = min(timed, key=timed.__getitem__)
+        result.update({"best_us": timed[best], "best": best, "sweep_us": timed})
+    return result
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", default="2,4,8,16,32,64,128,256")
+    parser.add_argument("--sweep", action="store_true", help="time every skinny tile candidate")
     parser.add_argument("--out", default="bench/results/fp8_gemm.json")
     args = parser.parse_args()
     assert torch.cuda.is_available(), "this benchmark needs a GPU"
@@ -51,40 +97,34 @@ def main() -> None:
     bandwidth = copy_bandwidth(2 << 30, device)["GB_per_s"]
     layer = [(name, n, k) for name, n, k, act in projections("llama-3-8b") if act is None]
     layer = [p for p in layer if p[0] != "lm_head"]
+    paths = ("bf16", "scaled_mm", "skinny", "engine")
     rows = []
     for m in (int(r) for r in args.rows.split(",")):
         for name, n, k in layer:
-            res = bench_one(n, k, m, device)
-            rows.append(
-                {
-                    "M": m,
-                    "proj": name,
-                    "N": n,
-                    "K": k,
-                    "bf16 us": res["bf16_us"],
-                    "fp8 us": res["fp8_us"],
-                    "fp8 speed-up": res["bf16_us"] / res["fp8_us"],
-                    "bf16 % of copy": 100 * n * k * 2 / (res["bf16_us"] * 1e3) / bandwidth,
-                    "fp8 % of copy": 100 * n * k / (res["fp8_us"] * 1e3) / bandwidth,
-                }
-            )
+            res = bench_one(n, k, m, args.sweep, device)
+            row = {"M": m, "proj": name, "N": n, "K": k}
+            row.update({f"{p} us": res[f"{p}_us"] for p in paths})
+            row["engine speed-up"] = res["bf16_us"] / res["engine_us"]
+            row["bf16 % of copy"] = 100 * n * k * 2 / (res["bf16_us"] * 1e3) / bandwidth
+            for p in paths[1:]:
+                row[f"{p} % of copy"] = 100 * n * k / (res[f"{p}_us"] * 1e3) / bandwidth
+            row["picked"] = res["picked"]
+            if args.sweep:
+                row.update({"best us": res["best_us"], "best": res["best"]})
+                row["sweep us"] = res["sweep_us"]
+            rows.append(row)
+            print({c: v for c, v in row.items() if c != "sweep us"}, flush=True)
     layers = SHAPES["llama-3-8b"]["num_hidden_layers"]
     per_step = []
     for m in dict.fromkeys(r["M"] for r in rows):
         mine = [r for r in rows if r["M"] == m]
-        bf16 = sum(r["bf16 us"] for r in mine) * layers / 1e3
-        fp8 = sum(r["fp8 us"] for r in mine) * layers / 1e3
+        step = {"M": m}
+        step.update({f"{p} ms/step": sum(r[f"{p} us"] for r in mine) * layers / 1e3 for p in paths})
         floor = sum(r["N"] * r["K"] for r in mine) * layers / (bandwidth * 1e9) * 1e3
-        per_step.append(
-            {
-                "M": m,
-                "bf16 ms/step": bf16,
-                "fp8 ms/step": fp8,
-                "fp8 floor ms": floor,
-                "fp8 / floor": fp8 / floor,
-                "fp8 speed-up": bf16 / fp8,
-            }
-        )
+        step["fp8 floor ms"] = floor
+        step["engine / floor"] = step["engine ms/step"] / floor
+        step["engine speed-up"] = step["bf16 ms/step"] / step["engine ms/step"]
+        per_step.append(step)
     write_results(
         args.out,
         {
@@ -96,7 +136,9 @@ def main() -> None:
         },
     )
     print(f"device: {device_name()}  Llama-3-8B projections  copy bandwidth {bandwidth:.0f} GB/s")
-    print(table(rows, list(rows[0])))
+    shown = ["M", "proj", *(f"{p} us" for p in paths), "engine speed-up", "skinny % of copy"]
+    shown += ["picked"] + (["best us", "best"] if args.sweep else [])
+    print(table(rows, shown))
     print(table(per_step, list(per_step[0])))
 
 

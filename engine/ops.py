@@ -92,17 +92,24 @@ class TritonOps(TorchOps):
         input_scale: torch.Tensor | None = None,
     ) -> torch.Tensor:
         # A single row (batch-1 decode) goes to the streaming GEMV kernel, which beats cuBLAS
-        # there (bench/gemv.py); cuBLAS keeps every larger batch. FP8: the GEMV reads the FP8
-        # weight and scales each output (the activation stays 16-bit: one row costs nothing
-        # to read); more rows are quantized per token for FP8 tensor cores.
-        if x.shape[0] == 1:
+        # there (bench/gemv.py); cuBLAS keeps every larger bf16 batch. FP8: the GEMV reads the
+        # FP8 weight and scales each output (the activation stays 16-bit: one row costs nothing
+        # to read); more rows are quantized per token for FP8 tensor cores, up to MAX_ROWS in
+        # the skinny kernel that streams the weight (bench/fp8_gemm.py), above in _scaled_mm.
+        rows = x.shape[0]
+        if rows == 1:
             from splitserve.kernels.gemv import gemv
 
             return gemv(x, weight, bias, weight_scale=weight_scale, pdl=self.pdl)
         if weight_scale is not None:
             from splitserve.kernels.fp8_quant import quantize_rows
+            from splitserve.kernels.fp8_skinny import MAX_ROWS, skinny_fp8_gemm
 
             xq, xs = quantize_rows(x, input_scale, pdl=self.pdl)
+            if rows <= MAX_ROWS:
+                return skinny_fp8_gemm(
+                    xq, xs, weight, weight_scale, bias, out_dtype=x.dtype, pdl=self.pdl
+                )
             return fp8_scaled_mm(xq, xs, weight, weight_scale, bias, x.dtype)
         return F.linear(x, weight, bias)
 

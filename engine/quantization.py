@@ -15,8 +15,9 @@ In the model a quantized projection holds its weight as float8_e4m3fn [N, K] wit
 gate/up weights keep one scale per row) and, for static activations, a float32 `input_scale`
 [1]. The arithmetic (`fp8_linear_ref`): activations quantized per token (dynamic, or by the
 static scale), both operands widened to float32, scaled, multiplied, accumulated in float32.
-On a GPU the same quantized operands go through FP8 tensor cores (`torch._scaled_mm`) or, for
-one row, the FP8 GEMV kernel. The LM head and the embedding stay in the model's dtype.
+On a GPU the same quantized operands go through FP8 tensor cores (kernels/fp8_skinny.py up to
+64 rows, `torch._scaled_mm` above) or, for one row, the FP8 GEMV kernel. The LM head and the
+embedding stay in the model's dtype.
 """
 
 from __future__ import annotations
