@@ -10,7 +10,8 @@ CUDA-graph replays over disjoint weight copies totalling >= 2x L2, as in bench/g
 copy" is the weight bytes (one per FP8 weight, two per bf16 one) over the time, against the
 device copy bandwidth of the same run: a memory-bound matmul at these sizes should sit near it.
 Summed over a layer's four projections x 32 layers, the last table is what the matmuls cost
-per decode step. `--sweep` also times every candidate tile of the skinny kernel.
+per decode step. `--sweep` also times every candidate tile of the skinny kernel, with one row
+tile for all rows (also beyond `MAX_ROWS`).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import argparse
 
 import torch
 import torch.nn.functional as F
+import triton
 
 from bench.common import SHAPES, device_name, table, write_results
 from bench.gemv import projections
@@ -27,7 +29,11 @@ from bench.kernels import copies_beyond_l2, copy_bandwidth, time_graph_us
 # (BLOCK_N, BLOCK_K, programs the K split aims for, num_warps, num_stages); BLOCK_M follows
 # the rows (kernels/fp8_skinny.py).
 CANDIDATES = [
-    (n, k, p, 4, s) for n in (64, 128) for k in (128, 256) for p in (256, 512, 1024) for s in (3, 4)
+    (n, k, p, 4, s)
+    for n in (64, 128)
+    for k in (128, 256)
+    for p in (128, 256, 512, 1024)
+    for s in (3, 4)
 ]
 
 
@@ -73,8 +79,9 @@ def bench_one(n: int, k: int, rows: int, sweep: bool, device: torch.device) -> d
     if sweep:
         timed = {}
         for block_n, block_k, programs, warps, stages in CANDIDATES:
-            split = split_for(rows, n, k, picked[0], block_n, block_k, programs)
-            config = (picked[0], block_n, block_k, split, warps, stages)
+            block_m = max(16, triton.next_power_of_2(rows))  # beyond MAX_ROWS too
+            split = split_for(rows, n, k, block_m, block_n, block_k, programs)
+            config = (block_m, block_n, block_k, split, warps, stages)
             if "x".join(map(str, config)) in timed:
                 continue
             try:

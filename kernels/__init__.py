@@ -17,6 +17,8 @@ Every module holds one kernel (or one kernel pair) with three layers:
 | `rotary` | `rotary_embedding`, `rotary_embedding_write_kv` (+ `_ref`) |
 | `activation` | `silu_and_mul`, `silu_and_mul_ref` |
 | `gemv` | `gemv`, `gemv_ref`, `pick_config` |
+| `fp8_quant` | `quantize_rows`, `quantize_rows_ref` (FP8 activations, per token or static) |
+| `fp8_skinny` | `skinny_fp8_gemm`, `skinny_fp8_gemm_ref`, `pick_config`, `split_for` |
 | `argmax` | `argmax_rows`, `argmax_rows_ref` |
 
 `pdl` is shared launch plumbing, not a kernel: on Hopper and newer every kernel here except the
