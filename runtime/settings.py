@@ -69,6 +69,8 @@ class WorkerSettings:
     lease_s: float = 10.0
     heartbeat_ttl_s: float = 3.0
     pdl: bool = True  # programmatic dependent launch in the GPU kernels (SPLITSERVE_PDL=0: off)
+    # Overlapped decode steps (engine/overlap.py): auto turns them on with CUDA graphs
+    async_scheduling: str = "auto"  # auto | on | off
     kv_transport: str = "auto"  # auto | nixl | grpc: how KV moves between workers
     kv_port: int = 0  # a decode worker's gRPC KV receiver port (0: a free one; published)
     # safetensors reads the checkpoint; dummy fills random weights of its shape (benchmarks)

@@ -33,7 +33,16 @@ def engine_config(
         load_format=worker.load_format,
         quantization=None if worker.quantization == "auto" else worker.quantization,
         kv_cache_dtype=worker.kv_cache_dtype,
+        async_scheduling=_async_scheduling(worker.async_scheduling),
     )
+
+
+def _async_scheduling(text: str) -> bool | None:
+    """`--async-scheduling`: auto (None: on with CUDA graphs), on or off."""
+    choices = {"auto": None, "on": True, "off": False}
+    if text not in choices:
+        raise ValueError(f"--async-scheduling must be one of auto, on, off, got {text!r}")
+    return choices[text]
 
 
 def build_engine(

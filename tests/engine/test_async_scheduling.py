@@ -155,3 +155,21 @@ def test_abort_while_in_flight_frees_everything_and_others_go_on(tiny_models):
         done += [out for out in engine.step() if out.finished]
     _assert_greedy_matches_hf(model, [prompts[1][:1]], done)
     _assert_clean(engine)
+
+
+@pytest.mark.parametrize(("value", "want"), [(None, None), ("on", True), ("off", False)])
+def test_the_worker_flag_reaches_the_engine_config(value, want):
+    """`--async-scheduling` / SPLITSERVE_ASYNC_SCHEDULING: auto leaves it to the engine (on with
+    CUDA graphs); anything but auto, on or off is refused."""
+    from splitserve.cli import build_parser
+    from splitserve.runtime.settings import WorkerSettings, from_args
+    from splitserve.workers import engine_config
+
+    env = {} if value is None else {"SPLITSERVE_ASYNC_SCHEDULING": value}
+    args = build_parser(env).parse_args(["decode", "--redis-url", "redis://x"])
+    assert engine_config(from_args(WorkerSettings, args)).async_scheduling is want
+    args = build_parser({}).parse_args(
+        ["prefill", "--redis-url", "redis://x", "--async-scheduling", "maybe"]
+    )
+    with pytest.raises(ValueError, match="--async-scheduling must be one of auto, on, off"):
+        engine_config(from_args(WorkerSettings, args))
