@@ -88,69 +88,30 @@ def _skinny_kernel(
             acc = tl.dot(w, x, acc, max_num_imprecise_acc=0)
         w_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
-    if SPLIT_K == 1:
-        _epilogue(
-            acc,
-            x_scale_ptr,
-            w_scale_ptr,
-            bias_ptr,
-            out_ptr,
-            rows_m,
-            cols_n,
-            m_mask,
-            n_mask,
-            stride_om,
-            HAS_BIAS,
-        )
-    else:
+    last = True
+    if SPLIT_K > 1:
         rows_pad = tl.num_programs(1) * BLOCK_M
         tile = pid_m * tl.num_programs(0) + pid_n
         parts = part_ptr + (rows_m[None, :] * N + cols_n[:, None]).to(tl.int64)
         tl.store(parts + pid_k.to(tl.int64) * rows_pad * N, acc, mask=n_mask[:, None])
         tl.debug_barrier()  # every thread's partial is written before the release below
         done = tl.atomic_add(count_ptr + tile, 1, sem="acq_rel", scope="gpu")
-        if done == SPLIT_K - 1:  # the last program of this tile sums the parts in order
-            total = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+        last = done == SPLIT_K - 1
+        if last:  # the last program of this tile sums the parts in order
+            acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
             for s in range(SPLIT_K):
-                total += tl.load(
+                acc += tl.load(
                     parts + s * rows_pad * N, mask=n_mask[:, None], other=0.0, cache_modifier=".cg"
                 )
             tl.atomic_xchg(count_ptr + tile, 0)
-            _epilogue(
-                total,
-                x_scale_ptr,
-                w_scale_ptr,
-                bias_ptr,
-                out_ptr,
-                rows_m,
-                cols_n,
-                m_mask,
-                n_mask,
-                stride_om,
-                HAS_BIAS,
-            )
-
-
-@triton.jit
-def _epilogue(
-    acc,
-    x_scale_ptr,
-    w_scale_ptr,
-    bias_ptr,
-    out_ptr,
-    rows_m,
-    cols_n,
-    m_mask,
-    n_mask,
-    stride_om,
-    HAS_BIAS: tl.constexpr,
-):
-    acc *= tl.load(w_scale_ptr + cols_n, mask=n_mask, other=0.0)[:, None]
-    acc *= tl.load(x_scale_ptr + rows_m, mask=m_mask, other=0.0)[None, :]
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + cols_n, mask=n_mask, other=0.0).to(tl.float32)[:, None]
-    out_ptrs = out_ptr + rows_m.to(tl.int64)[None, :] * stride_om + cols_n[:, None]
-    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=n_mask[:, None] & m_mask[None, :])
+    if last:
+        acc *= tl.load(w_scale_ptr + cols_n, mask=n_mask, other=0.0)[:, None]
+        acc *= tl.load(x_scale_ptr + rows_m, mask=m_mask, other=0.0)[None, :]
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + cols_n, mask=n_mask, other=0.0).to(tl.float32)[:, None]
+        out_ptrs = out_ptr + rows_m.to(tl.int64)[None, :] * stride_om + cols_n[:, None]
+        out_mask = n_mask[:, None] & m_mask[None, :]
+        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
 
 
 def pick_config(m: int, n: int, k: int) -> tuple[int, int, int, int, int, int]:
