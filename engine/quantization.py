@@ -31,7 +31,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from splitserve.kernels.fp8_ref import FP8, FP8_MAX, quantize_rows_ref
+from splitserve.kernels.fp8_ref import FP8, FP8_MAX, quantize_rows_ref, skinny_fp8_gemm_ref
 
 QUANTIZATIONS = ("none", "fp8")
 TARGET_SUFFIXES = (
@@ -125,10 +125,7 @@ def fp8_linear_ref(
 ) -> torch.Tensor:
     """x [M, K] @ dequantized weight^T (+ bias) in float32, returned in x's dtype."""
     xq, xs = quantize_activation(x, input_scale)
-    out = (xq.float() * xs) @ (weight.float() * weight_scale.float()[:, None]).t()
-    if bias is not None:
-        out = out + bias.float()
-    return out.to(x.dtype)
+    return skinny_fp8_gemm_ref(xq, xs, weight, weight_scale, bias, out_dtype=x.dtype)
 
 
 # -- the model --------------------------------------------------------------------------------

@@ -26,3 +26,20 @@ def quantize_rows_ref(
     else:
         scale = static_scale.float().reshape(1, 1).expand(xf.shape[0], 1).contiguous()
     return saturate_fp8(xf / scale), scale
+
+
+def skinny_fp8_gemm_ref(
+    xq: torch.Tensor,
+    x_scale: torch.Tensor,
+    weight: torch.Tensor,
+    weight_scale: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    out_dtype: torch.dtype = torch.bfloat16,
+) -> torch.Tensor:
+    """Plain torch: both operands dequantized to float32, multiplied, biased, rounded once
+    (the arithmetic of `engine.quantization.fp8_linear_ref` after its activation quantization)."""
+    out = (xq.float() * x_scale) @ (weight.float() * weight_scale.float()[:, None]).t()
+    if bias is not None:
+        out = out + bias.float()
+    return out.to(out_dtype)

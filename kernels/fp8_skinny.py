@@ -25,6 +25,7 @@ import triton
 import triton.language as tl
 
 from splitserve.kernels._validate import FLOAT_DTYPES, check_devices, check_tensor, is_interpreted
+from splitserve.kernels.fp8_ref import skinny_fp8_gemm_ref
 from splitserve.kernels.pdl import launch_options, pdl_start, use_pdl
 
 __all__ = ["MAX_ROWS", "pick_config", "skinny_fp8_gemm", "skinny_fp8_gemm_ref", "split_for"]
@@ -228,19 +229,3 @@ def skinny_fp8_gemm(
         **launch_options(pdl),
     )
     return out
-
-
-def skinny_fp8_gemm_ref(
-    xq: torch.Tensor,
-    x_scale: torch.Tensor,
-    weight: torch.Tensor,
-    weight_scale: torch.Tensor,
-    bias: torch.Tensor | None = None,
-    *,
-    out_dtype: torch.dtype = torch.bfloat16,
-) -> torch.Tensor:
-    """Plain torch: both operands dequantized to float32, multiplied, biased, rounded once."""
-    x = xq.float() * x_scale
-    w = weight.float() * weight_scale[:, None]
-    b = None if bias is None else bias.float()
-    return torch.nn.functional.linear(x, w, b).to(out_dtype)
