@@ -1,4 +1,4 @@
-"""FP8 projections at small batches: what the engine runs for 2-256 rows against bf16 cuBLAS.
+"""FP8 projections: what the engine runs for 2-256 rows (and prefill-sized M) against bf16 cuBLAS.
 
     python -m bench.fp8_gemm [--rows 2,8,...] [--sweep] [--out F]
 
@@ -9,6 +9,8 @@ weight: "scaled_mm" (per-token activation quantization, kernels/fp8_quant.py, th
 CUDA-graph replays over disjoint weight copies totalling >= 2x L2, as in bench/gemv.py. "% of
 copy" is the weight bytes (one per FP8 weight, two per bf16 one) over the time, against the
 device copy bandwidth of the same run: a memory-bound matmul at these sizes should sit near it.
+Beyond `MAX_ROWS` the skinny kernel is not timed (the engine does not run it there), and at
+prefill sizes (`--rows 8192`) the TFLOP/s columns are the figure to read.
 Summed over a layer's four projections x 32 layers, the last table is what the matmuls cost
 per decode step. `--sweep` also times every candidate tile of the skinny kernel, with one row
 tile for all rows (also beyond `MAX_ROWS`).
@@ -41,7 +43,7 @@ def bench_one(n: int, k: int, rows: int, sweep: bool, device: torch.device) -> d
     from splitserve.engine.ops import TritonOps, fp8_scaled_mm
     from splitserve.engine.quantization import quantize_weight
     from splitserve.kernels.fp8_quant import quantize_rows
-    from splitserve.kernels.fp8_skinny import pick_config, skinny_fp8_gemm, split_for
+    from splitserve.kernels.fp8_skinny import MAX_ROWS, pick_config, skinny_fp8_gemm, split_for
 
     ops = TritonOps(pdl=True)
     copies = copies_beyond_l2(n * k * 2, device)
@@ -64,13 +66,13 @@ def bench_one(n: int, k: int, rows: int, sweep: bool, device: torch.device) -> d
         calls[0]()  # NOTE: compile (or fail on too little shared memory) outside the graph
         return time_graph_us(calls, device)
 
-    picked = pick_config(rows, n, k)
+    picked = pick_config(min(rows, MAX_ROWS), n, k)
     result = {
         "bf16_us": time_graph_us([lambda w=w: F.linear(x, w) for w in weights], device),
         "scaled_mm_us": time_graph_us(
             [lambda q=q, s=s: scaled_mm(q, s) for q, s in quantized], device
         ),
-        "skinny_us": skinny(picked),
+        "skinny_us": skinny(picked) if rows <= MAX_ROWS else None,
         "engine_us": time_graph_us(
             [lambda q=q, s=s: ops.linear(x, q, weight_scale=s) for q, s in quantized], device
         ),
@@ -114,7 +116,10 @@ def main() -> None:
             row["engine speed-up"] = res["bf16_us"] / res["engine_us"]
             row["bf16 % of copy"] = 100 * n * k * 2 / (res["bf16_us"] * 1e3) / bandwidth
             for p in paths[1:]:
-                row[f"{p} % of copy"] = 100 * n * k / (res[f"{p}_us"] * 1e3) / bandwidth
+                if res[f"{p}_us"] is not None:
+                    row[f"{p} % of copy"] = 100 * n * k / (res[f"{p}_us"] * 1e3) / bandwidth
+            for p in ("bf16", "engine"):  # what prefill-sized M is about: arithmetic
+                row[f"{p} TFLOP/s"] = 2 * m * n * k / (res[f"{p}_us"] * 1e6)
             row["picked"] = res["picked"]
             if args.sweep:
                 row.update({"best us": res["best_us"], "best": res["best"]})
@@ -126,7 +131,9 @@ def main() -> None:
     for m in dict.fromkeys(r["M"] for r in rows):
         mine = [r for r in rows if r["M"] == m]
         step = {"M": m}
-        step.update({f"{p} ms/step": sum(r[f"{p} us"] for r in mine) * layers / 1e3 for p in paths})
+        for p in paths:
+            if all(r[f"{p} us"] is not None for r in mine):
+                step[f"{p} ms/step"] = sum(r[f"{p} us"] for r in mine) * layers / 1e3
         floor = sum(r["N"] * r["K"] for r in mine) * layers / (bandwidth * 1e9) * 1e3
         step["fp8 floor ms"] = floor
         step["engine / floor"] = step["engine ms/step"] / floor
@@ -144,9 +151,10 @@ def main() -> None:
     )
     print(f"device: {device_name()}  Llama-3-8B projections  copy bandwidth {bandwidth:.0f} GB/s")
     shown = ["M", "proj", *(f"{p} us" for p in paths), "engine speed-up", "skinny % of copy"]
+    shown += ["bf16 TFLOP/s", "engine TFLOP/s"]
     shown += ["picked"] + (["best us", "best"] if args.sweep else [])
     print(table(rows, shown))
-    print(table(per_step, list(per_step[0])))
+    print(table(per_step, list(dict.fromkeys(c for step in per_step for c in step))))
 
 
 if __name__ == "__main__":

@@ -6,7 +6,9 @@ Every projection of the Llama-3-8B and Qwen3-0.6B shapes, bf16, timed from CUDA-
 over disjoint weight copies totalling >= 2x L2 (as in a model, where no layer finds its weights
 in L2); GB/s counts the weight, input and output bytes. Back-to-back calls overlap through
 programmatic dependent launch (kernels/pdl.py); "no-PDL" times the same kernel without it.
-"down+silu" times the SwiGLU activation kernel and then the down projection, as the MLP runs.
+"down+silu" times the SwiGLU activation kernel and then the down projection; "gate_up+silu" the
+gate/up projection with SwiGLU fused behind it (`gemv(swiglu=True)`, as the MLP runs at batch 1),
+against cuBLAS then the activation kernel, and "unfused us" the plain GEMV then that kernel.
 `--sweep` times every candidate tile config and reports the best one per shape. `--fp8` times
 the kernel on FP8 (e4m3) weights with per-channel scales (engine/quantization.py) against the
 same bf16 cuBLAS baseline; its GB/s count one byte per weight.
@@ -39,6 +41,7 @@ def projections(shape: str) -> list[tuple[str, int, int, str | None]]:
         ("qkv", q + 2 * kv, hidden, None),
         ("o", hidden, q, None),
         ("gate_up", 2 * inter, hidden, None),
+        ("gate_up+silu", 2 * inter, hidden, "swiglu"),
         ("down", hidden, inter, None),
         ("down+silu", hidden, inter, "silu_and_mul"),
         ("lm_head", cfg["vocab_size"], hidden, None),
@@ -56,20 +59,29 @@ def bench_one(
     copies = copies_beyond_l2(n * k * 2, device)
     weights = [torch.randn(n, k, device=device, dtype=dtype) / k**0.5 for _ in range(copies)]
     quantized = [quantize_weight(w) for w in weights] if fp8 else []
-    width = 2 * k if activation else k
+    swiglu = activation == "swiglu"
+    width = 2 * k if activation == "silu_and_mul" else k
+    width_out = n // 2 if swiglu else n
     x = torch.randn(1, width, device=device, dtype=dtype)
-    out = torch.empty(1, n, device=device, dtype=dtype)
-    moved = n * k * (1 if fp8 else 2) + (width + n) * 2
+    out = torch.empty(1, width_out, device=device, dtype=dtype)
+    moved = n * k * (1 if fp8 else 2) + (width + width_out) * 2
 
     act = torch.empty(1, k, device=device, dtype=dtype)
+    gate_up = torch.empty(1, n, device=device, dtype=dtype)
 
     def cublas(w: torch.Tensor) -> Callable[[], object]:
+        if swiglu:
+            return lambda: silu_and_mul(torch.matmul(x, w.t(), out=gate_up), out=out)
         if activation:
             return lambda: torch.matmul(silu_and_mul(x, out=act), w.t(), out=out)
         return lambda: torch.matmul(x, w.t(), out=out)
 
     def ours(i: int, config: tuple[int, int, int], pdl: bool = True) -> Callable[[], object]:
         w, scale = quantized[i] if fp8 else (weights[i], None)
+        if swiglu:
+            return lambda: gemv(
+                x, w, weight_scale=scale, out=out, config=config, swiglu=True, pdl=pdl
+            )
         if activation:
             return lambda: gemv(
                 silu_and_mul(x, out=act, pdl=pdl),
@@ -81,12 +93,21 @@ def bench_one(
             )
         return lambda: gemv(x, w, weight_scale=scale, out=out, config=config, pdl=pdl)
 
-    want = F.linear(silu_and_mul(x) if activation else x, weights[0]).float()
-    ours(0, pick_config(n, k, fp8))()
+    def unfused(i: int) -> Callable[[], object]:
+        w, scale = quantized[i] if fp8 else (weights[i], None)
+        return lambda: silu_and_mul(
+            gemv(x, w, weight_scale=scale, out=gate_up, pdl=True), out=out, pdl=True
+        )
+
+    if swiglu:
+        want = silu_and_mul(F.linear(x, weights[0])).float()
+    else:
+        want = F.linear(silu_and_mul(x) if activation else x, weights[0]).float()
+    ours(0, pick_config(n, k, fp8, swiglu))()
     torch.testing.assert_close(out.float(), want, atol=0.05 * (1 + 3 * fp8), rtol=0.02)
 
     cublas_us = time_graph_us([cublas(w) for w in weights], device)
-    configs = [pick_config(n, k, fp8)]
+    configs = [pick_config(n, k, fp8, swiglu)]
     if sweep:
         configs += [c for c in (FP8_CANDIDATES if fp8 else CANDIDATES) if c not in configs]
     mine = range(len(weights))
@@ -94,7 +115,9 @@ def bench_one(
     picked_us = timed[0][0]
     no_pdl_us = time_graph_us([ours(i, configs[0], pdl=False) for i in mine], device)
     best_us, best = min(timed)
+    mine_unfused = [unfused(i) for i in mine] if swiglu else []
     return {
+        "unfused us": time_graph_us(mine_unfused, device) if swiglu else None,
         "N": n,
         "K": k,
         "cuBLAS us": cublas_us,
@@ -139,7 +162,8 @@ def main(argv: list[str] | None = None) -> dict:
     }
     write_results(args.out, result)
     print(f"device: {device_name()}  copy bandwidth {copy['GB_per_s']:.0f} GB/s")
-    columns = ["shape", "proj", "N", "K", "cuBLAS us", "gemv us", "no-PDL us", "speedup"]
+    columns = ["shape", "proj", "N", "K", "cuBLAS us", "gemv us", "unfused us", "no-PDL us"]
+    columns += ["speedup"]
     columns += ["gemv GB/s", "% of copy", "best us", "best config"]
     print(table(rows, columns))
     return result

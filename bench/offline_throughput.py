@@ -9,8 +9,9 @@ longest output) on the same shape and dtype; `--baseline-batches K` times only t
 batches (stated in the results) because a full baseline of a large shape takes many minutes.
 Also a fixed-length grid (in/out 128/128, 1024/128, 128/1024) as output and total tokens/s.
 `--gpu-busy` runs each configuration once more under the profiler (GPU activity only) and
-reports the share of that run's wall time the GPU spent in kernels, by kind: what is left is
-the GPU waiting on the host (scheduling, sampling, outputs between steps).
+reports the share of that run's wall time the GPU spent in kernels, by kind (what is left is
+the GPU waiting on the host: scheduling, sampling, outputs between steps), and the kernels that
+took the most GPU time.
 """
 
 from __future__ import annotations
@@ -37,8 +38,9 @@ def workload(num: int, seed: int, lo: int = 100, hi: int = 1024, vocab: int = 10
 
 KERNEL_KINDS = (  # (kind, name fragments), first match wins
     ("attention", ("decode_split", "decode_merge", "prefill_attention")),
-    ("matmul", ("gemv", "gemm", "cutlass", "nvjet", "sm90_", "scaled_mm")),
+    ("matmul", ("gemv", "gemm", "cutlass", "nvjet", "sm90_", "scaled_mm", "skinny")),
 )
+TOP_KERNELS = 12  # the kernels `--gpu-busy` lists by their GPU seconds
 
 
 def gpu_busy(llm, prompts, params) -> dict[str, float]:
@@ -52,11 +54,19 @@ def gpu_busy(llm, prompts, params) -> dict[str, float]:
         sync()
         wall_us = (time.perf_counter() - start) * 1e6
     busy = {kind: 0.0 for kind, _ in KERNEL_KINDS} | {"other": 0.0}
+    kernels = {}
     for event in prof.key_averages():
         kind = next((k for k, parts in KERNEL_KINDS if any(p in event.key for p in parts)), "other")
         busy[kind] += event.self_device_time_total
+        kernels[event.key[:60]] = event.self_device_time_total / 1e6
     shares = {f"GPU {kind}": us / wall_us for kind, us in busy.items()}
-    return {"GPU busy": sum(busy.values()) / wall_us, **shares, "profiled_s": wall_us / 1e6}
+    top = dict(sorted(kernels.items(), key=lambda kv: -kv[1])[:TOP_KERNELS])
+    return {
+        "GPU busy": sum(busy.values()) / wall_us,
+        **shares,
+        "profiled_s": wall_us / 1e6,
+        "top kernels s": top,
+    }
 
 
 def run_engine(
@@ -267,6 +277,11 @@ def main() -> None:
         print(f"FP8 weights and KV cache against bf16: {results['fp8_kv_speedup']:.2f}x")
     if grid:
         print(table(grid, ["in/out", "out tok/s", "total tok/s"]))
+    for name, res in (("bf16", ours), ("FP8 weights", fp8), ("FP8 weights + KV", fp8_kv)):
+        if res and "top kernels s" in res:
+            top = [{"kernel": k, "GPU s": s} for k, s in res["top kernels s"].items()]
+            print(f"{name}: the kernels that took the most GPU time in the profiled run")
+            print(table(top, ["kernel", "GPU s"]))
 
 
 if __name__ == "__main__":

@@ -13,7 +13,7 @@ from torch import nn
 
 from splitserve.engine.attention import AttentionBackend, AttentionMetadata, get_attention_backend
 from splitserve.engine.model_config import ModelConfig
-from splitserve.engine.ops import TorchOps
+from splitserve.engine.ops import NO_SCALES, Activation, Scales, TorchOps
 from splitserve.engine.rotary import RotaryEmbedding
 
 
@@ -32,6 +32,15 @@ class RMSNorm(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(norm(x + residual), x + residual): one fused kernel with Triton ops."""
         return self.ops.add_rms_norm(x, residual, self.weight, self.eps)
+
+    def norm_for(
+        self, x: torch.Tensor, residual: torch.Tensor | None, feeds: Scales
+    ) -> tuple[Activation, torch.Tensor]:
+        """`add_and_norm` (or the plain norm, and x as the residual, without one) as the input
+        of the projection whose scales are `feeds` (ops may quantize it for an FP8 one)."""
+        if residual is None:
+            return self.ops.rms_norm_for(x, self.weight, self.eps, feeds), x
+        return self.ops.add_rms_norm_for(x, residual, self.weight, self.eps, feeds)
 
 
 class Attention(nn.Module):
@@ -53,7 +62,7 @@ class Attention(nn.Module):
         self.backend = backend
         self.qkv_weight: torch.Tensor | None = None
         self.qkv_bias: torch.Tensor | None = None
-        self.qkv_scales: Scales = (None, None)
+        self.qkv_scales: Scales = NO_SCALES
 
     def merge_projections(self) -> None:
         """Put q/k/v weights into one tensor (the three Linear weights become views of it)."""
@@ -65,7 +74,7 @@ class Attention(nn.Module):
     def forward(
         self,
         positions: torch.Tensor,
-        x: torch.Tensor,
+        x: Activation,
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
     ) -> torch.Tensor:
@@ -95,26 +104,23 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
         self.gate_up_weight: torch.Tensor | None = None
-        self.gate_up_scales: Scales = (None, None)
+        self.gate_up_scales: Scales = NO_SCALES
 
     def merge_projections(self) -> None:
         self.gate_up_weight = _merge(self.gate_proj, self.up_proj, None, "weight")
         self.gate_up_scales = _merge_scales(self.gate_proj, self.up_proj, None)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: Activation) -> torch.Tensor:
         ops = self.ops
         if self.gate_up_weight is not None:
-            h = ops.silu_and_mul(ops.linear(x, self.gate_up_weight, None, *self.gate_up_scales))
-            return _linear(ops, h, self.down_proj)
+            down = self.down_proj
+            h = ops.gate_up_silu(x, self.gate_up_weight, self.gate_up_scales, _scales(down))
+            return _linear(ops, h, down)
         gate, up = _linear(ops, x, self.gate_proj), _linear(ops, x, self.up_proj)
         return _linear(ops, F.silu(gate) * up, self.down_proj)
 
 
-Scales = tuple[torch.Tensor | None, torch.Tensor | None]
-"""(weight scale [N], static input scale [1]) of an FP8 projection; (None, None) otherwise."""
-
-
-def _linear(ops: TorchOps, x: torch.Tensor, m: nn.Linear) -> torch.Tensor:
+def _linear(ops: TorchOps, x: Activation, m: nn.Linear) -> torch.Tensor:
     """`m(x)` through `ops` (FP8 projections carry their scales: engine/quantization.py)."""
     return ops.linear(x, m.weight, m.bias, *_scales(m))
 
@@ -170,12 +176,9 @@ class DecoderLayer(nn.Module):
         NOTE: the residual addition is deferred into the next norm (one fused kernel with Triton
         ops); torch ops add in HF's order, so float32 results stay identical.
         """
-        if residual is None:
-            residual, h = x, self.input_layernorm(x)
-        else:
-            h, residual = self.input_layernorm.add_and_norm(x, residual)
-        h = self.self_attn(positions, h, kv_cache, meta)
-        h, residual = self.post_attention_layernorm.add_and_norm(h, residual)
+        h, residual = self.input_layernorm.norm_for(x, residual, self.self_attn.qkv_scales)
+        out = self.self_attn(positions, h, kv_cache, meta)
+        h, residual = self.post_attention_layernorm.norm_for(out, residual, self.mlp.gate_up_scales)
         return self.mlp(h), residual
 
 

@@ -1,5 +1,7 @@
 """FP8 (e4m3) activations for the FP8 GEMM: each row of x [M, K] scaled into e4m3's range by its
 own float32 scale (amax / 448, dynamic per token) or by one static scale, in one kernel launch.
+The kernels that produce a projection's input (RMSNorm, SwiGLU) can quantize their own output
+with the same helpers (`row_scale`, `to_e4m3`), which saves this launch.
 
 `torch` would take six launches for the same (abs, amax, divide, clamp, cast, and the scale);
 in a decode step's CUDA graph that is six launches per projection, which at batch 8 cost more
@@ -16,7 +18,14 @@ from splitserve.kernels._validate import FLOAT_DTYPES, check_devices, check_tens
 from splitserve.kernels.fp8_ref import quantize_rows_ref
 from splitserve.kernels.pdl import launch_options, pdl_start, use_pdl
 
-__all__ = ["quantize_rows", "quantize_rows_ref", "round_to_e4m3"]
+__all__ = [
+    "fp8_rows_like",
+    "quantize_rows",
+    "quantize_rows_ref",
+    "round_to_e4m3",
+    "row_scale",
+    "to_e4m3",
+]
 
 
 @triton.jit
@@ -29,27 +38,49 @@ def _quantize_rows_kernel(
     stride_x,
     stride_q,
     STATIC: tl.constexpr,
+    ONE_PASS: tl.constexpr,
     BLOCK: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
     pdl_start(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     x_row = x_ptr + row * stride_x
-    if STATIC:
-        scale = tl.load(static_ptr).to(tl.float32)
+    if ONE_PASS:  # the whole row in one block: read it once
+        ks = tl.arange(0, BLOCK)
+        v = tl.load(x_row + ks, mask=ks < K, other=0.0).to(tl.float32)
+        scale = row_scale(tl.max(tl.abs(v), 0), static_ptr, STATIC)
+        tl.store(scale_ptr + row, scale)
+        q = to_e4m3(v, scale)
+        tl.store(q_ptr + row * stride_q + ks, q.to(q_ptr.dtype.element_ty), mask=ks < K)
     else:
         amax = tl.zeros([BLOCK], dtype=tl.float32)
+        if not STATIC:
+            for k0 in range(0, K, BLOCK):
+                ks = k0 + tl.arange(0, BLOCK)
+                v = tl.load(x_row + ks, mask=ks < K, other=0.0).to(tl.float32)
+                amax = tl.maximum(amax, tl.abs(v))
+        scale = row_scale(tl.max(amax, axis=0), static_ptr, STATIC)
+        tl.store(scale_ptr + row, scale)
         for k0 in range(0, K, BLOCK):
             ks = k0 + tl.arange(0, BLOCK)
             v = tl.load(x_row + ks, mask=ks < K, other=0.0).to(tl.float32)
-            amax = tl.maximum(amax, tl.abs(v))
-        scale = tl.maximum(tl.max(amax, axis=0) / 448.0, 1e-12)
-    tl.store(scale_ptr + row, scale)
-    for k0 in range(0, K, BLOCK):
-        ks = k0 + tl.arange(0, BLOCK)
-        v = tl.load(x_row + ks, mask=ks < K, other=0.0).to(tl.float32)
-        q = round_to_e4m3(tl.minimum(tl.maximum(v / scale, -448.0), 448.0))
-        tl.store(q_ptr + row * stride_q + ks, q.to(q_ptr.dtype.element_ty), mask=ks < K)
+            q = to_e4m3(v, scale)
+            tl.store(q_ptr + row * stride_q + ks, q.to(q_ptr.dtype.element_ty), mask=ks < K)
+
+
+@triton.jit
+def row_scale(amax, static_ptr, STATIC: tl.constexpr):
+    """A row's float32 scale: its amax / 448 (floored, so a zero row divides by something), or
+    the static scale at `static_ptr`. Shared by every kernel that quantizes rows, so that each
+    computes what `quantize_rows_ref` does."""
+    return tl.load(static_ptr).to(tl.float32) if STATIC else tl.maximum(amax / 448.0, 1e-12)
+
+
+@triton.jit
+def to_e4m3(v, scale):
+    """v (float32) / scale, saturated to +-448 and rounded onto e4m3's grid (still float32: the
+    caller casts, exactly)."""
+    return round_to_e4m3(tl.minimum(tl.maximum(v / scale, -448.0), 448.0))
 
 
 @triton.jit
@@ -74,11 +105,8 @@ def quantize_rows(
     """x [M, K] -> (float8_e4m3fn [M, K], float32 scales [M, 1]); `static_scale` ([1],
     float32) replaces the per-row amax."""
     check_tensor("x", x, ndim=2, dtypes=FLOAT_DTYPES)
-    if static_scale is not None:
-        check_tensor("static_scale", static_scale, dtypes=(torch.float32,), shape=(1,))
     rows, k = x.shape
-    q = torch.empty(rows, k, dtype=torch.float8_e4m3fn, device=x.device)
-    scales = torch.empty(rows, 1, dtype=torch.float32, device=x.device)
+    q, scales = fp8_rows_like(rows, k, x.device, static_scale)
     check_devices(_quantize_rows_kernel, x=x, static_scale=static_scale)
     if rows == 0:
         return q, scales
@@ -93,9 +121,21 @@ def quantize_rows(
         x.stride(0),
         q.stride(0),
         STATIC=static_scale is not None,
+        ONE_PASS=block >= k,
         BLOCK=block,
         USE_PDL=pdl,
         num_warps=8 if block >= 2048 else 4,
         **launch_options(pdl),
     )
     return q, scales
+
+
+def fp8_rows_like(
+    rows: int, k: int, device: torch.device, static_scale: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Empty outputs of a row quantization (e4m3 [rows, k], float32 scales [rows, 1]), after
+    checking a static scale."""
+    if static_scale is not None:
+        check_tensor("static_scale", static_scale, dtypes=(torch.float32,), shape=(1,))
+    q = torch.empty(rows, k, dtype=torch.float8_e4m3fn, device=device)
+    return q, torch.empty(rows, 1, dtype=torch.float32, device=device)

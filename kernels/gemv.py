@@ -7,9 +7,11 @@ float32, and sums each row once at the end. On an H200 this beats cuBLAS at M = 
 the Llama-3-8B projections and up to 4x on Qwen3-0.6B's small ones (bench/gemv.py); for more
 rows the model keeps F.linear (a tensor-core variant of this kernel lost to cuBLAS at M = 8).
 
-The SwiGLU activation is not fused in front of the down projection: every program would redo
-it over all of K from L2, and on an H200 that costs more (31-38 µs) than the separate
-kernels/activation.py launch plus a plain GEMV (~30 µs) for the Llama-3-8B shape.
+SwiGLU is fused behind the merged gate/up projection (`swiglu=True`): each program reads the
+same BLOCK_N channels of the gate half and of the up half and writes silu(gate) * up, rounded as
+the separate kernels/activation.py launch would round it, so that launch goes. (In front of the
+down projection it lost: every program would redo it over all of K from L2, which on an H200 cost
+more, 31-38 µs, than the separate launch plus a plain GEMV, ~30 µs, for the Llama-3-8B shape.)
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import triton
 import triton.language as tl
 
 from splitserve.kernels._validate import FLOAT_DTYPES, check_devices, check_tensor
+from splitserve.kernels.activation import silu_and_mul_ref, silu_mul
 from splitserve.kernels.pdl import launch_options, pdl_start, use_pdl
 
 __all__ = ["gemv", "gemv_ref", "pick_config"]
@@ -34,8 +37,10 @@ def _gemv_kernel(
     N,
     K,
     stride_wn,
+    up_offset,
     HAS_SCALE: tl.constexpr,
     HAS_BIAS: tl.constexpr,
+    SWIGLU: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     USE_PDL: tl.constexpr,
@@ -45,22 +50,42 @@ def _gemv_kernel(
     n_mask = cols_n < N
     w_rows = w_ptr + cols_n.to(tl.int64)[:, None] * stride_wn
     acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    acc_up = tl.zeros((BLOCK_N, BLOCK_K) if SWIGLU else (1, 1), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
         k_mask = ks < K
         w = tl.load(w_rows + ks[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
         x = tl.load(x_ptr + ks, mask=k_mask, other=0.0).to(tl.float32)
         acc += w.to(tl.float32) * x[None, :]
+        if SWIGLU:  # the up half's rows, `up_offset` elements (N rows) further on
+            w_up = tl.load(
+                w_rows + up_offset + ks[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0
+            )
+            acc_up += w_up.to(tl.float32) * x[None, :]
+    dtype = out_ptr.dtype.element_ty
+    result = _epilogue(acc, cols_n, n_mask, scale_ptr, bias_ptr, HAS_SCALE, HAS_BIAS)
+    if SWIGLU:  # silu(gate) * up, each rounded to the output dtype first as two launches would
+        up = _epilogue(acc_up, cols_n + N, n_mask, scale_ptr, bias_ptr, HAS_SCALE, HAS_BIAS)
+        result = silu_mul(result.to(dtype), up.to(dtype), dtype)
+    tl.store(out_ptr + cols_n, result.to(dtype), mask=n_mask)
+
+
+@triton.jit
+def _epilogue(
+    acc, cols, mask, scale_ptr, bias_ptr, HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr
+):
+    """The outputs `cols` (float32): each row's sum, times its FP8 scale, plus its bias."""
     result = tl.sum(acc, axis=1)
     if HAS_SCALE:  # FP8 weights: one scale per output channel
-        result *= tl.load(scale_ptr + cols_n, mask=n_mask, other=0.0)
+        result *= tl.load(scale_ptr + cols, mask=mask, other=0.0)
     if HAS_BIAS:
-        result += tl.load(bias_ptr + cols_n, mask=n_mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + cols_n, result.to(out_ptr.dtype.element_ty), mask=n_mask)
+        result += tl.load(bias_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    return result
 
 
-def pick_config(n: int, k: int, fp8: bool = False) -> tuple[int, int, int]:
-    """(BLOCK_N, BLOCK_K, num_warps) for a [1, k] x [n, k]^T product.
+def pick_config(n: int, k: int, fp8: bool = False, swiglu: bool = False) -> tuple[int, int, int]:
+    """(BLOCK_N, BLOCK_K, num_warps) for a [1, k] x [n, k]^T product. With `swiglu` a program
+    reads BLOCK_N rows of each half, so BLOCK_N is halved: the same bytes in flight.
 
     NOTE: the fastest of bench/gemv.py's sweep on an H200 for the Llama-3-8B and Qwen3-0.6B
     projections: wide outputs (gate/up, LM head) want many small programs; short, deep ones
@@ -68,6 +93,11 @@ def pick_config(n: int, k: int, fp8: bool = False) -> tuple[int, int, int]:
     --sweep` on an H100): 8 KiB tiles and 4 warps; 8 rows of 1 KiB for the short outputs (o,
     down: 16 rows of 2 KiB with 8 warps were 15-37% slower there), 16 of 512 B elsewhere.
     """
+    block_n, block_k, num_warps = _tiles(n, k, fp8)
+    return (max(block_n // 2, 1) if swiglu else block_n), block_k, num_warps
+
+
+def _tiles(n: int, k: int, fp8: bool) -> tuple[int, int, int]:
     if fp8:
         if n <= 4096 and k >= 4096:
             return 8, 1024, 4
@@ -89,11 +119,13 @@ def gemv(
     weight_scale: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
     config: tuple[int, int, int] | None = None,
+    swiglu: bool = False,
     pdl: bool = False,
 ) -> torch.Tensor:
     """x [1, K], weight [N, K], bias [N] -> out [1, N] in x's dtype. An FP8 (e4m3) weight
-    comes with `weight_scale` [N] (float32): out = (x @ weight^T) * scale + bias. `config`
-    overrides `pick_config`."""
+    comes with `weight_scale` [N] (float32): out = (x @ weight^T) * scale + bias. `swiglu`: the
+    weight is gate | up stacked, out [1, N / 2] = silu(gate) * up. `config` overrides
+    `pick_config` (with `swiglu`, BLOCK_N counts the channels of each half)."""
     check_tensor("x", x, ndim=2, dtypes=FLOAT_DTYPES)
     fp8 = weight_scale is not None
     check_tensor("weight", weight, ndim=2, dtypes=(torch.float8_e4m3fn,) if fp8 else (x.dtype,))
@@ -103,29 +135,34 @@ def gemv(
         raise ValueError(f"x must have exactly 1 row (use F.linear for more), got {rows}")
     if width != k:
         raise ValueError(f"x has {width} columns, weight {tuple(weight.shape)} needs {k}")
+    if swiglu and n % 2:
+        raise ValueError(f"a SwiGLU weight stacks gate | up: its {n} rows must be even")
     if bias is not None:
         check_tensor("bias", bias, dtypes=(x.dtype,), shape=(n,))
     if weight_scale is not None:
         check_tensor("weight_scale", weight_scale, dtypes=(torch.float32,), shape=(n,))
+    width_out = n // 2 if swiglu else n
     if out is None:
-        out = x.new_empty((1, n))
-    check_tensor("out", out, dtypes=(x.dtype,), shape=(1, n))
+        out = x.new_empty((1, width_out))
+    check_tensor("out", out, dtypes=(x.dtype,), shape=(1, width_out))
     check_devices(_gemv_kernel, x=x, weight=weight, bias=bias, weight_scale=weight_scale, out=out)
     if n == 0:
         return out
-    block_n, block_k, num_warps = config or pick_config(n, k, fp8)
+    block_n, block_k, num_warps = config or pick_config(n, k, fp8, swiglu)
     pdl = use_pdl(_gemv_kernel, x.device, pdl)
-    _gemv_kernel[(triton.cdiv(n, block_n),)](
+    _gemv_kernel[(triton.cdiv(width_out, block_n),)](
         x,
         weight,
         weight_scale if weight_scale is not None else x,
         bias if bias is not None else x,
         out,
-        n,
+        width_out,
         k,
         weight.stride(0),
+        width_out * weight.stride(0),
         HAS_SCALE=fp8,
         HAS_BIAS=bias is not None,
+        SWIGLU=swiglu,
         BLOCK_N=block_n,
         BLOCK_K=block_k,
         USE_PDL=pdl,
@@ -143,10 +180,11 @@ def gemv_ref(
     weight_scale: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
     config: tuple[int, int, int] | None = None,
+    swiglu: bool = False,
     pdl: bool = False,
 ) -> torch.Tensor:
-    """Plain-torch `gemv`: F.linear (FP8: on the dequantized weight, in float32; `config` is
-    ignored)."""
+    """Plain-torch `gemv`: F.linear (FP8: on the dequantized weight, in float32), then with
+    `swiglu` torch's silu(gate) * up; `config` is ignored."""
     del config
     if weight_scale is None:
         result = torch.nn.functional.linear(x, weight, bias)
@@ -154,6 +192,8 @@ def gemv_ref(
         w = weight.float() * weight_scale[:, None]
         b = None if bias is None else bias.float()
         result = torch.nn.functional.linear(x.float(), w, b).to(x.dtype)
+    if swiglu:
+        result = silu_and_mul_ref(result)
     if out is None:
         return result
     return out.copy_(result)
