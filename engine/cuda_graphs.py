@@ -92,7 +92,10 @@ class DecodeGraphs:
             args = (self.input_ids[:bucket], self.positions[:bucket], self.kv_caches, meta)
             stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(stream):
-                self.model(*args)  # warm-up: compiles kernels outside the capture
+                # NOTE: warm up all that the graph will hold, the LM head and argmax too:
+                # kernels compile and libraries create their handles (cuBLAS) outside the
+                # capture. With FP8 projections the LM head may be the first cuBLAS call.
+                self.model.ops.argmax(self.model.compute_logits(self.model(*args)))
             torch.cuda.current_stream().wait_stream(stream)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):

@@ -145,3 +145,27 @@ def test_gpu_overlapped_decode_steps_match_hf(tmp_path, max_num_seqs):
     assert launches[0] > 30
     llm.engine.check_integrity()
     assert llm.engine.kv_usage().num_used_blocks == 0
+
+
+def test_gpu_fp8_engine_captures_its_graphs_in_a_fresh_process(tmp_path):
+    """FP8 projections call no cuBLAS, so the bf16 LM head may be a process's first cuBLAS
+    call: the graphs' warm-up must make it, not the capture (which cannot create a handle).
+    A fresh process, because an earlier test in this one has created it already."""
+    import subprocess
+    import sys
+
+    model_dir = make_tiny_model(tmp_path / "m", "llama", config_overrides=SHAPE)
+    script = (
+        "from splitserve.engine import LLM, SamplingParams\n"
+        f"llm = LLM({str(model_dir)!r}, dtype='bfloat16', device='cuda', quantization='fp8',"
+        " max_num_seqs=4, num_kv_blocks=64)\n"
+        "assert llm.engine.runner.graphs is not None\n"
+        "params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)\n"
+        "out = llm.generate([[1, 2, 3], [4, 5]], params, use_tqdm=False)\n"
+        "print([len(o.outputs[0].token_ids) for o in out])\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip().endswith("[4, 4]")
