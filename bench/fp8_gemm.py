@@ -9,11 +9,11 @@ weight: "scaled_mm" (per-token activation quantization, kernels/fp8_quant.py, th
 CUDA-graph replays over disjoint weight copies totalling >= 2x L2, as in bench/gemv.py. "% of
 copy" is the weight bytes (one per FP8 weight, two per bf16 one) over the time, against the
 device copy bandwidth of the same run: a memory-bound matmul at these sizes should sit near it.
-Beyond `MAX_ROWS` the skinny kernel is not timed (the engine does not run it there), and at
-prefill sizes (`--rows 8192`) the TFLOP/s columns are the figure to read.
+Beyond 256 rows the skinny kernel is not timed, and at prefill sizes (`--rows 8192`) the
+TFLOP/s columns are the figure to read.
 Summed over a layer's four projections x 32 layers, the last table is what the matmuls cost
-per decode step. `--sweep` also times every candidate tile of the skinny kernel, with one row
-tile for all rows (also beyond `MAX_ROWS`).
+per decode step. `--sweep` also times every candidate tile of the skinny kernel, with row tiles
+of up to 64 rows and (beyond 64 rows) of 128.
 """
 
 from __future__ import annotations
@@ -29,7 +29,8 @@ from bench.gemv import projections
 from bench.kernels import copies_beyond_l2, copy_bandwidth, time_graph_us
 
 # (BLOCK_N, BLOCK_K, programs the K split aims for, num_warps, num_stages); BLOCK_M follows
-# the rows (kernels/fp8_skinny.py).
+# the rows up to 64 (kernels/fp8_skinny.py), and the sweep also tries 128 beyond.
+SKINNY_ROWS = 256  # the skinny kernel is timed up to this many rows
 CANDIDATES = [
     (n, k, p, 4, s)
     for n in (64, 128)
@@ -43,7 +44,7 @@ def bench_one(n: int, k: int, rows: int, sweep: bool, device: torch.device) -> d
     from splitserve.engine.ops import TritonOps, fp8_scaled_mm
     from splitserve.engine.quantization import quantize_weight
     from splitserve.kernels.fp8_quant import quantize_rows
-    from splitserve.kernels.fp8_skinny import MAX_ROWS, pick_config, skinny_fp8_gemm, split_for
+    from splitserve.kernels.fp8_skinny import pick_config, skinny_fp8_gemm, split_for
 
     ops = TritonOps(pdl=True)
     copies = copies_beyond_l2(n * k * 2, device)
@@ -66,13 +67,13 @@ def bench_one(n: int, k: int, rows: int, sweep: bool, device: torch.device) -> d
         calls[0]()  # NOTE: compile (or fail on too little shared memory) outside the graph
         return time_graph_us(calls, device)
 
-    picked = pick_config(min(rows, MAX_ROWS), n, k)
+    picked = pick_config(rows, n, k)
     result = {
         "bf16_us": time_graph_us([lambda w=w: F.linear(x, w) for w in weights], device),
         "scaled_mm_us": time_graph_us(
             [lambda q=q, s=s: scaled_mm(q, s) for q, s in quantized], device
         ),
-        "skinny_us": skinny(picked) if rows <= MAX_ROWS else None,
+        "skinny_us": skinny(picked) if rows <= SKINNY_ROWS else None,
         "engine_us": time_graph_us(
             [lambda q=q, s=s: ops.linear(x, q, weight_scale=s) for q, s in quantized], device
         ),
@@ -80,16 +81,17 @@ def bench_one(n: int, k: int, rows: int, sweep: bool, device: torch.device) -> d
     }
     if sweep:
         timed = {}
-        for block_n, block_k, programs, warps, stages in CANDIDATES:
-            block_m = max(16, triton.next_power_of_2(rows))  # beyond MAX_ROWS too
-            split = split_for(rows, n, k, block_m, block_n, block_k, programs)
-            config = (block_m, block_n, block_k, split, warps, stages)
-            if "x".join(map(str, config)) in timed:
-                continue
-            try:
-                timed["x".join(map(str, config))] = skinny(config)
-            except Exception as err:  # noqa: BLE001 - a tile too big for shared memory
-                print(f"skip {config}: {type(err).__name__}", flush=True)
+        rows_pow2 = max(16, triton.next_power_of_2(rows))
+        for block_m in sorted({min(64, rows_pow2), min(128, rows_pow2)}):  # 128: beyond 64 rows
+            for block_n, block_k, programs, warps, stages in CANDIDATES:
+                split = split_for(rows, n, k, block_m, block_n, block_k, programs)
+                config = (block_m, block_n, block_k, split, warps, stages)
+                if "x".join(map(str, config)) in timed:
+                    continue
+                try:
+                    timed["x".join(map(str, config))] = skinny(config)
+                except Exception as err:  # noqa: BLE001 - a tile too big for shared memory
+                    print(f"skip {config}: {type(err).__name__}", flush=True)
         best = min(timed, key=timed.__getitem__)
         result.update({"best_us": timed[best], "best": best, "sweep_us": timed})
     return result

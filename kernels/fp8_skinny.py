@@ -33,6 +33,9 @@ __all__ = ["MAX_ROWS", "pick_config", "skinny_fp8_gemm", "skinny_fp8_gemm_ref", 
 MAX_ROWS = 64
 """The most rows `TritonOps.linear` sends here; more go to rowwise `_scaled_mm`."""
 
+MAX_BLOCK_M = 64
+"""The most rows one program takes; more rows make more row tiles."""
+
 FP8 = torch.float8_e4m3fn
 
 
@@ -63,8 +66,10 @@ def _skinny_kernel(
     USE_PDL: tl.constexpr,
 ):
     pdl_start(USE_PDL)
-    pid_n = tl.program_id(0)
-    pid_m = tl.program_id(1)
+    # NOTE: row tiles vary fastest, so the programs that share a weight tile run together and
+    # all but the first find it in L2: the weight is read from memory once however many rows.
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
     pid_k = tl.program_id(2)
     cols_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rows_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -91,8 +96,8 @@ def _skinny_kernel(
         x_ptrs += BLOCK_K
     last = True
     if SPLIT_K > 1:
-        rows_pad = tl.num_programs(1) * BLOCK_M
-        tile = pid_m * tl.num_programs(0) + pid_n
+        rows_pad = tl.num_programs(0) * BLOCK_M
+        tile = pid_n * tl.num_programs(0) + pid_m
         parts = part_ptr + (rows_m[None, :] * N + cols_n[:, None]).to(tl.int64)
         tl.store(parts + pid_k.to(tl.int64) * rows_pad * N, acc, mask=n_mask[:, None])
         tl.debug_barrier()  # every thread's partial is written before the release below
@@ -119,13 +124,16 @@ def pick_config(m: int, n: int, k: int) -> tuple[int, int, int, int, int, int]:
     """(BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages) for [m, k] x [n, k]^T.
 
     NOTE: from `python -m bench.fp8_gemm --sweep` on an H100 (Llama-3-8B projections, 8-64
-    rows). BLOCK_M covers all rows in one program, so the weight is read once. 256-wide K tiles
+    rows). BLOCK_M covers all rows in one program, so the weight is read once. (Past
+    MAX_BLOCK_M rows, where only the benchmark goes, the rows take several tiles that share each
+    weight tile through L2; at 128 and 192 rows that lost to `_scaled_mm` by 1.5x and 1.7x
+    per step, docs/benchmarks.md section 9.) 256-wide K tiles
     won everywhere; 128 channels per tile only for the widest projection (gate_up), which
     needs no split. A short one (qkv, o, down: 64-96 tiles) is split along K in a power of two
     that aims at 768 / 384 / 256 programs for 16 / 32 / 64-row tiles: more rows make each
     program's MMA work larger, and fewer, longer programs won.
     """
-    block_m = max(16, triton.next_power_of_2(min(m, MAX_ROWS)))
+    block_m = max(16, triton.next_power_of_2(min(m, MAX_BLOCK_M)))
     block_n, block_k = (128 if n >= 16384 else 64), 256
     programs = {16: 768, 32: 384}.get(block_m, 256)
     return block_m, block_n, block_k, split_for(m, n, k, block_m, block_n, block_k, programs), 4, 4
@@ -196,9 +204,9 @@ def skinny_fp8_gemm(
     if rows == 0 or n == 0:
         return out
     block_m, block_n, block_k, split, num_warps, num_stages = config or pick_config(rows, n, k)
-    grid = (triton.cdiv(n, block_n), triton.cdiv(rows, block_m), split)
+    grid = (triton.cdiv(rows, block_m), triton.cdiv(n, block_n), split)
     k_split = triton.cdiv(triton.cdiv(k, block_k), split) * block_k
-    parts, counts = _workspace(xq.device, split * grid[1] * block_m * n, grid[0] * grid[1])
+    parts, counts = _workspace(xq.device, split * grid[0] * block_m * n, grid[0] * grid[1])
     pdl = use_pdl(_skinny_kernel, xq.device, pdl)
     _skinny_kernel[grid](
         xq,
