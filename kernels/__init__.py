@@ -13,9 +13,9 @@ Every module holds one kernel (or one kernel pair) with three layers:
 | `kv_cache_write` | `write_kv_cache`, `write_kv_cache_ref` |
 | `decode_attention` | `decode_attention`, `decode_attention_ref`, `choose_num_splits` |
 | `prefill_attention` | `prefill_attention`, `prefill_attention_ref` |
-| `rmsnorm` | `rms_norm`, `fused_add_rms_norm` (+ `_ref`) |
+| `rmsnorm` | `rms_norm`, `fused_add_rms_norm`, and `_fp8` variants that write quantized rows (+ `_ref`) |
 | `rotary` | `rotary_embedding`, `rotary_embedding_write_kv` (+ `_ref`) |
-| `activation` | `silu_and_mul`, `silu_and_mul_ref` |
+| `activation` | `silu_and_mul`, `silu_and_mul_fp8` (quantized rows) (+ `_ref`) |
 | `gemv` | `gemv`, `gemv_ref`, `pick_config` |
 | `fp8_quant` | `quantize_rows`, `quantize_rows_ref` (FP8 activations, per token or static) |
 | `fp8_skinny` | `skinny_fp8_gemm`, `skinny_fp8_gemm_ref`, `pick_config`, `split_for` |
