@@ -13,7 +13,7 @@ Every module holds one kernel (or one kernel pair) with three layers:
 | `kv_cache_write` | `write_kv_cache`, `write_kv_cache_ref` |
 | `decode_attention` | `decode_attention`, `decode_attention_ref`, `choose_num_splits` |
 | `prefill_attention` | `prefill_attention`, `prefill_attention_ref` |
-| `rmsnorm` | `rms_norm`, `fused_add_rms_norm`, and `_fp8` variants that write quantized rows (+ `_ref`) |
+| `rmsnorm` | `rms_norm`, `fused_add_rms_norm`, `*_fp8` (quantized rows) (+ `_ref`) |
 | `rotary` | `rotary_embedding`, `rotary_embedding_write_kv` (+ `_ref`) |
 | `activation` | `silu_and_mul`, `silu_and_mul_fp8` (quantized rows) (+ `_ref`) |
 | `gemv` | `gemv`, `gemv_ref`, `pick_config` |
