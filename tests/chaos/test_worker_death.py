@@ -152,7 +152,9 @@ def test_prefill_worker_killed_mid_transfer_every_request_completes(tiny_models,
 
 def test_frozen_decode_worker_stalls_no_new_request_and_its_streams_move(tiny_models, llm):
     prompts = random_prompts([30 + 5 * i for i in range(12)], 500, seed=73)
-    params = [_params(i, max_tokens=128) for i in range(12)]
+    # NOTE: long enough that decode-0 holds 4 at once even when their prefills come in late
+    # (at 128 tokens, one full-suite run never saw 4 at once before the streams ended).
+    params = [_params(i, max_tokens=256) for i in range(12)]
     fresh = random_prompts([25] * 6, 500, seed=74)
     fresh_params = [_params(i, max_tokens=6) for i in range(6)]
     expected = _offline(llm, prompts + fresh, params + fresh_params)
