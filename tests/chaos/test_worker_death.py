@@ -152,8 +152,8 @@ def test_prefill_worker_killed_mid_transfer_every_request_completes(tiny_models,
 
 def test_frozen_decode_worker_stalls_no_new_request_and_its_streams_move(tiny_models, llm):
     prompts = random_prompts([30 + 5 * i for i in range(12)], 500, seed=73)
-    # NOTE: long enough that decode-0 holds 4 at once even when their prefills come in late
-    # (at 128 tokens, one full-suite run never saw 4 at once before the streams ended).
+    # NOTE: long streams give decode-0 a wide window to hold 4 at once (at 128 tokens, one
+    # full-suite run never saw 4 at once before the streams ended).
     params = [_params(i, max_tokens=256) for i in range(12)]
     fresh = random_prompts([25] * 6, 500, seed=74)
     fresh_params = [_params(i, max_tokens=6) for i in range(6)]
