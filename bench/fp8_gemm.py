@@ -28,16 +28,29 @@ from bench.common import SHAPES, device_name, table, write_results
 from bench.gemv import projections
 from bench.kernels import copies_beyond_l2, copy_bandwidth, time_graph_us
 
-# (BLOCK_N, BLOCK_K, programs the K split aims for, num_warps, num_stages); BLOCK_M follows
-# the rows up to 64 (kernels/fp8_skinny.py), and the sweep also tries 128 beyond.
+# (BLOCK_N, BLOCK_K, programs the K split aims for, num_warps, num_stages) for a row tile of
+# BLOCK_M rows. BLOCK_M follows the rows up to 64 (kernels/fp8_skinny.py); beyond 64 rows the
+# sweep tries 64, 128 and 256-row tiles, with fewer splits and stages (more MMA work per
+# program, more shared memory per stage).
 SKINNY_ROWS = 256  # the skinny kernel is timed up to this many rows
-CANDIDATES = [
-    (n, k, p, 4, s)
-    for n in (64, 128)
-    for k in (128, 256)
-    for p in (128, 256, 512, 1024)
-    for s in (3, 4)
-]
+
+
+def candidates(block_m: int) -> list[tuple[int, int, int, int, int]]:
+    programs, stages = ((256, 512), (3, 4)) if block_m <= 64 else ((128, 256), (3,))
+    tiles = [
+        (n, k, p, 4, s) for n in (64, 128) for k in (128, 256) for p in programs for s in stages
+    ]
+    if block_m > 64:  # two warpgroups for the largest accumulators
+        tiles += [(128, k, p, 8, 3) for k in (128, 256) for p in programs]
+    return tiles
+
+
+def row_tiles(rows: int) -> list[int]:
+    """The row-tile heights the sweep tries for `rows` rows."""
+    rows_pow2 = max(16, triton.next_power_of_2(rows))
+    if rows_pow2 <= 64:
+        return [rows_pow2]
+    return [m for m in (64, 128, 256) if m <= rows_pow2 and 2 * m > rows_pow2 // 2]
 
 
 def bench_one(n: int, k: int, rows: int, sweep: bool, device: torch.device) -> dict:
@@ -81,9 +94,8 @@ def bench_one(n: int, k: int, rows: int, sweep: bool, device: torch.device) -> d
     }
     if sweep:
         timed = {}
-        rows_pow2 = max(16, triton.next_power_of_2(rows))
-        for block_m in sorted({min(64, rows_pow2), min(128, rows_pow2)}):  # 128: beyond 64 rows
-            for block_n, block_k, programs, warps, stages in CANDIDATES:
+        for block_m in row_tiles(rows):
+            for block_n, block_k, programs, warps, stages in candidates(block_m):
                 split = split_for(rows, n, k, block_m, block_n, block_k, programs)
                 config = (block_m, block_n, block_k, split, warps, stages)
                 if "x".join(map(str, config)) in timed:

@@ -44,6 +44,7 @@ from splitserve.kernels.pdl import (
 __all__ = ["choose_num_splits", "decode_attention", "decode_attention_ref"]
 
 LOG2E = math.log2(math.e)
+FP8 = torch.float8_e4m3fn
 # Each split reads at least this many keys (one 16-bit tile). A split's programs are a chain of
 # dependent loads (length, page, K, V) per tile, so at batch 1 the step is fastest with one tile
 # each: in the Llama-3-8B decode step on an H200, 16 one-tile splits per head beat 4 four-tile
@@ -54,6 +55,32 @@ MAX_SPLITS = 64
 PROGRAMS_PER_SM = 4
 # The interpreter has no SMs to count: it passes for a tiny GPU, so CPU runs may split too.
 INTERPRETER_NUM_SMS = 4
+
+
+@triton.jit
+def _e4m3_to_f16(x):
+    """e4m3 -> fp16 (exact), four values per register. NOTE: written as inline PTX, not `.to`,
+    so that Triton widens the value tile where it is loaded and only then lays it out for the
+    dot (fp16 through shared memory and ldmatrix.trans). With `.to` Triton moves the widening
+    behind the layout change, and a dot operand of 8-bit values that vary fastest along the
+    other dimension is then read from shared memory one byte per instruction: on an H100 the
+    FP8 cache read 4-19% slower that way (bench/fp8_kv_attention.py, same tiles).
+    `is_pure=False` is what keeps it in place: a pure elementwise op is moved as `.to` is."""
+    return tl.inline_asm_elementwise(
+        """
+        {
+        .reg .b16 lo, hi;
+        mov.b32 {lo, hi}, $2;
+        cvt.rn.f16x2.e4m3x2 $0, lo;
+        cvt.rn.f16x2.e4m3x2 $1, hi;
+        }
+        """,
+        "=r,=r,r",
+        [x],
+        dtype=tl.float16,
+        is_pure=False,
+        pack=4,
+    )
 
 
 @triton.jit
@@ -88,6 +115,7 @@ def _decode_split_kernel(
     SINGLE_SPLIT: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     F16_DOTS: tl.constexpr,
+    INTERPRETED: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
     pdl_wait(USE_PDL)
@@ -139,10 +167,19 @@ def _decode_split_kernel(
         page = tl.load(table + pos // BLOCK_SIZE, mask=visible, other=0).to(tl.int64)
         kv_offsets = page * stride_cblock + (pos % BLOCK_SIZE) * stride_cslot
         kv_offsets += kv_head * stride_chead
-        k = tl.load(
-            k_cache_ptr + kv_offsets[:, None] + dims[None, :], mask=visible[:, None], other=0.0
-        ).to(q.dtype)  # an FP8 cache widens here (scale 1); else a no-op
-        scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * row_scale[:, None]
+        if F16_DOTS:  # K^T straight from memory: the dot reads 4 consecutive dims per thread
+            kt = tl.load(
+                k_cache_ptr + kv_offsets[None, :] + dims[:, None], mask=visible[None, :], other=0.0
+            ).to(q.dtype)
+        else:
+            kt = tl.trans(
+                tl.load(
+                    k_cache_ptr + kv_offsets[:, None] + dims[None, :],
+                    mask=visible[:, None],
+                    other=0.0,
+                ).to(q.dtype)
+            )
+        scores = tl.dot(q, kt, input_precision=DOT_PRECISION) * row_scale[:, None]
         scores = tl.where(visible[None, :], scores, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(scores, 1))
         p = tl.exp2(scores - m_new[:, None])
@@ -151,7 +188,11 @@ def _decode_split_kernel(
         # NOTE: masked keys must load as 0, not garbage: p == 0 there, but 0 * NaN is NaN.
         v = tl.load(
             v_cache_ptr + kv_offsets[:, None] + dims[None, :], mask=visible[:, None], other=0.0
-        ).to(q.dtype)
+        )
+        if F16_DOTS and not INTERPRETED:  # noqa: SIM108 - the interpreter has no inline PTX
+            v = _e4m3_to_f16(v)
+        else:
+            v = v.to(q.dtype)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
 
@@ -233,15 +274,16 @@ def _launch_config(dtype: torch.dtype, cache_dtype: torch.dtype | None = None) -
     16-bit: 64-key tiles, 4 warps, K/V loads double-buffered (cp.async); about 80 registers and
     38 KiB of shared memory per program on sm_90 for head_dim 128, so several programs fit on
     an SM. float32 runs its dots on FMA units (exact "ieee" precision): half the tile and twice
-    the warps keep it from spilling registers. An FP8 cache: 128-key tiles (the same bytes per
-    load as 16-bit) three deep, dots in fp16; on an H100 (Llama-3-8B heads, batch 8-256, 1k-4k
-    context) fp16 dots were 0-13% faster than bf16 ones on the same tiles, and the FP8 cache
-    read 1.10-1.58x faster than the same context in bf16 (bench/fp8_kv_attention.py).
+    the warps keep it from spilling registers. An FP8 cache: 64-key tiles double-buffered,
+    dots in fp16, values widened before the dot's layout change (`_e4m3_to_f16`). On an H100
+    (Llama-3-8B heads, batch 8-256, 1k-4k context, bench/fp8_kv_attention.py) these were the
+    fastest of the sweep at every size, 0-7% ahead of 128-key tiles three deep, and the FP8
+    cache read 1.37-1.78x faster than the same context in bf16.
     """
     if dtype == torch.float32:
         return LaunchConfig(32, 8, 2)
     if cache_dtype == torch.float8_e4m3fn:
-        return LaunchConfig(128, 4, 3, f16_dots=True)
+        return LaunchConfig(64, 4, 2, f16_dots=True)
     return LaunchConfig(64, 4, 2)
 
 
@@ -337,7 +379,8 @@ def decode_attention(
         USE_WINDOW=sliding_window is not None,
         SINGLE_SPLIT=single,
         DOT_PRECISION=dot_precision(q.dtype),
-        F16_DOTS=config.f16_dots and q.dtype != torch.float32,
+        F16_DOTS=config.f16_dots and q.dtype != torch.float32 and kv_cache.dtype == FP8,
+        INTERPRETED=is_interpreted(_decode_split_kernel),
         USE_PDL=pdl,
         num_warps=config.num_warps,
         num_stages=config.num_stages,

@@ -8,7 +8,8 @@ too few of them to keep every SM reading.
 
 Here the operands are swapped: the weight is the wide side of the FP8 tensor-core product
 (BLOCK_N = 64 or 128 output channels, a Hopper warpgroup MMA's M), the few quantized rows the
-narrow side (BLOCK_M >= 16), both read straight into shared memory with no widening. A
+narrow side (BLOCK_M >= 16), both read straight into shared memory with no widening; the
+tensor cores' partial sums move into float32 every ACC_SPAN products along K. A
 projection with few channel tiles is split along K (SPLIT_K programs per tile, each summing a
 K range into float32); the partial sums go to a workspace, and the program that finishes a tile
 last (an atomic counter per tile) adds them in a fixed order, so the result is deterministic,
@@ -35,6 +36,11 @@ MAX_ROWS = 64
 
 MAX_BLOCK_M = 64
 """The most rows one program takes; more rows make more row tiles."""
+
+ACC_SPAN = 128
+"""K elements the FP8 tensor cores sum before the partial sum is added into float32 (as
+DeepGEMM does). NOTE: given 0 ("after every MMA"), Triton compiles no FP8 MMA at all for sm_90:
+it widens both operands to fp16 for `mma.sync` (seen in its IR)."""
 
 FP8 = torch.float8_e4m3fn
 
@@ -63,6 +69,7 @@ def _skinny_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    ACC_SPAN: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
     pdl_start(USE_PDL)
@@ -90,8 +97,8 @@ def _skinny_kernel(
             x = tl.load(x_ptrs, mask=m_mask[None, :] & k_mask[:, None], other=0.0)
         if WIDEN:  # the interpreter has no FP8 dot: every e4m3 product is exact in float32
             acc = tl.dot(w.to(tl.float32), x.to(tl.float32), acc, input_precision="ieee")
-        else:  # NOTE: promote to float32 after every MMA (Hopper accumulates FP8 in fewer bits)
-            acc = tl.dot(w, x, acc, max_num_imprecise_acc=0)
+        else:  # NOTE: Hopper's FP8 MMA sums in fewer bits than float32: promote every ACC_SPAN
+            acc = tl.dot(w, x, acc, max_num_imprecise_acc=ACC_SPAN)
         w_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
     last = True
@@ -123,20 +130,19 @@ def _skinny_kernel(
 def pick_config(m: int, n: int, k: int) -> tuple[int, int, int, int, int, int]:
     """(BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages) for [m, k] x [n, k]^T.
 
-    NOTE: from `python -m bench.fp8_gemm --sweep` on an H100 (Llama-3-8B projections, 8-64
-    rows). BLOCK_M covers all rows in one program, so the weight is read once. (Past
-    MAX_BLOCK_M rows, where only the benchmark goes, the rows take several tiles that share each
-    weight tile through L2; at 128 and 192 rows that lost to `_scaled_mm` by 1.5x and 1.7x
-    per step, docs/benchmarks.md section 9.) 256-wide K tiles
-    won everywhere; 128 channels per tile only for the widest projection (gate_up), which
-    needs no split. A short one (qkv, o, down: 64-96 tiles) is split along K in a power of two
-    that aims at 768 / 384 / 256 programs for 16 / 32 / 64-row tiles: more rows make each
-    program's MMA work larger, and fewer, longer programs won.
+    NOTE: from `python -m bench.fp8_gemm --rows 1,8,64,128,256 --sweep` on an H100 (Llama-3-8B
+    projections, FP8 tensor-core MMA). BLOCK_M covers all rows in one program, so the weight is
+    read once. (Past MAX_BLOCK_M rows, where only the benchmark goes, the rows take several
+    tiles that share each weight tile through L2; at 128 rows the best tiles only tie
+    `_scaled_mm`, docs/benchmarks.md section 9.) 64 channels by 256-wide K tiles won for every
+    projection at 8 and 64 rows. A short projection (qkv, o, down: 64-96 tiles) is split along
+    K up to about 256 programs (qkv in two, o and down in four); gate_up (448 tiles) needs no
+    split. Four stages won at 8 rows, three at 64, where four would leave one program per SM.
     """
     block_m = max(16, triton.next_power_of_2(min(m, MAX_BLOCK_M)))
-    block_n, block_k = (128 if n >= 16384 else 64), 256
-    programs = {16: 768, 32: 384}.get(block_m, 256)
-    return block_m, block_n, block_k, split_for(m, n, k, block_m, block_n, block_k, programs), 4, 4
+    block_n, block_k = 64, 256
+    split = split_for(m, n, k, block_m, block_n, block_k, 256)
+    return block_m, block_n, block_k, split, 4, 4 if block_m <= 32 else 3
 
 
 def split_for(
@@ -231,6 +237,7 @@ def skinny_fp8_gemm(
         BLOCK_M=block_m,
         BLOCK_N=block_n,
         BLOCK_K=block_k,
+        ACC_SPAN=min(block_k, ACC_SPAN),
         USE_PDL=pdl,
         num_warps=num_warps,
         num_stages=num_stages,
