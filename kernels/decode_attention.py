@@ -282,7 +282,7 @@ def _launch_config(dtype: torch.dtype, cache_dtype: torch.dtype | None = None) -
     """
     if dtype == torch.float32:
         return LaunchConfig(32, 8, 2)
-    if cache_dtype == torch.float8_e4m3fn:
+    if cache_dtype == FP8:
         return LaunchConfig(64, 4, 2, f16_dots=True)
     return LaunchConfig(64, 4, 2)
 

@@ -35,7 +35,7 @@ def _check(m, n, k, dtype, device, *, bias=False, config=None):
     if dtype == torch.float32:
         # On a GPU the FP8 tensor cores sum up to ACC_SPAN products in fewer bits than float32
         # before each float32 add (on an H100: at most 1.2-1.7e-4 of the largest |output| on
-        # the Llama-3-8B projections, the error of an FP8 `_scaled_mm` too); the CPU is exact.
+        # the Llama-3-8B projections); the CPU is exact.
         tol = 2e-5 if device.type == "cpu" else 2.0**-10
         torch.testing.assert_close(got, exact, atol=tol, rtol=tol)
     else:
