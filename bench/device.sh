@@ -25,7 +25,7 @@
 #   fp8-throughput  offline throughput, FP8 weights and FP8 KV against bf16 (Llama-3-8B shape)
 #   http-overhead   bench/http_overhead.py: HTTP vs gRPC per streamed token at the gateway
 #   fp8-gemm        bench/fp8_gemm.py: FP8 matmuls at 2-256 rows against bf16 cuBLAS
-#   fp8-skinny      the skinny FP8 GEMM: its GPU tests, then its tile sweep at 8-64 rows
+#   fp8-skinny      the skinny FP8 GEMM: its GPU tests, then its tile sweep at 1-256 rows
 #   async           overlapped decode steps: GPU parity, decode step and FP8 throughput, on/off
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -108,7 +108,7 @@ for step in "$@"; do
     fp8-gemm) run fp8_gemm 50 python3 -m bench.fp8_gemm --out "$OUT/fp8_gemm.json" ;;
     fp8-skinny)
       run skinny_tests 4 pytest_q tests/kernels/test_fp8_skinny.py
-      run fp8_skinny_sweep 40 python3 -m bench.fp8_gemm --rows 8,32,64 --sweep \
+      run fp8_skinny_sweep 40 python3 -m bench.fp8_gemm --rows 1,8,64,128,256 --sweep \
         --out "$OUT/fp8_skinny_sweep.json" ;;
     async)
       run parity 14 pytest_q -s tests/engine/test_gpu_parity.py
