@@ -33,6 +33,7 @@ from splitserve.kernels._validate import (
     is_interpreted,
 )
 from splitserve.kernels.attention_ref import decode_attention_ref
+from splitserve.kernels.fp8_quant import e4m3_to_f16
 from splitserve.kernels.pdl import (
     launch_options,
     pdl_launch_dependents,
@@ -55,32 +56,6 @@ MAX_SPLITS = 64
 PROGRAMS_PER_SM = 4
 # The interpreter has no SMs to count: it passes for a tiny GPU, so CPU runs may split too.
 INTERPRETER_NUM_SMS = 4
-
-
-@triton.jit
-def _e4m3_to_f16(x):
-    """e4m3 -> fp16 (exact), four values per register. NOTE: written as inline PTX, not `.to`,
-    so that Triton widens the value tile where it is loaded and only then lays it out for the
-    dot (fp16 through shared memory and ldmatrix.trans). With `.to` Triton moves the widening
-    behind the layout change, and a dot operand of 8-bit values that vary fastest along the
-    other dimension is then read from shared memory one byte per instruction: on an H100 the
-    FP8 cache read 4-19% slower that way (bench/fp8_kv_attention.py, same tiles).
-    `is_pure=False` is what keeps it in place: a pure elementwise op is moved as `.to` is."""
-    return tl.inline_asm_elementwise(
-        """
-        {
-        .reg .b16 lo, hi;
-        mov.b32 {lo, hi}, $2;
-        cvt.rn.f16x2.e4m3x2 $0, lo;
-        cvt.rn.f16x2.e4m3x2 $1, hi;
-        }
-        """,
-        "=r,=r,r",
-        [x],
-        dtype=tl.float16,
-        is_pure=False,
-        pack=4,
-    )
 
 
 @triton.jit
@@ -190,7 +165,7 @@ def _decode_split_kernel(
             v_cache_ptr + kv_offsets[:, None] + dims[None, :], mask=visible[:, None], other=0.0
         )
         if F16_DOTS and not INTERPRETED:  # noqa: SIM108 - the interpreter has no inline PTX
-            v = _e4m3_to_f16(v)
+            v = e4m3_to_f16(v)
         else:
             v = v.to(q.dtype)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
@@ -275,7 +250,7 @@ def _launch_config(dtype: torch.dtype, cache_dtype: torch.dtype | None = None) -
     38 KiB of shared memory per program on sm_90 for head_dim 128, so several programs fit on
     an SM. float32 runs its dots on FMA units (exact "ieee" precision): half the tile and twice
     the warps keep it from spilling registers. An FP8 cache: 64-key tiles double-buffered,
-    dots in fp16, values widened before the dot's layout change (`_e4m3_to_f16`). On an H100
+    dots in fp16, values widened before the dot's layout change (`e4m3_to_f16`). On an H100
     (Llama-3-8B heads, batch 8-256, 1k-4k context, bench/fp8_kv_attention.py) these were the
     fastest of the sweep at every size, 0-7% ahead of 128-key tiles three deep, and the FP8
     cache read 1.37-1.78x faster than the same context in bf16.

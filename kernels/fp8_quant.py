@@ -1,7 +1,8 @@
 """FP8 (e4m3) activations for the FP8 GEMM: each row of x [M, K] scaled into e4m3's range by its
 own float32 scale (amax / 448, dynamic per token) or by one static scale, in one kernel launch.
 The kernels that produce a projection's input (RMSNorm, SwiGLU) can quantize their own output
-with the same helpers (`row_scale`, `to_e4m3`), which saves this launch.
+with the same helpers (`row_scale`, `to_e4m3`), which saves this launch. The other way,
+`e4m3_to_f16` widens an e4m3 tile (an FP8 KV cache's values) for a 16-bit dot.
 
 `torch` would take six launches for the same (abs, amax, divide, clamp, cast, and the scale);
 in a decode step's CUDA graph that is six launches per projection, which at batch 8 cost more
@@ -19,6 +20,7 @@ from splitserve.kernels.fp8_ref import quantize_rows_ref
 from splitserve.kernels.pdl import launch_options, pdl_start, use_pdl
 
 __all__ = [
+    "e4m3_to_f16",
     "fp8_rows_like",
     "quantize_rows",
     "quantize_rows_ref",
@@ -97,6 +99,33 @@ def round_to_e4m3(v):
     sign = bits & -0x80000000  # NOTE: keeps -0.0 (and tiny negatives rounding to it) negative
     tiny = (tiny.to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True)
     return tl.where(tl.abs(v) < 0.015625, tiny, normal)
+
+
+@triton.jit
+def e4m3_to_f16(x):
+    """e4m3 -> fp16 (exact), four values per register. NOTE: written as inline PTX, not `.to`,
+    so that Triton widens the value tile where it is loaded and only then lays it out for the
+    dot (fp16 through shared memory and ldmatrix.trans). With `.to` Triton moves the widening
+    behind the layout change, and a dot operand of 8-bit values that vary fastest along the
+    other dimension is then read from shared memory one byte per instruction: on an H100 an
+    FP8 KV cache read 4-19% slower that way in decode attention (bench/fp8_kv_attention.py,
+    same tiles). Not for the interpreter, which runs no PTX.
+    `is_pure=False` is what keeps it in place: a pure elementwise op is moved as `.to` is."""
+    return tl.inline_asm_elementwise(
+        """
+        {
+        .reg .b16 lo, hi;
+        mov.b32 {lo, hi}, $2;
+        cvt.rn.f16x2.e4m3x2 $0, lo;
+        cvt.rn.f16x2.e4m3x2 $1, hi;
+        }
+        """,
+        "=r,=r,r",
+        [x],
+        dtype=tl.float16,
+        is_pure=False,
+        pack=4,
+    )
 
 
 def quantize_rows(
