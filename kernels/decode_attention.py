@@ -14,6 +14,12 @@ split, stage 1 writes the final output itself and stage 2 is skipped.
 
 Keys are gathered token by token through the block table (page = block_tables[pos // block_size]),
 so BLOCK_N need not match block_size and a window may start anywhere inside a page.
+
+At small batches a program's work is one or two tiles, and its time is a chain of dependent
+reads (length, page, keys) after the wait for the previous kernel. Of those, only the newest key
+(and q) is written by a kernel of the step; the rest comes from the host's staging copies and
+earlier steps. So when every program fits on the GPU at once (`preload`), each split reads its
+first tile of older keys and values before the wait, and after it only q and the newest key.
 """
 
 from __future__ import annotations
@@ -33,7 +39,7 @@ from splitserve.kernels._validate import (
     is_interpreted,
 )
 from splitserve.kernels.attention_ref import decode_attention_ref
-from splitserve.kernels.fp8_quant import e4m3_to_f16
+from splitserve.kernels.decode_tiles import attend_tile, cache_offsets, load_kv
 from splitserve.kernels.pdl import (
     launch_options,
     pdl_launch_dependents,
@@ -54,6 +60,11 @@ MIN_SPLIT_LEN = 64
 MAX_SPLITS = 64
 # Programs wanted per SM: several resident programs hide the latency of the gathered loads.
 PROGRAMS_PER_SM = 4
+# Up to this many programs per SM, each split reads its first tile of older keys before it waits
+# for the previous kernel (see the kernel). At batch 1 (Llama-3-8B, H100) the FP8 decode step
+# took 3.42 -> 3.37 ms; with more programs the unpipelined first tile cost more than it hid: at
+# batch 256 and 4k context (one split per head) the attention call was 1.21x slower.
+PRELOAD_PROGRAMS_PER_SM = PROGRAMS_PER_SM
 # The interpreter has no SMs to count: it passes for a tiny GPU, so CPU runs may split too.
 INTERPRETER_NUM_SMS = 4
 
@@ -91,18 +102,40 @@ def _decode_split_kernel(
     DOT_PRECISION: tl.constexpr,
     F16_DOTS: tl.constexpr,
     INTERPRETED: tl.constexpr,
+    PRELOAD: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
-    pdl_wait(USE_PDL)
     seq = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
+    # NOTE: seq_lens, the block tables and every key but each sequence's newest are written
+    # before this step's kernels run (the host's staging copies, earlier steps). With PRELOAD
+    # the split's first tile of them is read before the wait: launched early (PDL), the program
+    # has it when the kernel that writes the newest key (rotary + cache write) ends, and only q
+    # and that key are read after it.
     seq_len = tl.load(seq_lens_ptr + seq)
+    window_start = tl.maximum(seq_len - window, 0) if USE_WINDOW else seq_len * 0
+    tile_base = (window_start // BLOCK_N) * BLOCK_N
+    num_tiles = tl.cdiv(seq_len - tile_base, BLOCK_N)
+    tiles_per_split = tl.cdiv(num_tiles, num_splits)
+    lo = tile_base + split * tiles_per_split * BLOCK_N
+    hi = tl.minimum(lo + tiles_per_split * BLOCK_N, seq_len)
+    offs_n = tl.arange(0, BLOCK_N)
+    dims = tl.arange(0, HEAD_DIM)
+    table = block_tables_ptr + seq * stride_bt
+    if PRELOAD:
+        pos = lo + offs_n
+        visible = (pos >= window_start) & (pos < hi)
+        older = visible & (pos < seq_len - 1)
+        kv_offsets = cache_offsets(
+            table, pos, visible, kv_head, stride_cblock, stride_cslot, stride_chead, BLOCK_SIZE
+        )
+        kt, v = load_kv(k_cache_ptr, v_cache_ptr, kv_offsets, dims, older, F16_DOTS)
+    pdl_wait(USE_PDL)
 
     rows = tl.arange(0, BLOCK_H)
     heads = kv_head * GROUP + rows
     row_mask = rows < GROUP  # BLOCK_H >= 16 for tl.dot; rows past the group are padding
-    dims = tl.arange(0, HEAD_DIM)
     q = tl.load(
         q_ptr + seq * stride_qb + heads[:, None] * stride_qh + dims[None, :],
         mask=row_mask[:, None],
@@ -121,55 +154,33 @@ def _decode_split_kernel(
     else:
         row_scale = tl.full([BLOCK_H], scale_log2e, tl.float32)
 
-    window_start = tl.maximum(seq_len - window, 0) if USE_WINDOW else seq_len * 0
-    tile_base = (window_start // BLOCK_N) * BLOCK_N
-    num_tiles = tl.cdiv(seq_len - tile_base, BLOCK_N)
-    tiles_per_split = tl.cdiv(num_tiles, num_splits)
-    lo = tile_base + split * tiles_per_split * BLOCK_N
-    hi = tl.minimum(lo + tiles_per_split * BLOCK_N, seq_len)
-
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, HEAD_DIM], tl.float32)
-    offs_n = tl.arange(0, BLOCK_N)
-    table = block_tables_ptr + seq * stride_bt
     # NOTE: every tile in [lo, hi) holds at least one visible key (window_start itself, or the
     # tile's first position), so the running max is finite after the first tile and the
-    # rescaling below never computes -inf - -inf.
-    for start in range(lo, hi, BLOCK_N):
+    # rescaling below never computes -inf - -inf. An empty split (lo >= hi) skips them all.
+    first = lo
+    if PRELOAD:  # the first tile, with the newest key
+        if lo < hi:
+            newest = visible & (pos == seq_len - 1)
+            kt_new, v_new = load_kv(k_cache_ptr, v_cache_ptr, kv_offsets, dims, newest, F16_DOTS)
+            kt = tl.where(newest[None, :], kt_new, kt)  # keys are transposed: [D, BLOCK_N]
+            v = tl.where(newest[:, None], v_new, v)
+            m_i, l_i, acc = attend_tile(
+                q, kt, v, visible, row_scale, m_i, l_i, acc, DOT_PRECISION, F16_DOTS, INTERPRETED
+            )
+        first = lo + BLOCK_N
+    for start in range(first, hi, BLOCK_N):
         pos = start + offs_n
         visible = (pos >= window_start) & (pos < seq_len)
-        page = tl.load(table + pos // BLOCK_SIZE, mask=visible, other=0).to(tl.int64)
-        kv_offsets = page * stride_cblock + (pos % BLOCK_SIZE) * stride_cslot
-        kv_offsets += kv_head * stride_chead
-        if F16_DOTS:  # K^T straight from memory: the dot reads 4 consecutive dims per thread
-            kt = tl.load(
-                k_cache_ptr + kv_offsets[None, :] + dims[:, None], mask=visible[None, :], other=0.0
-            ).to(q.dtype)
-        else:
-            kt = tl.trans(
-                tl.load(
-                    k_cache_ptr + kv_offsets[:, None] + dims[None, :],
-                    mask=visible[:, None],
-                    other=0.0,
-                ).to(q.dtype)
-            )
-        scores = tl.dot(q, kt, input_precision=DOT_PRECISION) * row_scale[:, None]
-        scores = tl.where(visible[None, :], scores, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(scores, 1))
-        p = tl.exp2(scores - m_new[:, None])
-        alpha = tl.exp2(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        # NOTE: masked keys must load as 0, not garbage: p == 0 there, but 0 * NaN is NaN.
-        v = tl.load(
-            v_cache_ptr + kv_offsets[:, None] + dims[None, :], mask=visible[:, None], other=0.0
+        kv_offsets = cache_offsets(
+            table, pos, visible, kv_head, stride_cblock, stride_cslot, stride_chead, BLOCK_SIZE
         )
-        if F16_DOTS and not INTERPRETED:  # noqa: SIM108 - the interpreter has no inline PTX
-            v = e4m3_to_f16(v)
-        else:
-            v = v.to(q.dtype)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-        m_i = m_new
+        kt, v = load_kv(k_cache_ptr, v_cache_ptr, kv_offsets, dims, visible, F16_DOTS)
+        m_i, l_i, acc = attend_tile(
+            q, kt, v, visible, row_scale, m_i, l_i, acc, DOT_PRECISION, F16_DOTS, INTERPRETED
+        )
 
     pdl_launch_dependents(USE_PDL)
     # An empty split (or a seq_len == 0 padding row) has l_i == 0: it writes zeros, not NaN.
@@ -273,6 +284,7 @@ def decode_attention(
     *,
     max_seq_len: int | None = None,
     num_splits: int | None = None,
+    preload: bool | None = None,
     pdl: bool = False,
 ) -> torch.Tensor:
     """Attend each sequence's single query to its paged context; returns out [B, H, D].
@@ -283,6 +295,8 @@ def decode_attention(
     The query sits at position seq_len - 1 and, with `sliding_window`, sees keys at positions
     > seq_len - 1 - sliding_window. `max_seq_len` (an upper bound, default the block tables'
     capacity, so no device sync) and `num_splits` (default `choose_num_splits`) set the split.
+    `preload` (default: when every program fits on the GPU at once, PRELOAD_PROGRAMS_PER_SM
+    per SM) reads each split's first tile of older keys before waiting for the previous kernel.
     """
     block_size, num_kv_heads = check_attention(q, kv_cache, sliding_window)
     batch, num_heads, head_dim = q.shape
@@ -304,17 +318,19 @@ def decode_attention(
     if batch == 0:
         return out
 
+    if is_interpreted(_decode_split_kernel):
+        num_sms = INTERPRETER_NUM_SMS
+    else:
+        num_sms = torch.cuda.get_device_properties(device).multi_processor_count
     if num_splits is None:
         if max_seq_len is None:
             max_seq_len = block_tables.shape[1] * block_size
         if sliding_window is not None:
             max_seq_len = min(max_seq_len, sliding_window)
-        if is_interpreted(_decode_split_kernel):
-            num_sms = INTERPRETER_NUM_SMS
-        else:
-            num_sms = torch.cuda.get_device_properties(device).multi_processor_count
         num_splits = choose_num_splits(batch, num_kv_heads, max_seq_len, num_sms)
 
+    if preload is None:
+        preload = batch * num_kv_heads * num_splits <= PRELOAD_PROGRAMS_PER_SM * num_sms
     group = num_heads // num_kv_heads
     config = LaunchConfig(*_launch_config(q.dtype, kv_cache.dtype))  # (a bench passes tuples)
     single = num_splits == 1
@@ -356,6 +372,7 @@ def decode_attention(
         DOT_PRECISION=dot_precision(q.dtype),
         F16_DOTS=config.f16_dots and q.dtype != torch.float32 and kv_cache.dtype == FP8,
         INTERPRETED=is_interpreted(_decode_split_kernel),
+        PRELOAD=preload,
         USE_PDL=pdl,
         num_warps=config.num_warps,
         num_stages=config.num_stages,

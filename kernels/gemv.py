@@ -11,7 +11,14 @@ The K loop is software-pipelined (`tl.range(..., num_stages=3)`): a program's ne
 stream into shared memory (cp.async) while it sums the current one. NOTE: with a plain `range`
 Triton did not pipeline these loads, which feed no `tl.dot` (its sm_90 IR: one `ld.global` per
 tile), so each tile was a round trip to memory of its own; on an H100 the FP8 Llama-3-8B
-batch-1 decode step went from 3.56 to 3.42 ms with the change.
+batch-1 decode step went from 3.56 to 3.42 ms with the change. Two stages were slower (3.55
+ms) and four no faster (3.45 ms), so STAGES stays 3.
+
+Each program reads its first weight tile before it waits for the previous kernel (PDL): no
+kernel of a step writes weights, and a program launched early holds the tile when the wait
+ends. On an H100 this took the bf16 Llama-3-8B batch-1 step from 5.69 to 5.53 ms and left the
+FP8 step as it was (3.43 ms; an earlier variant that also carried the rest of the loop in
+registers by hand was slower, docs/benchmarks.md section 9).
 
 SwiGLU is fused behind the merged gate/up projection (`swiglu=True`): each program reads the
 same BLOCK_N channels of the gate half and of the up half and writes silu(gate) * up, rounded as
@@ -28,9 +35,12 @@ import triton.language as tl
 
 from splitserve.kernels._validate import FLOAT_DTYPES, check_devices, check_tensor
 from splitserve.kernels.activation import silu_and_mul_ref, silu_mul
-from splitserve.kernels.pdl import launch_options, pdl_start, use_pdl
+from splitserve.kernels.pdl import launch_options, pdl_launch_dependents, pdl_wait, use_pdl
 
 __all__ = ["gemv", "gemv_ref", "pick_config"]
+
+# Weight tiles in flight per program in the K loop (see the module docstring).
+STAGES = 3
 
 
 @triton.jit
@@ -49,15 +59,24 @@ def _gemv_kernel(
     SWIGLU: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    STAGES: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
-    pdl_start(USE_PDL)
+    pdl_launch_dependents(USE_PDL)
     cols_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = cols_n < N
     w_rows = w_ptr + cols_n.to(tl.int64)[:, None] * stride_wn
-    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    acc_up = tl.zeros((BLOCK_N, BLOCK_K) if SWIGLU else (1, 1), dtype=tl.float32)
-    for k0 in tl.range(0, K, BLOCK_K, num_stages=3):
+    # The first weight tile is read before the wait: no kernel of the step writes weights, and
+    # launched early (PDL), the program has it in registers when the previous kernel ends.
+    ks = tl.arange(0, BLOCK_K)
+    first_mask = n_mask[:, None] & (ks < K)[None, :]
+    w = tl.load(w_rows + ks[None, :], mask=first_mask, other=0.0)
+    w_up = tl.load(w_rows + up_offset + ks[None, :], mask=first_mask, other=0.0) if SWIGLU else w
+    pdl_wait(USE_PDL)
+    x = tl.load(x_ptr + ks, mask=ks < K, other=0.0).to(tl.float32)
+    acc = w.to(tl.float32) * x[None, :]
+    acc_up = w_up.to(tl.float32) * x[None, :] if SWIGLU else tl.zeros((1, 1), dtype=tl.float32)
+    for k0 in tl.range(BLOCK_K, K, BLOCK_K, num_stages=STAGES):
         ks = k0 + tl.arange(0, BLOCK_K)
         k_mask = ks < K
         w = tl.load(w_rows + ks[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
@@ -171,6 +190,7 @@ def gemv(
         SWIGLU=swiglu,
         BLOCK_N=block_n,
         BLOCK_K=block_k,
+        STAGES=STAGES,
         USE_PDL=pdl,
         num_warps=num_warps,
         **launch_options(pdl),

@@ -12,8 +12,11 @@ A long, bandwidth-bound kernel (paged decode attention) waits first but lets the
 launch only after its main loop: launched early, the next grid's waiting programs slowed it by up
 to 20% at batch 16 with long contexts (bench/kernels.py).
 
-Every kernel launched this way waits before it reads or writes anything, so the chain stays
-ordered transitively (C waits for B, which waited for A). A kernel launched without PDL (torch,
+Every kernel launched this way waits before it writes anything or reads anything a kernel of
+the step may write, so the chain stays ordered transitively (C waits for B, which waited for
+A). What no kernel of the step writes may be read before the wait: the batch-1 GEMV reads its
+first weight tile there, and decode attention at small batches its first tile of older keys
+(written by earlier steps). A kernel launched without PDL (torch,
 cuBLAS) orders as usual. Each kernel wrapper takes `pdl=` from its caller: the engine's platform
 decides it once (on by default; `SPLITSERVE_PDL=0` turns it off, e.g. to rule it out on a new
 driver), and bench/decode_roofline.py passes both for A/B timing.

@@ -1,7 +1,7 @@
 """Paged decode attention matches its reference on every path: MHA and GQA (also a group that is
 not a power of two), one and many splits (including splits left empty), sliding windows,
 seq_len 0 padding rows, partial last blocks, contexts over many blocks, pages smaller and larger
-than the kernel's key tile."""
+than the kernel's key tile, and with each split's first tile read before the wait or not."""
 
 from __future__ import annotations
 
@@ -49,6 +49,7 @@ def _check(
     dtype: torch.dtype,
     device: torch.device,
     seed: int,
+    preload: bool | None = None,
 ) -> None:
     paged = random_paged_kv(seq_lens, num_kv_heads, head_dim, block_size, dtype, device, seed)
     gen = torch.Generator().manual_seed(seed + 1)
@@ -56,7 +57,7 @@ def _check(
     scale = head_dim**-0.5
     out = torch.full_like(q, float("nan"))
     args = (q, paged.kv_cache, paged.block_tables, paged.seq_lens, scale, window)
-    got = decode_attention(*args, out=out, num_splits=num_splits)
+    got = decode_attention(*args, out=out, num_splits=num_splits, preload=preload)
     assert got is out
     want = decode_attention_ref(*args)
     atol, rtol = tolerance(dtype)
@@ -66,10 +67,11 @@ def _check(
             assert torch.all(got[i] == 0), "a padding row must be zeros"
 
 
+@pytest.mark.parametrize("preload", [False, True])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("index", range(len(CPU_CASES)))
-def test_decode_matches_reference(index, dtype, device):
-    _check(*CPU_CASES[index], dtype, device, seed=index)
+def test_decode_matches_reference(index, dtype, preload, device):
+    _check(*CPU_CASES[index], dtype, device, seed=index, preload=preload)
 
 
 def test_each_split_count_gives_the_same_output(device):
@@ -146,23 +148,26 @@ def test_bad_arguments_raise_before_launch(change, message, device):
 
 
 @needs_gpu
+@pytest.mark.parametrize("preload", [None, True])
 @pytest.mark.parametrize("dtype", GPU_DTYPES)
 @pytest.mark.parametrize(
     ("batch", "max_len", "window"),
     [(1, 32768, None), (7, 9000, None), (256, 2048, None), (33, 5000, 4096)],
 )
-def test_decode_real_shapes_on_gpu(dtype, batch, max_len, window):
+def test_decode_real_shapes_on_gpu(dtype, batch, max_len, window, preload):
     gen = torch.Generator().manual_seed(batch)
     seq_lens = torch.randint(1, max_len + 1, (batch,), generator=gen).tolist()
     seq_lens[0] = max_len
     if batch > 2:
         seq_lens[1] = 0
-    _check(seq_lens, 32, 8, 128, 16, window, None, dtype, torch.device("cuda"), seed=batch)
+    cuda = torch.device("cuda")
+    _check(seq_lens, 32, 8, 128, 16, window, None, dtype, cuda, seed=batch, preload=preload)
 
 
+@pytest.mark.parametrize("preload", [False, True])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("index", [1, 4, 9])
-def test_an_fp8_cache_matches_the_reference_on_its_values(index, dtype, device):
+def test_an_fp8_cache_matches_the_reference_on_its_values(index, dtype, preload, device):
     """An FP8 (e4m3) cache under queries of any dtype: the kernel widens each key and value
     exactly (every e4m3 value is one of fp16's and bf16's; 16-bit queries run their dots in
     fp16, each row scaled by a power of two) and attends as usual."""
@@ -175,7 +180,7 @@ def test_an_fp8_cache_matches_the_reference_on_its_values(index, dtype, device):
     gen = torch.Generator().manual_seed(index + 1)
     q = torch.randn(len(seq_lens), num_heads, head_dim, generator=gen).to(device, dtype)
     args = (q, paged.kv_cache, paged.block_tables, paged.seq_lens, head_dim**-0.5, window)
-    got = decode_attention(*args, num_splits=splits)
+    got = decode_attention(*args, num_splits=splits, preload=preload)
     atol, rtol = tolerance(dtype)
     torch.testing.assert_close(got, decode_attention_ref(*args), atol=atol, rtol=rtol)
 
