@@ -62,7 +62,7 @@ MAX_SPLITS = 64
 PROGRAMS_PER_SM = 4
 # Up to this many programs per SM, each split reads its first tile of older keys before it waits
 # for the previous kernel (see the kernel). At batch 1 (Llama-3-8B, H100) the FP8 decode step
-# took 3.42 -> 3.37 ms; with more programs the unpipelined first tile cost more than it hid: at
+# took 3.42 -> 3.36 ms; with more programs the unpipelined first tile cost more than it hid: at
 # batch 256 and 4k context (one split per head) the attention call was 1.21x slower.
 PRELOAD_PROGRAMS_PER_SM = PROGRAMS_PER_SM
 # The interpreter has no SMs to count: it passes for a tiny GPU, so CPU runs may split too.
@@ -295,8 +295,9 @@ def decode_attention(
     The query sits at position seq_len - 1 and, with `sliding_window`, sees keys at positions
     > seq_len - 1 - sliding_window. `max_seq_len` (an upper bound, default the block tables'
     capacity, so no device sync) and `num_splits` (default `choose_num_splits`) set the split.
-    `preload` (default: when every program fits on the GPU at once, PRELOAD_PROGRAMS_PER_SM
-    per SM) reads each split's first tile of older keys before waiting for the previous kernel.
+    `preload` (default: with PDL, when every program fits on the GPU at once,
+    PRELOAD_PROGRAMS_PER_SM per SM) reads each split's first tile of older keys before waiting
+    for the previous kernel.
     """
     block_size, num_kv_heads = check_attention(q, kv_cache, sliding_window)
     batch, num_heads, head_dim = q.shape
@@ -329,8 +330,6 @@ def decode_attention(
             max_seq_len = min(max_seq_len, sliding_window)
         num_splits = choose_num_splits(batch, num_kv_heads, max_seq_len, num_sms)
 
-    if preload is None:
-        preload = batch * num_kv_heads * num_splits <= PRELOAD_PROGRAMS_PER_SM * num_sms
     group = num_heads // num_kv_heads
     config = LaunchConfig(*_launch_config(q.dtype, kv_cache.dtype))  # (a bench passes tuples)
     single = num_splits == 1
@@ -340,6 +339,8 @@ def decode_attention(
     part_lse = out if single else q.new_empty(part_shape, dtype=torch.float32)
     k_cache, v_cache = kv_cache[0], kv_cache[1]
     pdl = use_pdl(_decode_split_kernel, device, pdl)
+    if preload is None:  # (without PDL nothing runs before the wait: no gain)
+        preload = pdl and batch * num_kv_heads * num_splits <= PRELOAD_PROGRAMS_PER_SM * num_sms
     _decode_split_kernel[(batch, num_kv_heads, num_splits)](
         q,
         k_cache,
