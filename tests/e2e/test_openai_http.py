@@ -258,7 +258,11 @@ def test_the_in_flight_limit_answers_429(stack, model_dir):
         GatewaySettings(max_inflight=1, http_port=port),
     )
     url = f"http://127.0.0.1:{port}/v1"
-    body = {"prompt": PROMPT, "max_tokens": 300, "temperature": 0, "ignore_eos": True,
+    # The first stream holds the only slot while the second request is refused. It must still
+    # be running then: 300 tokens of the tiny model could finish first (their events fit the
+    # socket buffers, so nothing waits for this client to read), so it asks for nearly the
+    # model's whole length (2048).
+    body = {"prompt": PROMPT, "max_tokens": 2000, "temperature": 0, "ignore_eos": True,
             "stream": True}  # fmt: skip
     try:
         with httpx.Client(base_url=url, timeout=60) as http:
