@@ -1,0 +1,148 @@
+"""Starting the gateway in this process: its gRPC server (health NOT_SERVING, every method
+UNAVAILABLE "loading" until bound), /metrics, the tokenizer and routing, then the Gateway servicer
+and the OpenAI-compatible HTTP API beside it. `splitserve gateway --processes N` runs N of these,
+one per process (`gateway_processes.py`)."""
+
+from __future__ import annotations
+
+from splitserve.engine.model_config import ModelConfig
+from splitserve.engine.tokenizer import load_tokenizer
+from splitserve.gateway.http_server import Authorize, HttpFrontDoor, create_app
+from splitserve.gateway.migration import FailoverSettings
+from splitserve.gateway.observability import GatewayObserver
+from splitserve.gateway.orchestrator import Orchestrator, OrchestratorSettings
+from splitserve.gateway.router import make_policy
+from splitserve.gateway.servicer import GatewayServicer, ModelInfo
+from splitserve.gateway.stubs import Stubs
+from splitserve.kv_transfer.registry import Registry
+from splitserve.protos.v1 import gateway_pb2_grpc
+from splitserve.runtime.auth import member_channel_interceptors
+from splitserve.runtime.lifecycle import State
+from splitserve.runtime.metrics import RequestMetrics, RoutingMetrics
+from splitserve.runtime.security import Security
+from splitserve.runtime.serving import Opened, Running, ServiceSpec, open_service
+from splitserve.runtime.settings import GatewaySettings, ServiceSettings
+from splitserve.runtime.tracing import Tracing
+
+GATEWAY_SERVICE = "splitserve.v1.Gateway"
+
+
+def start_gateway(
+    service: ServiceSettings,
+    gateway: GatewaySettings,
+    tracing: Tracing | None = None,
+    security: Security | None = None,
+) -> Running:
+    tracing = tracing or Tracing.disabled()
+    security = security or Security()
+    opened = open_service(
+        service,
+        [
+            ServiceSpec(
+                GATEWAY_SERVICE, gateway_pb2_grpc.add_GatewayServicer_to_server, ("Generate",)
+            )
+        ],
+        interceptors=security.gateway_interceptors(),
+        credentials=security.server_credentials(),
+    )
+    metrics = opened.metrics
+    try:
+        model_config = ModelConfig.from_pretrained(service.model)
+        tokenizer = load_tokenizer(service.model)
+        registry = Registry(
+            service.redis_url, retry_s=service.registry_retry_s, secret=security.cluster_secret
+        )
+        orchestrator = Orchestrator(
+            registry,
+            make_policy(gateway.routing_policy),
+            OrchestratorSettings(
+                block_size=gateway.block_size,
+                local_prefill_tokens=gateway.local_prefill_tokens,
+                default_timeout_s=gateway.request_timeout_s,
+                max_prefill_tokens_per_worker=gateway.max_prefill_tokens_per_worker,
+                failover=FailoverSettings(
+                    rpc_timeout_s=gateway.rpc_timeout_s,
+                    stall_timeout_s=gateway.stall_timeout_s,
+                    suspect_s=gateway.suspect_s,
+                    max_migrations=gateway.max_migrations,
+                ),
+            ),
+            stubs=Stubs(member_channel_interceptors(security.cluster_secret, forward_caller=True)),
+        )
+        info = ModelInfo(
+            name=service.served_model_name,
+            config=model_config,
+            max_model_len=model_config.max_model_len,
+            block_size=gateway.block_size,
+        )
+        requests = RequestMetrics(
+            metrics,
+            ("time_to_first_token", "inter_token_latency", "e2e_request_latency"),
+            outcomes=True,
+        )
+        observer = GatewayObserver(tracing, requests, RoutingMetrics(metrics), info.name)
+        opened.gates[0].bind(
+            GatewayServicer(
+                orchestrator,
+                tokenizer,
+                info,
+                gateway.max_inflight,
+                observer,
+                max_inflight_per_key=gateway.max_inflight_per_key,
+                max_tokens_per_minute_per_key=gateway.max_tokens_per_minute_per_key,
+            )
+        )
+        # NOTE: its channels to the workers live on the server's loop: closed there, at stop.
+        opened.server.on_stop(orchestrator.close)
+        http = start_http(
+            opened, tokenizer, info, service.host, gateway.http_port, security.http_authorize()
+        )
+    except BaseException:
+        opened.close()
+        raise
+    opened.lifecycle.set_serving()
+
+    def stop() -> None:
+        opened.lifecycle.start_draining()
+        if http is not None:
+            http.stop(opened.server)
+        opened.server.stop()
+        registry.close()
+        metrics.close()
+
+    return Running(
+        opened.server,
+        opened.address,
+        opened.lifecycle,
+        metrics,
+        stop,
+        worker=orchestrator,
+        http_port=http.port if http is not None else 0,
+    )
+
+
+def start_http(
+    opened: Opened,
+    tokenizer: object,
+    info: ModelInfo,
+    host: str,
+    port: int,
+    authorize: Authorize | None = None,
+) -> HttpFrontDoor | None:
+    """The OpenAI-compatible HTTP API beside the gRPC one (None when `port` is 0): it calls
+    the same Gateway servicer, through the same lifecycle gate, on the same event loop, and
+    checks the same API keys (`authorize`)."""
+    if not port:
+        return None
+    gate = opened.gates[0]
+    lifecycle = opened.lifecycle
+    app = create_app(
+        lambda request, call: gate.Generate(request, call),
+        info,
+        tokenizer,
+        lambda: lifecycle.state is State.SERVING,
+        authorize,
+    )
+    http = HttpFrontDoor(app, host, port)
+    http.start(opened.server)
+    return http
