@@ -51,6 +51,42 @@ CHATML_TEMPLATE = (
     "{%- endif %}"
 )
 
+# ChatML that renders tools the way Qwen2.5's template does (Hermes `<tool_call>` tags): the
+# tools in the system message, an assistant's calls as tags, tool results as `tool` turns.
+HERMES_TOOLS_TEMPLATE = (
+    "{%- if tools %}"
+    "{{- '<|im_start|>system\\n' }}"
+    "{%- if messages[0]['role'] == 'system' %}{{- messages[0]['content'] + '\\n\\n' }}{%- endif %}"
+    "{{- '# Tools\\n\\nYou may call one or more functions. Function signatures are within "
+    "<tools></tools>:\\n<tools>' }}"
+    "{%- for tool in tools %}{{- '\\n' + (tool | tojson) }}{%- endfor %}"
+    "{{- '\\n</tools>\\n\\nFor each call, return a JSON object with the function name and "
+    "arguments within <tool_call></tool_call> tags:\\n<tool_call>\\n"
+    "{\"name\": <function-name>, \"arguments\": <args-json-object>}\\n</tool_call><|im_end|>\\n' }}"
+    "{%- elif messages[0]['role'] == 'system' %}"
+    "{{- '<|im_start|>system\\n' + messages[0]['content'] + '<|im_end|>\\n' }}"
+    "{%- endif %}"
+    "{%- for message in messages %}"
+    "{%- if message['role'] == 'system' and loop.first %}"
+    "{%- elif message['role'] == 'assistant' and message.tool_calls %}"
+    "{{- '<|im_start|>assistant' }}"
+    "{%- if message['content'] %}{{- '\\n' + message['content'] }}{%- endif %}"
+    "{%- for call in message.tool_calls %}"
+    "{%- set fn = call.function if call.function is defined else call %}"
+    "{{- '\\n<tool_call>\\n{\"name\": \"' + fn.name + '\", \"arguments\": ' }}"
+    "{{- (fn.arguments if fn.arguments is string else fn.arguments | tojson) + '}\\n</tool_call>' }}"
+    "{%- endfor %}"
+    "{{- '<|im_end|>\\n' }}"
+    "{%- elif message['role'] == 'tool' %}"
+    "{{- '<|im_start|>user\\n<tool_response>\\n' + message['content'] + "
+    "'\\n</tool_response><|im_end|>\\n' }}"
+    "{%- else %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+
 _CORPUS = """\
 The quick brown fox jumps over the lazy dog. A serving engine reads a prompt, splits it into
 tokens, and runs the model one step at a time until it sees the end of the sequence. Each step
