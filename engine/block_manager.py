@@ -209,6 +209,18 @@ class BlockManager:
             hashes.append(chain_hash(hashes[-1] if hashes else None, chunk))
             self.pool.cache(table[i], hashes[-1], chunk)
 
+    def trim(self, seq_id: SeqId, num_tokens: int) -> None:
+        """Shrink `seq_id` to slots for its first `num_tokens` tokens, releasing the blocks
+        past them (speculative decoding's rollback of rejected drafts). Never below the
+        hashed (full, computed) blocks."""
+        table = self._tables[seq_id]
+        if num_tokens < len(self._hashes[seq_id]) * self.block_size:
+            raise BlockIntegrityError(f"trim of {seq_id!r} below its cached blocks")
+        keep = -(-num_tokens // self.block_size)
+        while len(table) > keep:
+            self.pool.release(table.pop())
+        self._num_tokens[seq_id] = min(self._num_tokens[seq_id], num_tokens)
+
     def usage(self) -> KVUsage:
         pool = self.pool
         unused = sum(

@@ -11,6 +11,8 @@ from dataclasses import dataclass
 
 import torch
 
+from splitserve.engine.spec_decode.config import SpeculativeConfig
+
 _DTYPES = {
     "float32": torch.float32,
     "float16": torch.float16,
@@ -84,6 +86,8 @@ class EngineConfig:
     async_scheduling: bool | None = None
     # Programmatic dependent launch for the Triton kernels (Hopper and newer; kernels/pdl.py).
     enable_pdl: bool = True
+    # Speculative decoding (engine/spec_decode/): None decodes one token per step.
+    speculative: SpeculativeConfig | None = None
     seed: int = 0
 
     def __post_init__(self) -> None:

@@ -17,6 +17,8 @@ from dataclasses import dataclass
 import torch
 
 from splitserve.engine.attention import AttentionMetadata
+from splitserve.engine.lora.batch import LoRABatch
+from splitserve.engine.lora.manager import LoRAManager
 from splitserve.engine.model import CausalLM
 
 BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
@@ -40,6 +42,7 @@ class DecodeGraphs:
         max_blocks_per_seq: int,
         block_size: int,
         max_model_len: int,
+        lora: LoRAManager | None = None,
     ) -> None:
         self.model = model
         self.kv_caches = kv_caches
@@ -65,6 +68,17 @@ class DecodeGraphs:
         self.cu_seqlens_q = torch.arange(size + 1, dtype=torch.int32, device=device)
         self.max_model_len = max_model_len
         self._graphs: dict[int, _Graph] = {}
+        # LoRA: each bucket is captured twice, without LoRA (steps with no adapter pay
+        # nothing) and with the LoRA kernels, whose rows' slots are a graph input (one
+        # segment per row; padded and base rows -1, which the kernels skip).
+        self.lora = lora
+        self._lora_graphs: dict[int, _Graph] = {}
+        self._lora_segments: dict[int, torch.Tensor] = {}
+        if lora is not None:
+            for bucket in self.buckets:
+                rows = torch.arange(bucket, dtype=torch.int32)
+                segs = torch.stack([rows, torch.ones_like(rows), torch.full_like(rows, -1)])
+                self._lora_segments[bucket] = segs.to(device)
 
     @property
     def max_batch(self) -> int:
@@ -97,12 +111,24 @@ class DecodeGraphs:
                 # capture. With FP8 projections the LM head may be the first cuBLAS call.
                 self.model.ops.argmax(self.model.compute_logits(self.model(*args)))
             torch.cuda.current_stream().wait_stream(stream)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                logits = self.model.compute_logits(self.model(*args))
-                argmax = self.model.ops.argmax(logits)
-            self._graphs[bucket] = _Graph(graph, logits, argmax)
+            self._graphs[bucket] = self._capture_one(args, pool)
+            if self.lora is not None:
+                self.lora.context.batch = LoRABatch(self._lora_segments[bucket], 1)
+                try:
+                    with torch.cuda.stream(stream):  # warm-up: the LoRA kernels compile
+                        self.model.compute_logits(self.model(*args))
+                    torch.cuda.current_stream().wait_stream(stream)
+                    self._lora_graphs[bucket] = self._capture_one(args, pool)
+                finally:
+                    self.lora.context.batch = None
         torch.cuda.synchronize()
+
+    def _capture_one(self, args: tuple, pool: tuple) -> _Graph:
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool):
+            logits = self.model.compute_logits(self.model(*args))
+            argmax = self.model.ops.argmax(logits)
+        return _Graph(graph, logits, argmax)
 
     def can_run(self, batch: int) -> bool:
         return 0 < batch <= self.max_batch and bool(self._graphs)
@@ -116,6 +142,7 @@ class DecodeGraphs:
         seq_lens: list[int],
         tables: list[list[int]],
         carry: tuple[torch.Tensor, list[tuple[int, int]]] | None = None,
+        lora_slots: list[int] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """One decode step for len(input_ids) sequences: their logits [batch, vocab] and the
         argmax of each row [batch]. `carry` = (tokens on the device, [(row, source row)]) sets
@@ -149,5 +176,12 @@ class DecodeGraphs:
             k = len(moves)
             self.input_ids.index_copy_(0, self._dst[:k], carry[0].index_select(0, self._src[:k]))
         graph = self._graphs[bucket]
+        if lora_slots is not None:
+            if self.lora is None:
+                raise RuntimeError("a decode step with LoRA rows, but no LoRA graphs captured")
+            # NOTE: from pageable memory, so the copy has read the list before this returns.
+            padded = lora_slots + [-1] * (bucket - batch)
+            self._lora_segments[bucket][2].copy_(torch.tensor(padded, dtype=torch.int32))
+            graph = self._lora_graphs[bucket]
         graph.graph.replay()
         return graph.logits[:batch], graph.argmax[:batch]

@@ -36,6 +36,7 @@ from splitserve.engine.request_checks import check_request
 from splitserve.engine.sampling_params import SamplingParams
 from splitserve.engine.scheduler import Scheduler
 from splitserve.engine.sequence import FinishReason, Sequence
+from splitserve.engine.spec_decode.speculator import Speculator
 from splitserve.engine.stats import EngineStats
 from splitserve.engine.tokenizer import load_tokenizer
 from splitserve.engine.weights import load_model
@@ -75,6 +76,7 @@ class LLMEngine:
         self.model = load_model(model_dir, self.model_config, config, self.platform)
         budget = self.platform.kv_cache_budget(config)
         self.config = size_kv_pool(self.model_config, config, budget)
+        self.speculator = self._start_speculation(config)
         assert self.config.num_kv_blocks is not None
         self.block_manager = BlockManager(
             self.config.num_kv_blocks,
@@ -304,11 +306,17 @@ class LLMEngine:
         come with the next call's (engine/overlap.py)."""
         self.housekeeping()
         prev, self._inflight = self._inflight, None
-        out = self.scheduler.schedule()
-        if out.is_empty and prev is None:
-            return []
-        overlap = self.overlap and not out.is_empty and self.runner.can_overlap(out)
         outputs: list[RequestOutput] = []
+        plan: dict[Sequence, int] = {}
+        if self.speculator is not None and self.speculator.wants(len(self.scheduler.running)):
+            # NOTE: proposals need every token known: no overlap while speculation is on.
+            if prev is not None:
+                outputs, prev = self._settle(prev), None
+            plan = self.speculator.plan(self.scheduler.running)
+        out = self.scheduler.schedule(plan)
+        if out.is_empty and prev is None:
+            return outputs
+        overlap = self.overlap and not out.is_empty and self.runner.can_overlap(out)
         if prev is not None and not overlap:
             outputs = self._settle(prev)
             prev = None
@@ -325,7 +333,13 @@ class LLMEngine:
                 launched.advanced = self.scheduler.advance(out, PLACEHOLDER)
                 self._inflight = launched
             else:
+                drafts: dict[str, list[int]] = {}
+                if self.speculator is not None:
+                    drafts = self.speculator.propose(out, tables)
+                    out = self.speculator.attach(out, drafts)
                 sampled = self.runner.execute(out, tables)
+                if drafts:
+                    self.speculator.record(drafts, sampled)  # type: ignore[union-attr]
                 outputs += self._process_outputs(self.scheduler.update(out, sampled))
         # NOTE: a watched prefill that finished is forgotten (its unpinned blocks freed) on the
         # next turn, not now: step hooks still see its final progress after this step.
@@ -333,6 +347,21 @@ class LLMEngine:
         if len(outputs) > 1:  # a request settled from the step in flight and stepped again
             outputs = list({o.request_id: o for o in outputs}.values())
         return outputs
+
+    def _start_speculation(self, asked: EngineConfig) -> Speculator | None:
+        """The speculator `config.speculative` asks for (a draft model's KV pool takes its share
+        of the memory budget, unless `num_kv_blocks` was given)."""
+        if self.config.speculative is None:
+            return None
+        speculator, self.config = Speculator.start(
+            self.config, self.model, self.model_config, self.platform, asked.num_kv_blocks
+        )
+        if getattr(self, "kv_cache", None) is not None and (
+            self.kv_cache.num_blocks != self.config.num_kv_blocks
+        ):
+            del self.kv_cache  # NOTE: freed before the smaller pool is allocated
+            self.kv_cache = KVCache.allocate(self.model.cfg, self.config)
+        return speculator
 
     def _settle(self, inflight: InFlight) -> list[RequestOutput]:
         """Wait for a step left in flight and apply its tokens."""
@@ -394,6 +423,7 @@ class LLMEngine:
             prefix_cache_queries=bm.prefix_cache_queries,
             prefix_cache_hits=bm.prefix_cache_hits,
             block_size=self.config.block_size,
+            **(self.speculator.stats() if self.speculator is not None else {}),
         )
 
     def check_integrity(self) -> None:

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from splitserve.engine.attention import AttentionBackend, AttentionMetadata, get_attention_backend
+from splitserve.engine.lora.batch import LoRALayer
 from splitserve.engine.model_config import ModelConfig
 from splitserve.engine.ops import NO_SCALES, Activation, Scales, TorchOps
 from splitserve.engine.rotary import RotaryEmbedding
@@ -63,6 +64,8 @@ class Attention(nn.Module):
         self.qkv_weight: torch.Tensor | None = None
         self.qkv_bias: torch.Tensor | None = None
         self.qkv_scales: Scales = NO_SCALES
+        # This layer's LoRA views (engine/lora), set when the engine serves adapters.
+        self.lora: LoRALayer | None = None
 
     def merge_projections(self) -> None:
         """Put q/k/v weights into one tensor (the three Linear weights become views of it)."""
@@ -81,9 +84,15 @@ class Attention(nn.Module):
         cfg = self.cfg
         if self.qkv_weight is not None:  # merged projection on a GPU: one GEMM, not three
             qkv = self.ops.linear(x, self.qkv_weight, self.qkv_bias, *self.qkv_scales)
+            if self.lora is not None:
+                qkv = self.lora.apply("qkv", x, qkv)  # type: ignore[arg-type]
             q, k, v = qkv.split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
         else:
-            q, k, v = (_linear(self.ops, x, m) for m in (self.q_proj, self.k_proj, self.v_proj))
+            q, k, v = (
+                _lora_linear(self.ops, x, m, self.lora, name)
+                for m, name in ((self.q_proj, "q_proj"), (self.k_proj, "k_proj"),
+                                (self.v_proj, "v_proj"))
+            )  # fmt: skip
         q = q.reshape(-1, cfg.num_heads, cfg.head_dim)
         k = k.reshape(-1, cfg.num_kv_heads, cfg.head_dim)
         v = v.reshape(-1, cfg.num_kv_heads, cfg.head_dim)
@@ -92,7 +101,7 @@ class Attention(nn.Module):
             q, k = self.q_norm(q.contiguous()), self.k_norm(k.contiguous())
         out = self.backend.rotate_and_forward(positions, q, k, v, self._rotary[0], kv_cache, meta)
         out = out.reshape(-1, cfg.q_size)
-        return _linear(self.ops, out, self.o_proj)
+        return _lora_linear(self.ops, out, self.o_proj, self.lora, "o_proj")
 
 
 class MLP(nn.Module):
@@ -105,6 +114,7 @@ class MLP(nn.Module):
 
         self.gate_up_weight: torch.Tensor | None = None
         self.gate_up_scales: Scales = NO_SCALES
+        self.lora: LoRALayer | None = None
 
     def merge_projections(self) -> None:
         self.gate_up_weight = _merge(self.gate_proj, self.up_proj, None, "weight")
@@ -112,17 +122,32 @@ class MLP(nn.Module):
 
     def forward(self, x: Activation) -> torch.Tensor:
         ops = self.ops
+        lora = self.lora if self.lora is not None and self.lora.active else None
         if self.gate_up_weight is not None:
             down = self.down_proj
+            if lora is not None:  # LoRA goes between the GEMM and SwiGLU: no fused SwiGLU
+                gate_up = ops.linear(x, self.gate_up_weight, None, *self.gate_up_scales)
+                h = ops.silu_and_mul(lora.apply("gate_up", x, gate_up))  # type: ignore[arg-type]
+                return _lora_linear(ops, h, down, lora, "down_proj")
             h = ops.gate_up_silu(x, self.gate_up_weight, self.gate_up_scales, _scales(down))
             return _linear(ops, h, down)
-        gate, up = _linear(ops, x, self.gate_proj), _linear(ops, x, self.up_proj)
-        return _linear(ops, F.silu(gate) * up, self.down_proj)
+        gate = _lora_linear(ops, x, self.gate_proj, lora, "gate_proj")
+        up = _lora_linear(ops, x, self.up_proj, lora, "up_proj")
+        return _lora_linear(ops, F.silu(gate) * up, self.down_proj, lora, "down_proj")
 
 
 def _linear(ops: TorchOps, x: Activation, m: nn.Linear) -> torch.Tensor:
     """`m(x)` through `ops` (FP8 projections carry their scales: engine/quantization.py)."""
     return ops.linear(x, m.weight, m.bias, *_scales(m))
+
+
+def _lora_linear(
+    ops: TorchOps, x: Activation, m: nn.Linear, lora: LoRALayer | None, name: str
+) -> torch.Tensor:
+    """`_linear`, plus the step's LoRA products for projection `name` (LoRA never runs with
+    FP8 projections, so x is a plain tensor there)."""
+    y = _linear(ops, x, m)
+    return y if lora is None else lora.apply(name, x, y)  # type: ignore[arg-type]
 
 
 def _scales(m: nn.Module) -> Scales:

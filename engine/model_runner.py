@@ -18,8 +18,9 @@ from splitserve.engine.model import CausalLM
 from splitserve.engine.outputs import SampledToken
 from splitserve.engine.overlap import PLACEHOLDER, InFlight
 from splitserve.engine.sampler import Sampler, SamplingRow, plain_greedy_params
-from splitserve.engine.scheduler import SchedulerOutput
+from splitserve.engine.scheduler import ScheduledSequence, SchedulerOutput
 from splitserve.engine.sequence import Sequence, step_generator
+from splitserve.engine.spec_decode.verify import verify
 
 
 class ModelRunner:
@@ -83,6 +84,9 @@ class ModelRunner:
             logits = self.model.compute_logits(hidden[self._to_dev(batch.logits_indices)])
         if not sampling:
             return {}
+        verified: dict[str, list[SampledToken]] = {}
+        if any(s.draft_token_ids for s in out.scheduled):
+            logits, argmax, sampling, verified = self._verify(out, logits, argmax)
         # A sequence about to fork samples once per sibling from the same logits row.
         row_ids: list[int] = []
         rows: list[SamplingRow] = []
@@ -98,7 +102,40 @@ class ModelRunner:
         sampled: dict[str, list[SampledToken]] = {seq.seq_id: [] for seq in sampling}
         for i, token_id, logprobs in zip(row_ids, result.token_ids, result.logprobs, strict=True):
             sampled[sampling[i].seq_id].append(SampledToken(token_id, logprobs))
-        return sampled
+        return sampled | verified
+
+    def _verify(
+        self, out: SchedulerOutput, logits: torch.Tensor, argmax: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor | None, list[Sequence], dict[str, list[SampledToken]]]:
+        """Verify the speculating sequences' k + 1 rows (engine/spec_decode/verify.py); return
+        the other sampling rows (logits, argmax, sequences) and the verified tokens."""
+        plain_rows: list[int] = []
+        spec_rows: list[int] = []
+        plain: list[Sequence] = []
+        spec: list[ScheduledSequence] = []
+        row = 0
+        for item in (s for s in out.scheduled if s.samples):
+            num_rows = 1 + len(item.draft_token_ids)
+            if item.draft_token_ids:
+                spec.append(item)
+                spec_rows.extend(range(row, row + num_rows))
+            else:
+                plain.append(item.seq)
+                plain_rows.append(row)
+            row += num_rows
+        tokens = verify(
+            logits[self._to_dev(spec_rows)],
+            [s.seq for s in spec],
+            [list(s.draft_token_ids) for s in spec],
+            self.sampler,
+            self._sampling_row,
+        )
+        verified = {
+            item.seq.seq_id: [SampledToken(t) for t in ids]
+            for item, ids in zip(spec, tokens, strict=True)
+        }
+        index = self._to_dev(plain_rows)
+        return logits[index], None if argmax is None else argmax[index], plain, verified
 
     def can_overlap(self, out: SchedulerOutput) -> bool:
         """Whether `out` is a decode step whose tokens may stay on the device (`launch`): the
@@ -221,12 +258,14 @@ def _gather(out: SchedulerOutput, block_tables: dict[str, list[int]], bs: int) -
         start = seq.num_computed_tokens
         end = start + item.num_new_tokens
         table = block_tables[seq.seq_id]
-        batch.input_ids.extend(seq.tokens_between(start, end))
+        drafts = list(item.draft_token_ids)  # speculative: verified after the known tokens
+        batch.input_ids.extend(seq.tokens_between(start, end - len(drafts)) + drafts)
         batch.positions.extend(range(start, end))
         batch.slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
         batch.query_lens.append(item.num_new_tokens)
         batch.seq_lens.append(end)
         batch.tables.append(table)
-        if item.samples:
-            batch.logits_indices.append(len(batch.input_ids) - 1)
+        if item.samples:  # a speculating sequence samples at each of its k + 1 positions
+            first = len(batch.input_ids) - 1 - len(drafts)
+            batch.logits_indices.extend(range(first, len(batch.input_ids)))
     return batch

@@ -67,18 +67,28 @@ class OutputProcessor:
             if detok is None:
                 detok = IncrementalDetokenizer(self.tokenizer, seq.prompt_token_ids)
                 state.detokenizers[seq.seq_id] = detok
-            delta = detok.add(seq.output_token_ids[detok.num_fed :], final=seq.is_finished)
-            text = detok.text
             stops = seq.params.stop
-            if delta and stops and len(seq.output_token_ids) > seq.params.min_tokens:
-                # Only the new text and a stop's length before it can contain a new match.
-                window_start = max(0, len(text) - len(delta) - max(map(len, stops)) + 1)
-                found = [(text.find(s, window_start), s) for s in stops]
-                found = [(pos, s) for pos, s in found if pos >= 0]
-                if found:
-                    pos, stop = min(found)
-                    text = text[:pos]
-                    hits.append(StopStringHit(seq, stop))
+            new = seq.output_token_ids[detok.num_fed :]
+            # NOTE: several new tokens (an accepted speculative run) are fed one at a time when
+            # stop strings are asked for, so that tokens after the one completing a stop string
+            # are dropped, as if they had never been generated.
+            chunks = [[t] for t in new] if stops and len(new) > 1 else [new]
+            for i, chunk in enumerate(chunks):
+                last = i == len(chunks) - 1
+                delta = detok.add(chunk, final=seq.is_finished and last)
+                text = detok.text
+                if delta and stops and detok.num_fed > seq.params.min_tokens:
+                    # Only the new text and a stop's length before it can contain a new match.
+                    window_start = max(0, len(text) - len(delta) - max(map(len, stops)) + 1)
+                    found = [(text.find(s, window_start), s) for s in stops]
+                    found = [(pos, s) for pos, s in found if pos >= 0]
+                    if found:
+                        pos, stop = min(found)
+                        text = text[:pos]
+                        hits.append(StopStringHit(seq, stop))
+                        del seq.output_token_ids[detok.num_fed :]
+                        del seq.output_logprobs[detok.num_fed :]
+                        break
             state.texts[seq.seq_id] = text
         return hits
 

@@ -19,8 +19,19 @@ def chain_hash(parent: bytes | None, token_ids: Sequence[int]) -> bytes:
     return h.digest()
 
 
-def prefix_block_hashes(token_ids: Sequence[int], block_size: int) -> list[bytes]:
-    """Chained hashes of the full blocks a prefix-cache lookup may match.
+def adapter_root(name: str, digest: str) -> bytes:
+    """The parent of a LoRA sequence's first block hash: its adapter's name and weights' digest,
+    so a block computed under one adapter never matches another's or the base model's."""
+    h = hashlib.blake2b(digest_size=16)
+    h.update(b"lora\0" + name.encode() + b"\0" + digest.encode())
+    return h.digest()
+
+
+def prefix_block_hashes(
+    token_ids: Sequence[int], block_size: int, root: bytes | None = None
+) -> list[bytes]:
+    """Chained hashes of the full blocks a prefix-cache lookup may match; `root` is the parent
+    of the first (an adapter's, `adapter_root`; None for the base model).
 
     NOTE: the last token is never served from cache (its logits are needed), so only
     (len - 1) // block_size blocks count. Decode workers and the gateway's router both use this.
@@ -28,5 +39,5 @@ def prefix_block_hashes(token_ids: Sequence[int], block_size: int) -> list[bytes
     hashes: list[bytes] = []
     for i in range((len(token_ids) - 1) // block_size):
         block = token_ids[i * block_size : (i + 1) * block_size]
-        hashes.append(chain_hash(hashes[-1] if hashes else None, block))
+        hashes.append(chain_hash(hashes[-1] if hashes else root, block))
     return hashes

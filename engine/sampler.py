@@ -275,8 +275,34 @@ class Sampler:
         apply_penalties(sub, prompts, outputs, penalties[:, 0], penalties[:, 1], penalties[:, 2])
         work[index] = sub
 
+    def probs(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+        """Each row's distribution after its grammar mask, bans, penalties, temperature, min-p,
+        top-k and top-p, as float32 [rows, vocab]: what `__call__` draws from (one-hot at the
+        argmax for greedy rows). Speculative verification (engine/spec_decode) accepts drafts
+        against it."""
+        work = logits.to(dtype=torch.float32, copy=True)
+        self._bitmask.apply(work, [row.grammar for row in rows])
+        self._ban(work, rows)
+        self._penalise(work, rows)
+        out = torch.zeros_like(work)
+        greedy = [i for i, row in enumerate(rows) if row.params.is_greedy]
+        random = [i for i, row in enumerate(rows) if not row.params.is_greedy]
+        if greedy:
+            index = self._index(greedy, work)
+            picked = work[index].argmax(dim=-1, keepdim=True)
+            out[index] = torch.zeros_like(work[index]).scatter_(1, picked, 1.0)
+        if random:
+            index = self._index(random, work)
+            out[index] = self._random_probs(work[index], [rows[i] for i in random])
+        return out
+
     @staticmethod
     def _sample_random(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+        return Sampler.race(Sampler._random_probs(logits, rows), rows)
+
+    @staticmethod
+    def _random_probs(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+        """Softmax after temperature, min-p, top-k and top-p (in place on `logits`)."""
         vocab_size = logits.shape[1]
         params = [row.params for row in rows]
         # One host-to-device copy for all per-row parameters; top_k is exact in float32 because
@@ -300,8 +326,12 @@ class Sampler:
                 table[:, 3].long() if use_top_k else None,
                 table[:, 2] if use_top_p else None,
             )
-        probs = logits.softmax(dim=-1)
+        return logits.softmax(dim=-1)
 
+    @staticmethod
+    def race(probs: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+        """One draw per row of `probs` (consumed), from its row's generator where it has one."""
+        vocab_size = probs.shape[1]
         # Exponential race: argmax(p_i / q_i) with q_i ~ Exp(1) picks i with probability p_i.
         q = torch.empty_like(probs)
         shared = [i for i, row in enumerate(rows) if row.generator is None]

@@ -9,7 +9,7 @@ and it recomputes later from its tokens, so its output does not change.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 from splitserve.engine.block_manager import BlockManager
@@ -24,6 +24,11 @@ class ScheduledSequence:
     num_new_tokens: int
     # True when this step computes the sequence's last known token, so its logits are sampled.
     samples: bool
+    # Draft tokens verified this step (engine/spec_decode): the last `num_spec_tokens` of the
+    # `num_new_tokens`, after the sequence's one uncomputed token.
+    num_spec_tokens: int = 0
+    # The drafts themselves, filled in by the proposer once the step is scheduled.
+    draft_token_ids: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -69,7 +74,9 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self, spec: Mapping[Sequence, int] | None = None) -> SchedulerOutput:
+        """This step's batch. `spec` asks for draft slots per decoding sequence (speculative
+        decoding); a sequence gets them only while the budget and free blocks allow."""
         bm = self.block_manager
         budget = self.config.max_num_batched_tokens
         scheduled: list[ScheduledSequence] = []
@@ -81,7 +88,15 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             num_new = min(seq.num_uncomputed_tokens, budget)
-            alloc = bm.allocate(seq.seq_id, seq.num_computed_tokens + num_new)
+            num_spec = min(spec.get(seq, 0), budget - num_new) if spec else 0
+            alloc = None
+            # NOTE: drafts never preempt: they take slots only while every running sequence
+            # could still get a block.
+            if num_spec and bm.pool.num_available > len(self.running):
+                alloc = bm.allocate(seq.seq_id, seq.num_computed_tokens + num_new + num_spec)
+            if alloc is None:
+                num_spec = 0
+                alloc = bm.allocate(seq.seq_id, seq.num_computed_tokens + num_new)
             while alloc is None:
                 victim = self.running.pop()
                 self._preempt(victim)
@@ -92,8 +107,8 @@ class Scheduler:
             if alloc is None:
                 break
             copies.extend(alloc.copies)
-            scheduled.append(self._scheduled(seq, num_new))
-            budget -= num_new
+            scheduled.append(self._scheduled(seq, num_new, num_spec))
+            budget -= num_new + num_spec
             i += 1
 
         # NOTE: nothing new is admitted in a step that had to preempt: the pool is full.
@@ -136,9 +151,9 @@ class Scheduler:
         ]
         return max(holders, key=self._rank) if holders else None
 
-    def _scheduled(self, seq: Sequence, num_new: int) -> ScheduledSequence:
+    def _scheduled(self, seq: Sequence, num_new: int, num_spec: int = 0) -> ScheduledSequence:
         samples = seq.num_computed_tokens + num_new == seq.num_tokens
-        return ScheduledSequence(seq, num_new, samples)
+        return ScheduledSequence(seq, num_new + num_spec, samples, num_spec)
 
     def _preempt(self, seq: Sequence) -> None:
         self.block_manager.free(seq.seq_id)
@@ -162,13 +177,39 @@ class Scheduler:
             if seq.status is not SequenceStatus.RUNNING:
                 continue
             before = seq.num_computed_tokens
-            seq.num_computed_tokens += item.num_new_tokens
+            if item.num_spec_tokens:  # engine/spec_decode: verified tokens, then rollback
+                touched.append(seq)
+                if not self._apply_verified(seq, sampled[seq.seq_id]):
+                    continue
+            else:
+                seq.num_computed_tokens += item.num_new_tokens
             bs = self.block_manager.block_size
             if seq.num_computed_tokens // bs > before // bs:  # a block became full
                 self.block_manager.cache_blocks(seq.seq_id, seq.token_ids, seq.num_computed_tokens)
-            if item.samples:
+            if item.samples and not item.num_spec_tokens:
                 touched.extend(self._append_samples(seq, sampled[seq.seq_id]))
         return touched
+
+    def _apply_verified(self, seq: Sequence, tokens: list[SampledToken]) -> bool:
+        """Append a speculating sequence's verified tokens (accepted drafts, then the target's
+        own) up to the first token stop, whose followers are dropped; give back the KV slots
+        of rejected drafts. Returns False when the sequence finished.
+
+        NOTE: the slots past the accepted run hold rejected drafts' KV; the block table is
+        trimmed to the computed tokens (blocks past them freed) and the rest is overwritten
+        by later steps. Only computed, accepted tokens are ever hashed for the prefix cache.
+        """
+        before = seq.num_computed_tokens
+        for token in tokens:
+            seq.output_token_ids.append(token.token_id)
+            reason = self._stop_reason(seq, token.token_id)
+            if reason is not None:
+                self.finish(seq, *reason)
+                return False
+        # The input token and the accepted drafts are computed; the last token is not.
+        seq.num_computed_tokens = before + len(tokens)
+        self.block_manager.trim(seq.seq_id, seq.num_computed_tokens)
+        return True
 
     def advance(self, out: SchedulerOutput, placeholder: int) -> list[tuple[Sequence, int]]:
         """A launched decode step's sequences count its token as computed and hold `placeholder`

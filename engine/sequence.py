@@ -66,6 +66,10 @@ class Sequence:
     prefill_only: bool = False
     # Where a structured output's sample is in its grammar; None for free text.
     grammar: GrammarState | None = None
+    # The LoRA adapter this sequence runs under (None: the base model), and the root its
+    # prefix-cache block hashes chain from (engine/lora).
+    lora_name: str | None = None
+    prefix_root: bytes | None = None
     order: int = field(default_factory=itertools.count().__next__)
 
     @property
@@ -104,6 +108,8 @@ class Sequence:
             priority=self.priority,
             index=index,
             prefill_only=self.prefill_only,
+            lora_name=self.lora_name,
+            prefix_root=self.prefix_root,
         )
 
     def adopt_progress(self, parent: Sequence) -> None:

@@ -23,6 +23,13 @@ class EngineStats:
     prefix_cache_queries: int  # prompt tokens looked up
     prefix_cache_hits: int  # prompt tokens found
     block_size: int
+    # Speculative decoding (engine/spec_decode/), named as vLLM's: verifications (one per
+    # speculating sequence per step), draft tokens proposed, drafts accepted, and drafts
+    # accepted at each position of a proposal.
+    spec_decode_num_drafts: int = 0
+    spec_decode_num_draft_tokens: int = 0
+    spec_decode_num_accepted_tokens: int = 0
+    spec_decode_num_accepted_tokens_per_pos: tuple[int, ...] = ()
 
     @property
     def kv_cache_usage_perc(self) -> float:

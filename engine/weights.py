@@ -12,6 +12,7 @@ from safetensors import safe_open
 
 from splitserve.engine import quantization
 from splitserve.engine.config import EngineConfig
+from splitserve.engine.gguf_cache import resolve_checkpoint
 from splitserve.engine.model import CausalLM
 from splitserve.engine.model_config import ModelConfig
 from splitserve.engine.platform import Platform
@@ -108,6 +109,7 @@ def load_model(
     model_dir: str | Path, model_cfg: ModelConfig, config: EngineConfig, platform: Platform
 ) -> CausalLM:
     """Build the transformer for `model_cfg` and fill it from the checkpoint's safetensors."""
+    model_dir = resolve_checkpoint(model_dir)  # a GGUF: its HF-format copy (gguf_cache)
     # NOTE: built on the meta device and materialised once in the target dtype, so a large
     # model never holds a float32 copy or random initial weights.
     with torch.device("meta"):

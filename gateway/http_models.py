@@ -5,18 +5,22 @@ and hands that to the same servicer: one path from a request to the workers. Fie
 meanings are OpenAI's, plus vLLM's sampling extras (`top_k`, `min_p`, `repetition_penalty`,
 `ignore_eos`, `min_tokens`, `stop_token_ids`) for clients that send them. Fields a client may
 send that change nothing here (`user`, `store`, `metadata`, …) are accepted and ignored; fields
-whose meaning can't be honoured (`echo`, `suffix`, `best_of`, `logit_bias`, `tools`) are refused
-with a 400 rather than silently dropped.
+whose meaning can't be honoured (`suffix`, `best_of`, `logit_bias`, `echo` with `logprobs`) are
+refused with a 400 rather than silently dropped. A chat with tools (`tools`, `tool_choice`,
+`parallel_tool_calls`, `tool` messages, assistant `tool_calls`) is planned by `tool_choice.py`
+and rendered by `tool_chat.py`: the HTTP layer then hands the servicer its prompt token ids.
 """
 
 from __future__ import annotations
 
+import json
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from splitserve.engine.errors import InvalidRequest
 from splitserve.gateway.structured_openai import structured_from_openai as structured_spec
+from splitserve.gateway.tool_choice import ToolPlan, plan_tools
 from splitserve.protos import convert
 from splitserve.protos.v1 import common_pb2, gateway_pb2
 
@@ -90,11 +94,31 @@ class ContentPart(BaseModel):
     text: str | None = None
 
 
+class FunctionCall(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class ToolCallIn(BaseModel):
+    """An earlier tool call of the assistant, in a message sent back."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
+    tool_calls: list[ToolCallIn] | None = None  # assistant
+    tool_call_id: str | None = None  # tool: the call it answers
+    name: str | None = None
 
 
 class ChatCompletionRequest(_Sampling):
@@ -106,11 +130,15 @@ class ChatCompletionRequest(_Sampling):
     logprobs: bool = False
     top_logprobs: int | None = None
     tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
 
 
 def completion_request(body: CompletionRequest) -> gateway_pb2.GenerateRequest:
     """The GenerateRequest for a completions body; InvalidRequest names what can't be served."""
-    _refuse(echo=body.echo, suffix=body.suffix, best_of=body.best_of not in (None, body.n))
+    _refuse(suffix=body.suffix, best_of=body.best_of not in (None, body.n))
+    if body.echo and body.logprobs is not None:
+        raise InvalidRequest("echo with logprobs is not supported (prompt logprobs aren't kept)")
     request = gateway_pb2.GenerateRequest(sampling=_sampling(body, body.max_tokens))
     prompt = body.prompt
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
@@ -129,22 +157,81 @@ def completion_request(body: CompletionRequest) -> gateway_pb2.GenerateRequest:
     return request
 
 
-def chat_request(body: ChatCompletionRequest) -> gateway_pb2.GenerateRequest:
+def tool_plan(body: ChatCompletionRequest) -> ToolPlan | None:
+    """What the body's tool fields ask for (None: no tools); InvalidRequest for a bad one."""
+    plan = plan_tools(body.tools, body.tool_choice, body.parallel_tool_calls)
+    if plan is not None and plan.choice != "none":
+        asked = body.model_dump(include=set(STRUCTURED_FIELDS), exclude_none=True)
+        if structured_spec(asked) is not None:
+            raise InvalidRequest(
+                f"tools with tool_choice {plan.choice!r} and a structured output "
+                f"({', '.join(asked)}) can't be combined; send one, or tool_choice 'none'"
+            )
+    return plan
+
+
+def has_tool_messages(body: ChatCompletionRequest) -> bool:
+    """Whether the conversation holds tool results or the assistant's earlier calls."""
+    return any(m.role == "tool" or m.tool_calls for m in body.messages)
+
+
+def tool_messages(body: ChatCompletionRequest) -> list[dict[str, Any]]:
+    """The messages as `tool_chat.render_with_tools` takes them: text content, each earlier
+    call's arguments as an object, each tool result named after the call it answers."""
+    names: dict[str, str] = {}
+    out = []
+    for i, message in enumerate(body.messages):
+        item: dict[str, Any] = {"role": message.role, "content": _text(message)}
+        calls = []
+        for j, call in enumerate(message.tool_calls or ()):
+            try:
+                arguments = json.loads(call.function.arguments or "{}")
+            except json.JSONDecodeError:
+                arguments = None
+            if not isinstance(arguments, dict):
+                raise InvalidRequest(
+                    f"messages[{i}].tool_calls[{j}].function.arguments is not a JSON object"
+                )
+            names[call.id] = call.function.name
+            calls.append({"id": call.id, "name": call.function.name, "arguments": arguments})
+        if calls:
+            item["tool_calls"] = calls
+        if message.role == "tool":
+            item["tool_call_id"] = message.tool_call_id or ""
+            item["name"] = message.name or names.get(message.tool_call_id or "", "")
+        out.append(item)
+    return out
+
+
+def chat_request(
+    body: ChatCompletionRequest,
+    plan: ToolPlan | None = None,
+    prompt_ids: list[int] | None = None,
+    max_model_len: int = 0,
+) -> gateway_pb2.GenerateRequest:
     """The GenerateRequest for a chat body: its messages, rendered by the gateway with the
-    model's chat template."""
-    _refuse(tools=bool(body.tools))
+    model's chat template; or, for a chat with tools, `prompt_ids` (rendered already, with
+    `plan`'s tools) and the grammar `plan` forces, if any."""
     both = body.max_tokens is not None and body.max_completion_tokens is not None
     if both and body.max_tokens != body.max_completion_tokens:
         raise InvalidRequest("max_tokens and max_completion_tokens disagree; send one")
     max_tokens = body.max_completion_tokens if body.max_tokens is None else body.max_tokens
+    if prompt_ids is not None and max_tokens is None:  # a chat reply runs to the context's end
+        max_tokens = max(1, max_model_len - len(prompt_ids))
     request = gateway_pb2.GenerateRequest(sampling=_sampling(body, max_tokens))
-    for message in body.messages:
-        request.messages.messages.add(role=message.role, content=_text(message))
+    if prompt_ids is not None:
+        request.token_ids.ids.extend(prompt_ids)
+    else:
+        for message in body.messages:
+            request.messages.messages.add(role=message.role, content=_text(message))
     if body.top_logprobs is not None and not body.logprobs:
         raise InvalidRequest("top_logprobs requires logprobs: true")
     if body.logprobs:
         request.sampling.logprobs = body.top_logprobs or 0
-    structured_from_openai(body, request)
+    if plan is not None and plan.structured is not None:
+        convert.structured_to_proto(plan.structured, request.sampling)
+    else:
+        structured_from_openai(body, request)
     return request
 
 

@@ -1,7 +1,13 @@
 """The Generate stream, shaped as OpenAI's responses: chunks of `text_completion` or
 `chat.completion.chunk` for server-sent events, or one `text_completion` / `chat.completion`
 object gathered from the whole stream; `usage` from the final message; errors in OpenAI's
-`{"error": {...}}` shape with the HTTP status of their gRPC code."""
+`{"error": {...}}` shape with the HTTP status of their gRPC code.
+
+A chat with tools runs each sample's text through its own tool-call parser (`tool_parsers.py`):
+streamed, as `delta.content` and `delta.tool_calls` entries (index, id, type and name first,
+then fragments of the arguments); gathered, as `message.content` and `message.tool_calls`. A
+sample that called a tool and stopped finishes with `tool_calls`. `echo` (completions) puts the
+prompt's text before each sample's."""
 
 from __future__ import annotations
 
@@ -13,6 +19,9 @@ from typing import Any
 
 import grpc
 
+from splitserve.gateway.tool_call_scanner import ArgsDelta, CallStart, Content, Event
+from splitserve.gateway.tool_choice import ToolPlan
+from splitserve.gateway.tool_parsers import ToolCallParser, parse
 from splitserve.protos.v1 import common_pb2, gateway_pb2
 
 FINISH_REASONS = {
@@ -71,18 +80,25 @@ class Shaper:
     """Turns one request's Generate messages into OpenAI chunks or one final object.
 
     `chat` picks the chat shapes; `top_logprobs` is how many alternatives each logprobs entry
-    lists; `token_text` turns a token id into its text (the model's tokenizer)."""
+    lists; `token_text` turns a token id into its text (the model's tokenizer); `tools` is a
+    chat's tool plan and `parser` the gateway's tool-call parser (resolved); `echo` the prompt's
+    text, put before each completion's."""
 
     model: str
     chat: bool
     n: int
     top_logprobs: int | None
     token_text: Any
+    tools: ToolPlan | None = None
+    parser: str = "hermes"
+    echo: str = ""
     id: str = field(default_factory=lambda: uuid.uuid4().hex)
     created: int = field(default_factory=lambda: int(time.time()))
     _texts: dict[int, list[str]] = field(default_factory=dict)
     _logprobs: dict[int, list[common_pb2.TokenLogprobs]] = field(default_factory=dict)
     _started: set[int] = field(default_factory=set)
+    _parsers: dict[int, ToolCallParser | None] = field(default_factory=dict)
+    _called: set[int] = field(default_factory=set)  # samples that began a tool call
 
     @property
     def object_id(self) -> str:
@@ -100,30 +116,46 @@ class Shaper:
 
     # -- streaming ---------------------------------------------------------------------------
 
-    def chunk(self, delta: common_pb2.SampleDelta) -> dict[str, Any]:
-        """The chunk for new tokens of one sample."""
+    def chunk(self, delta: common_pb2.SampleDelta) -> dict[str, Any] | None:
+        """The chunk for new tokens of one sample (None: nothing to send yet, all of it held
+        back by the sample's tool-call parser)."""
         logprobs = self._logprobs_json(list(delta.logprobs)) if delta.logprobs else None
         if self.chat:
-            message: dict[str, Any] = {"content": delta.text}
+            parser = self._parser(delta.index)
+            if parser is None:
+                message: dict[str, Any] = {"content": delta.text}
+            else:
+                message = self._tool_delta(delta.index, parser.feed(delta.text))
+                if not message and logprobs is None:
+                    return None
             if delta.index not in self._started:
                 self._started.add(delta.index)
                 message = {"role": "assistant", **message}
             choice: dict[str, Any] = {"index": delta.index, "delta": message}
         else:
-            choice = {"index": delta.index, "text": delta.text}
+            text = delta.text
+            if delta.index not in self._started:
+                self._started.add(delta.index)
+                text = self.echo + text
+            choice = {"index": delta.index, "text": text}
         choice.update(logprobs=logprobs, finish_reason=None)
         return self._envelope([choice], stream=True)
 
     def final_chunks(self, finished: gateway_pb2.Finished) -> list[dict[str, Any]]:
-        """A last chunk per sample, carrying its finish_reason."""
+        """A last chunk per sample, carrying its finish_reason (and what its tool-call parser
+        held back to the end)."""
         chunks = []
         for sample in finished.samples:
             if self.chat:
-                delta = {} if sample.index in self._started else {"role": "assistant"}
+                parser = self._parser(sample.index)
+                delta = self._tool_delta(sample.index, parser.finish()) if parser else {}
+                if sample.index not in self._started:
+                    delta = {"role": "assistant", **delta}
                 choice: dict[str, Any] = {"index": sample.index, "delta": delta}
             else:
-                choice = {"index": sample.index, "text": ""}
-            choice.update(logprobs=None, finish_reason=_finish(sample))
+                text = "" if sample.index in self._started else self.echo
+                choice = {"index": sample.index, "text": text}
+            choice.update(logprobs=None, finish_reason=self._finish(sample))
             chunks.append(self._envelope([choice], stream=True))
         return chunks
 
@@ -144,13 +176,72 @@ class Shaper:
             entries = self._logprobs.get(sample.index, [])
             logprobs = self._logprobs_json(entries) if self.top_logprobs is not None else None
             if self.chat:
-                message = {"role": "assistant", "content": text}
+                message = self._message(sample.index, text)
                 choice: dict[str, Any] = {"index": sample.index, "message": message}
             else:
-                choice = {"index": sample.index, "text": text}
-            choice.update(logprobs=logprobs, finish_reason=_finish(sample))
+                choice = {"index": sample.index, "text": self.echo + text}
+            choice.update(logprobs=logprobs, finish_reason=self._finish(sample))
             choices.append(choice)
         return {**self._envelope(choices, stream=False), "usage": usage(finished.usage)}
+
+    # -- tool calls --------------------------------------------------------------------------
+
+    def _parser(self, index: int) -> ToolCallParser | None:
+        if index not in self._parsers:
+            self._parsers[index] = self.tools.parser(self.parser) if self.tools else None
+        return self._parsers[index]
+
+    def _tool_delta(self, index: int, events: list[Event]) -> dict[str, Any]:
+        """A chat delta from a parser's events: `content`, and `tool_calls` entries."""
+        content = "".join(e.text for e in events if isinstance(e, Content))
+        calls: dict[int, dict[str, Any]] = {}
+        for event in events:
+            if isinstance(event, Content) or not self._allowed(event.index):
+                continue
+            if isinstance(event, CallStart):
+                self._called.add(index)
+                calls[event.index] = {
+                    "index": event.index,
+                    "id": event.id,
+                    "type": "function",
+                    "function": {"name": event.name, "arguments": ""},
+                }
+            elif isinstance(event, ArgsDelta):
+                entry = calls.setdefault(
+                    event.index, {"index": event.index, "function": {"arguments": ""}}
+                )
+                entry["function"]["arguments"] += event.text
+        delta: dict[str, Any] = {"content": content} if content else {}
+        if calls:
+            delta["tool_calls"] = [calls[i] for i in sorted(calls)]
+        return delta
+
+    def _allowed(self, call_index: int) -> bool:
+        """parallel_tool_calls false keeps a sample's first call only."""
+        return self.tools is None or self.tools.parallel or call_index == 0
+
+    def _message(self, index: int, text: str) -> dict[str, Any]:
+        parser = self._parser(index)
+        if parser is None:
+            return {"role": "assistant", "content": text}
+        parsed = parse(parser, text)
+        calls = [
+            {
+                "id": call.id,
+                "type": "function",
+                "function": {"name": call.name, "arguments": call.arguments},
+            }
+            for i, call in enumerate(parsed.tool_calls)
+            if self._allowed(i)
+        ]
+        if not calls:
+            return {"role": "assistant", "content": parsed.content}
+        self._called.add(index)
+        return {"role": "assistant", "content": parsed.content, "tool_calls": calls}
+
+    def _finish(self, sample: common_pb2.SampleFinish) -> str | None:
+        reason = _finish(sample)
+        return "tool_calls" if reason == "stop" and sample.index in self._called else reason
 
     # -- logprobs ----------------------------------------------------------------------------
 

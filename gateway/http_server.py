@@ -4,6 +4,7 @@
     GET /v1/models, /health                          Generate (the gRPC API's own path: the same
                                                      validation, admission, orchestrator, metrics,
                                                      traces and drain accounting)
+    POST /tokenize, /detokenize; GET /version, /metrics   (http_extras.py)
 
 uvicorn serves on the gRPC server's own event loop (the "grpc-loop" thread): the orchestrator's
 `grpc.aio` channels belong to that loop, so an HTTP request awaits the workers exactly as a gRPC
@@ -32,13 +33,19 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from splitserve.engine.errors import NotFound
+from splitserve.gateway.http_extras import add_extra_routes
 from splitserve.gateway.http_models import (
     ChatCompletionRequest,
     CompletionRequest,
     chat_request,
     completion_request,
+    has_tool_messages,
+    tool_messages,
+    tool_plan,
 )
 from splitserve.gateway.http_responses import Shaper, error_body, sse
+from splitserve.gateway.tool_chat import render_with_tools, template_text
+from splitserve.gateway.tool_parsers import resolve_parser
 from splitserve.protos.v1 import gateway_pb2
 from splitserve.runtime.grpc_server import Server, status_for
 
@@ -127,13 +134,17 @@ class EventStream(StreamingResponse):
 
 def create_app(generate: Callable[[gateway_pb2.GenerateRequest, HttpCall], Any], info: Any,
                tokenizer: Any, is_serving: Callable[[], bool],
-               authorize: Authorize | None = None) -> FastAPI:  # fmt: skip
+               authorize: Authorize | None = None, tool_call_parser: str = "auto",
+               metrics_registry: Any = None) -> FastAPI:  # fmt: skip
     """The app. `generate(request, call)` is the Gateway servicer's Generate (through its
     lifecycle gate); `info` the served model (`ModelInfo`). `authorize(headers)`, when given,
     checks a request's credentials before anything else (raising a domain error, e.g.
     UNAUTHENTICATED, answered as such) and returns the context to serve it in (the caller's
-    identity); `/health` stays open."""
+    identity); `/health` and `/version` stay open. `tool_call_parser` reads tool calls out of
+    the model's text (`auto`: picked from the chat template); `metrics_registry` is the
+    Prometheus registry `GET /metrics` serves (None: the process's default one)."""
     app = FastAPI(title="splitserve", docs_url=None, redoc_url=None, openapi_url=None)
+    parser_kind = resolve_parser(tool_call_parser, template_text(tokenizer))
 
     def identity(request: Request) -> AbstractContextManager[Any]:
         return authorize(request.headers) if authorize else contextlib.nullcontext()
@@ -181,20 +192,38 @@ def create_app(generate: Callable[[gateway_pb2.GenerateRequest, HttpCall], Any],
         with scope:  # NOTE: the servicer reads the caller's identity when the request starts
             return await serve_as_caller(request, body, chat)
 
+    async def to_proto(body: Any, chat: bool) -> tuple[gateway_pb2.GenerateRequest, Any]:
+        """The GenerateRequest, and the chat's tool plan; a chat with tools is rendered here
+        (in a thread: a long conversation would stall every other stream)."""
+        if body.model not in (None, "", info.name):
+            raise NotFound(f"the model {body.model!r} does not exist; this serves {info.name!r}")
+        if not chat:
+            return completion_request(body), None
+        plan = tool_plan(body)
+        if plan is None and not has_tool_messages(body):
+            return chat_request(body), None
+        tools = plan.tools if plan is not None else ()
+        ids = await asyncio.to_thread(
+            render_with_tools, tokenizer, tool_messages(body), tools, parser_kind
+        )
+        return chat_request(body, plan, ids, info.max_model_len), plan
+
+    def echo_text(proto: gateway_pb2.GenerateRequest) -> str:
+        if proto.WhichOneof("prompt") == "text":
+            return proto.text
+        return str(tokenizer.decode(list(proto.token_ids.ids), clean_up_tokenization_spaces=False))
+
     async def serve_as_caller(request: Request, body: Any, chat: bool) -> Response:
         try:
-            if body.model not in (None, "", info.name):
-                raise NotFound(
-                    f"the model {body.model!r} does not exist; this serves {info.name!r}"
-                )
-            proto = chat_request(body) if chat else completion_request(body)
+            proto, plan = await to_proto(body, chat)
         except ValueError as exc:  # InvalidRequest, and protobuf's out-of-range values
             status, payload = error_body(_invalid(), str(exc))
             return JSONResponse(payload, status_code=status)
         except NotFound as exc:
             return error(exc)
         top = proto.sampling.logprobs if proto.sampling.HasField("logprobs") else None
-        shaper = Shaper(info.name, chat, body.n, top, token_text)
+        echo = echo_text(proto) if not chat and body.echo else ""
+        shaper = Shaper(info.name, chat, body.n, top, token_text, plan, parser_kind, echo)
         call = HttpCall(request.headers)
         responses = generate(proto, call)
         try:
@@ -216,6 +245,7 @@ def create_app(generate: Callable[[gateway_pb2.GenerateRequest, HttpCall], Any],
     async def chat_completions(request: Request, body: ChatCompletionRequest) -> Response:
         return await serve(request, body, chat=True)
 
+    add_extra_routes(app, tokenizer, info, identity, error, metrics_registry, parser_kind)
     return app
 
 
@@ -237,7 +267,9 @@ async def _events(
         msg: gateway_pb2.GenerateResponse | None = first
         while msg is not None:
             if msg.HasField("chunk"):
-                yield sse(_with_usage(shaper.chunk(msg.chunk), include_usage))
+                chunk = shaper.chunk(msg.chunk)
+                if chunk is not None:
+                    yield sse(_with_usage(chunk, include_usage))
             else:
                 for chunk in shaper.final_chunks(msg.finished):
                     yield sse(_with_usage(chunk, include_usage))

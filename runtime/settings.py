@@ -15,6 +15,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from splitserve.runtime.flag_help import flag_help
+
 
 @dataclass(frozen=True)
 class ServiceSettings:
@@ -93,6 +95,9 @@ class GatewaySettings:
     max_tokens_per_minute_per_key: int = 0
     local_prefill_tokens: int = 0
     routing_policy: str = "least-loaded-prefix"
+    # How tool calls are read out of the model's text on the HTTP API (docs/http.md): auto
+    # (picked from the chat template), hermes (<tool_call> tags) or json (Llama 3's)
+    tool_call_parser: str = "auto"
     request_timeout_s: float = 600.0
     block_size: int = 16
     # Prompt tokens given to one prefill worker at once; more requests wait in the gateway
@@ -183,7 +188,9 @@ def add_flags(
             except ValueError as exc:
                 raise ValueError(f"{env_name}={env_value!r}: {exc}") from None
         flag = f"--{name.replace('_', '-')}"
-        parser.add_argument(flag, dest=name, type=kind, default=default, metavar=name.upper())
+        parser.add_argument(
+            flag, dest=name, type=kind, default=default, metavar=name.upper(), help=flag_help(name)
+        )
 
 
 def from_args(cls: type, args: argparse.Namespace, **overrides: Any) -> Any:

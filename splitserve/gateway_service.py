@@ -95,8 +95,9 @@ def start_gateway(
         # NOTE: its channels to the workers live on the server's loop: closed there, at stop.
         opened.server.on_stop(orchestrator.close)
         http = start_http(
-            opened, tokenizer, info, service.host, gateway.http_port, security.http_authorize()
-        )
+            opened, tokenizer, info, service.host, gateway.http_port, security.http_authorize(),
+            gateway.tool_call_parser,
+        )  # fmt: skip
     except BaseException:
         opened.close()
         raise
@@ -128,10 +129,11 @@ def start_http(
     host: str,
     port: int,
     authorize: Authorize | None = None,
+    tool_call_parser: str = "auto",
 ) -> HttpFrontDoor | None:
     """The OpenAI-compatible HTTP API beside the gRPC one (None when `port` is 0): it calls
     the same Gateway servicer, through the same lifecycle gate, on the same event loop, and
-    checks the same API keys (`authorize`)."""
+    checks the same API keys (`authorize`); its /metrics serves the gateway's registry."""
     if not port:
         return None
     gate = opened.gates[0]
@@ -142,6 +144,8 @@ def start_http(
         tokenizer,
         lambda: lifecycle.state is State.SERVING,
         authorize,
+        tool_call_parser,
+        opened.metrics.registry,
     )
     http = HttpFrontDoor(app, host, port)
     http.start(opened.server)

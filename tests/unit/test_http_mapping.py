@@ -14,6 +14,7 @@ from splitserve.gateway.http_models import (
     CompletionRequest,
     chat_request,
     completion_request,
+    tool_plan,
 )
 from splitserve.gateway.http_responses import Shaper, error_body, sse
 from splitserve.protos import convert
@@ -60,7 +61,7 @@ def test_completion_prompts_text_token_ids_or_a_batch_of_one():
 @pytest.mark.parametrize(
     ("body", "named"),
     [
-        ({"echo": True}, "echo"),
+        ({"echo": True, "logprobs": 1}, "echo with logprobs"),
         ({"best_of": 3}, "best_of"),
         ({"logit_bias": {"5": 1.0}}, "logit_bias"),
         ({"n": 0}, "n must be >= 1"),
@@ -116,7 +117,8 @@ def test_chat_refusals():
     with pytest.raises(InvalidRequest, match="disagree"):
         _chat(max_tokens=3, max_completion_tokens=4)
     with pytest.raises(InvalidRequest, match="tools"):
-        _chat(tools=[{"type": "function", "function": {"name": "f"}}])
+        tool_plan(ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}],
+                                        tool_choice="required"))  # fmt: skip
     with pytest.raises(ValueError):
         ChatCompletionRequest(messages=[])
 

@@ -1,0 +1,70 @@
+"""`--help` text of the flags made from the settings dataclasses (settings.add_flags).
+
+One line per field name (`ServiceSettings`, `WorkerSettings`, `GatewaySettings` share one
+table: a name means the same thing wherever it appears). tests/unit/test_cli_help.py walks every
+`splitserve` command's flags and fails on one without help, so a new field needs a line here.
+"""
+
+from __future__ import annotations
+
+_HELP = {
+    # ServiceSettings
+    "model": "the model to serve: an HF checkpoint directory",
+    "redis_url": "the registry's Redis, redis://host:port[/db] (required)",
+    "host": "the address this service binds",
+    "port": "the gRPC port (0: a free one)",
+    "worker_id": "this service's id in the registry (default: <kind>-<host>-<random>)",
+    "advertise_host": "the host others use to reach this one (default: --host)",
+    "model_name": "the served model's name (default: the model directory's name)",
+    "metrics_port": "serve Prometheus /metrics on this port (0: off)",
+    "drain_timeout_s": "on SIGTERM: seconds to wait for the requests in flight",
+    "registry_retry_s": "seconds a registry call retries while Redis is unreachable",
+    # WorkerSettings
+    "dtype": "weights' and activations' dtype: auto (bfloat16 on a GPU, float32 on the CPU), "
+    "bfloat16, float16, float32",
+    "device": "where the engine runs: auto (the GPU when there is one), cpu, cuda, cuda:N",
+    "block_size": "tokens per KV cache block (every worker and the gateway must agree)",
+    "num_kv_blocks": "KV cache blocks (default: from --kv-cache-memory-bytes or "
+    "--gpu-memory-utilization)",
+    "kv_cache_memory_bytes": "the KV pool's bytes (default: GPU by --gpu-memory-utilization, "
+    "CPU 512 MiB)",
+    "gpu_memory_utilization": "share of the GPU's memory the worker may use, 0 to 1",
+    "max_model_len": "context length served (default: the model's own)",
+    "max_num_batched_tokens": "tokens one engine step computes at most",
+    "max_num_seqs": "sequences one engine step holds at most",
+    "lease_s": "seconds a reservation is held for a request that has not come",
+    "heartbeat_ttl_s": "seconds the registry keeps this worker without a heartbeat",
+    "pdl": "programmatic dependent launch in the GPU kernels (true/false)",
+    "async_scheduling": "overlapped decode steps: auto (on with CUDA graphs), on, off",
+    "kv_transport": "how KV moves between workers: auto, nixl, grpc",
+    "kv_port": "a decode worker's gRPC KV receiver port (0: a free one)",
+    "load_format": "safetensors (read the checkpoint) or dummy (random weights of its shape)",
+    "quantization": "auto (the checkpoint as stored) or fp8 (quantize the weights at load)",
+    "kv_cache_dtype": "auto (the model's dtype) or fp8; every worker must agree",
+    "max_reservations_per_caller": "a decode worker's reservations per client (0: no limit)",
+    "engine_core": "where the engine loop runs: process (its own) or thread (the worker's)",
+    "stream_interval": "new tokens per stream message at least (1: as they come)",
+    # GatewaySettings
+    "max_inflight": "requests in flight at once; more are refused (RESOURCE_EXHAUSTED / 429)",
+    "max_inflight_per_key": "requests one API key may have in flight (0: no own limit)",
+    "max_tokens_per_minute_per_key": "tokens one API key may ask for per minute (0: no limit)",
+    "local_prefill_tokens": "prompts up to this many tokens prefill on the decode worker",
+    "routing_policy": "how workers are picked: least-loaded-prefix (the least loaded, by cached "
+    "prefix)",
+    "tool_call_parser": "how tool calls are read from the model's text (HTTP API): auto "
+    "(from the chat template), hermes, json",
+    "request_timeout_s": "seconds a request may take before it fails DEADLINE_EXCEEDED",
+    "max_prefill_tokens_per_worker": "prompt tokens given to one prefill worker at once",
+    "rpc_timeout_s": "deadline of the calls a healthy worker answers at once",
+    "stall_timeout_s": "a silent Decode stream from a worker whose heartbeat lapsed moves "
+    "elsewhere after this many seconds",
+    "suspect_s": "seconds a worker that missed a deadline gets no new requests",
+    "max_migrations": "how often one stream may move to another decode worker",
+    "http_port": "serve the OpenAI-compatible HTTP API on this port too (0: off)",
+    "processes": "gateway processes sharing the ports (0: sized to the host)",
+}
+
+
+def flag_help(name: str) -> str:
+    """The help text of the flag made from settings field `name` ("" if it has none)."""
+    return _HELP.get(name, "")
