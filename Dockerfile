@@ -8,8 +8,10 @@
 #
 # TORCH_VARIANT picks the PyTorch wheel index (https://download.pytorch.org/whl/<variant>):
 # `cpu`, or a CUDA build such as `cu128` that the CUDA runtime in BASE can run. TORCH_VERSION
-# must exist on that index. The image also carries the tiny default model (built once, here), so
-# a container started without --model serves it at once and replicas never race to build it.
+# must exist on that index. The image also carries the tiny model (built once, here) and makes it
+# the default (SPLITSERVE_MODEL=tiny), so a container started without --model serves it at once,
+# replicas never race to build it, and nothing is fetched (`splitserve up` outside a container
+# fetches SmolLM2-135M-Instruct instead).
 
 ARG BASE=nvidia/cuda:12.8.1-runtime-ubuntu24.04
 ARG TORCH_VARIANT=cu128
@@ -48,9 +50,10 @@ WORKDIR /src
 COPY . .
 RUN pip install . \
     && splitserve --help >/dev/null
-# The tiny default model at the path `splitserve.up.default_model_dir()` reads (XDG_CACHE_HOME).
+# The tiny model (`--model tiny`) at the path `splitserve.default_model.tiny_model_dir()` reads
+# (XDG_CACHE_HOME).
 ENV XDG_CACHE_HOME=/opt/splitserve/cache
-RUN python -c "from splitserve.up import ensure_default_model; print(ensure_default_model())"
+RUN python -c "from splitserve.default_model import ensure_tiny_model; print(ensure_tiny_model())"
 
 # ---- runtime: the venv and the model, run as an unprivileged user
 FROM python-base AS runtime
@@ -67,7 +70,8 @@ ENV PATH=/opt/venv/bin:${PATH} \
     HF_HOME=/tmp/huggingface \
     TRITON_HOME=/tmp \
     TRITON_CACHE_DIR=/tmp/triton \
-    SPLITSERVE_HOST=0.0.0.0
+    SPLITSERVE_HOST=0.0.0.0 \
+    SPLITSERVE_MODEL=tiny
 WORKDIR /home/splitserve
 USER ${UID}:${UID}
 # gRPC: gateway 50051, prefill 50061, decode 50071; Prometheus /metrics: 9100, 9101, 9102.

@@ -13,6 +13,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from splitserve.engine.gguf_cache import resolve_checkpoint
+
 # HF `architectures` entry -> the family traits our transformer switches on.
 _ARCHITECTURES: dict[str, dict[str, bool]] = {
     "LlamaForCausalLM": {"qkv_bias": False, "qk_norm": False},
@@ -116,8 +118,10 @@ class ModelConfig:
 
     @classmethod
     def from_pretrained(cls, model_dir: str | Path) -> ModelConfig:
-        """Read `model_dir/config.json`; raise ValueError naming what is missing or unsupported."""
-        path = Path(model_dir)
+        """Read `model_dir/config.json`; raise ValueError naming what is missing or unsupported.
+
+        A GGUF file (or a directory holding one) is converted first: `gguf_cache`."""
+        path = resolve_checkpoint(model_dir)
         if not path.is_dir():
             raise ValueError(f"model directory {str(path)!r} does not exist")
         cfg_file = path / "config.json"

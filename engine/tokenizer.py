@@ -7,10 +7,13 @@ from typing import Any
 
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
+from splitserve.engine.gguf_cache import resolve_checkpoint
+
 
 def load_tokenizer(model_dir: str | Path) -> PreTrainedTokenizerBase:
-    """The checkpoint's fast tokenizer, chat template included; never touches a hub."""
-    root = Path(model_dir)
+    """The checkpoint's fast tokenizer, chat template included; never touches a hub. A GGUF
+    checkpoint's comes from its metadata (converted once: `gguf_cache`)."""
+    root = resolve_checkpoint(model_dir)
     if not (root / "tokenizer.json").is_file():
         raise ValueError(f"{str(root)!r} has no tokenizer.json (a fast tokenizer is required)")
     return AutoTokenizer.from_pretrained(str(root), local_files_only=True)

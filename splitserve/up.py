@@ -1,11 +1,12 @@
 """`splitserve up`: Redis, prefill and decode workers and the gateway, as real processes.
 
 Starts its own `redis-server` on a free port unless given a URL (in a session of its own, like
-the services: see `redis_keeper`), builds the tiny default model
-if none is given, waits until every worker has registered and the gateway is serving, prints
-the address, and on Ctrl-C (or SIGTERM) stops everything it started: the gateway first (it
-drains: the requests in flight finish), then the workers (they drain too). A second Ctrl-C cuts
-the drains short: every service gets its second signal and `HURRY_S` to exit, then is killed.
+the services: see `redis_keeper`), fetches the default model if none is given
+(`default_model`), converts a GGUF checkpoint once (`engine/gguf_cache.py`), waits until
+every worker has registered and the gateway is serving, prints the address, and on Ctrl-C
+(or SIGTERM) stops everything it started: the gateway first (it drains: the requests in flight
+finish), then the workers (they drain too). A second Ctrl-C cuts the drains short: every
+service gets its second signal and `HURRY_S` to exit, then is killed.
 A Ctrl-C during start-up stops what has started.
 
 Every service gets an explicit free port (and, with `metrics`, a free /metrics port), so that
@@ -29,6 +30,8 @@ from typing import cast
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from splitserve.default_model import ensure_tiny_model, resolve_model_arg
+from splitserve.engine.gguf_cache import resolve_checkpoint
 from splitserve.kv_transfer.registry import Registry
 from splitserve.runtime.redis_keeper import RedisKeeper
 from splitserve.runtime.secrets import redacted_url, with_redis_password
@@ -160,19 +163,12 @@ def _service_id(proc: subprocess.Popen) -> str:
     return args[args.index("--worker-id") + 1] if "--worker-id" in args else _name(proc)
 
 
-def default_model_dir() -> Path:
-    """Where the tiny default model is built (and reused) when no --model is given."""
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "splitserve" / "tiny-llama"
-
-
 def ensure_default_model() -> str:
-    from splitserve.testing.tiny_model import make_tiny_model
+    """The tiny random-weight model's directory (`--model tiny`), built on first use.
 
-    path = default_model_dir()
-    if not (path / "config.json").is_file():
-        make_tiny_model(path, "llama")
-    return str(path)
+    NOTE: the name predates the real default model (`default_model.resolve_model_arg`);
+    new code calls `default_model.ensure_tiny_model`."""
+    return ensure_tiny_model()
 
 
 def free_port(host: str) -> int:
@@ -201,7 +197,8 @@ def start_stack(
             f"port {settings.port} on {settings.host} is in use (another splitserve, or another "
             "server?); stop it or pick another --port"
         )
-    model = settings.model or ensure_default_model()
+    # NOTE: a GGUF is converted here, once, before the services start (not by each of them).
+    model = str(resolve_checkpoint(resolve_model_arg(settings.model)))
     redis = None
     redis_url = settings.redis_url
     secrets = StackSecrets.fresh(

@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 
 from splitserve import up
+from splitserve.default_model import tiny_model_dir
 from tests.deploy.helpers import (
     COMPOSE_FILE,
     GRPC_PORTS,
@@ -205,10 +206,10 @@ def test_gpu_profile_runs_the_commands_of_splitserve_up_with_a_model(monkeypatch
         assert "/models/model" in mounts, name
 
 
-def test_cpu_profile_serves_the_default_model_the_image_carries(monkeypatch, services):
+def test_cpu_profile_serves_the_tiny_model_the_image_carries(monkeypatch, services):
     monkeypatch.setenv("XDG_CACHE_HOME", runtime_env()["XDG_CACHE_HOME"])
     for name in CPU.values():
-        assert services[name]["command"][1:3] == ["--model", str(up.default_model_dir())], name
+        assert services[name]["command"][1:3] == ["--model", str(tiny_model_dir())], name
 
 
 def test_each_service_listens_advertises_and_exports_where_the_others_look(services):

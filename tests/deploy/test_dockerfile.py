@@ -96,7 +96,8 @@ def test_the_default_model_and_caches_fit_a_read_only_root():
     for name in ("HF_HOME", "TRITON_HOME", "TRITON_CACHE_DIR"):
         assert env[name].startswith("/tmp"), name
     build = " ".join(c.value[0] for c in stages()[1] if c.cmd == "RUN")
-    assert "ensure_default_model()" in build
+    assert "ensure_tiny_model()" in build
+    assert env["SPLITSERVE_MODEL"] == "tiny"  # what the image carries: nothing is fetched
 
 
 def _ignored(path: str, patterns: list[str]) -> bool:
