@@ -294,9 +294,11 @@ def _invalid() -> grpc.StatusCode:
 class HttpFrontDoor:
     """uvicorn serving `app` on the gRPC server's event loop (see the module docstring)."""
 
-    def __init__(self, app: FastAPI, host: str, port: int) -> None:
+    def __init__(self, app: FastAPI, host: str, port: int, reuse_port: bool = False) -> None:
         self._socket = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
         self._socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if reuse_port:  # NOTE: one of `--processes N`: the parent checked the port was free
+            self._socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
         try:
             self._socket.bind((host, port))
         except OSError as exc:

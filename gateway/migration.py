@@ -135,23 +135,42 @@ async def watched(
 ) -> AsyncIterator[worker_pb2.DecodeResponse]:
     """The messages of a Decode stream; raises WorkerLost when none arrives for `stall_s` and
     `is_live()` (awaited) says its worker has left the registry. A slow but live worker is
-    waited for."""
-    messages = aiter(stream)
-    while True:
-        # NOTE: one pending read, never cancelled by the wait: cancelling it cancels the call.
-        read = asyncio.ensure_future(anext(messages))
+    waited for.
+
+    NOTE: one watchdog task per stream, not a task or timer per message: the relay's cost is
+    per token. It only counts time spent waiting for the worker (not while the consumer holds a
+    message), and it cancels the call when the worker is gone, which ends the pending read."""
+    waiting = [time.monotonic()]  # when the pending read began; empty while none is pending
+    lost = [False]
+
+    async def watchdog() -> None:
         while True:
-            done, _ = await asyncio.wait({read}, timeout=stall_s)
-            if done:
-                break
+            due = waiting[0] + stall_s - time.monotonic() if waiting else stall_s
+            if due > 0:
+                await asyncio.sleep(due)
+                continue
             if not await is_live():
-                read.cancel()
-                raise WorkerLost(f"no message for {stall_s:.1f} s and no heartbeat")
-        try:
-            msg = read.result()
-        except StopAsyncIteration:
-            return
-        yield msg
+                lost[0] = True
+                stream.cancel()
+                return
+            await asyncio.sleep(stall_s)  # NOTE: slow but live: asked again while it stays silent
+
+    dog = asyncio.ensure_future(watchdog())
+    try:
+        while True:
+            try:
+                msg = await stream.read()
+            except (asyncio.CancelledError, grpc.RpcError):
+                if lost[0]:
+                    raise WorkerLost(f"no message for {stall_s:.1f} s and no heartbeat") from None
+                raise
+            if msg is grpc.aio.EOF:
+                return
+            waiting.clear()
+            yield msg
+            waiting.append(time.monotonic())
+    finally:
+        dog.cancel()
 
 
 class StreamMover:

@@ -15,6 +15,7 @@ import grpc
 
 from splitserve.engine.errors import Overloaded
 from splitserve.engine.model_config import ModelConfig
+from splitserve.gateway.coalesce import Coalescer, check_stream_interval
 from splitserve.gateway.key_limits import PerKeyInflight, PerKeyTokenRate
 from splitserve.gateway.limits import AdvertisedLimits, check_job, check_request
 from splitserve.gateway.observability import GatewayObserver
@@ -43,6 +44,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         observer: GatewayObserver,
         max_inflight_per_key: int = 0,
         max_tokens_per_minute_per_key: int = 0,
+        stream_interval: int = 1,
     ) -> None:
         self.orchestrator = orchestrator
         self.observer = observer
@@ -54,6 +56,8 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         self.limits = AdvertisedLimits(orchestrator.registry)
         self.per_key = PerKeyInflight(max_inflight_per_key)
         self.token_rate = PerKeyTokenRate(max_tokens_per_minute_per_key)
+        # Tokens per client message when a request does not say (--stream-interval)
+        self.stream_interval = check_stream_interval(stream_interval, "--stream-interval")
 
     def _validate(self, request: gateway_pb2.GenerateRequest) -> Job:
         limits = self.limits.current()
@@ -62,11 +66,17 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         check_job(job, limits)
         return job
 
+    def _interval(self, request: gateway_pb2.GenerateRequest) -> int:
+        if request.HasField("stream_interval"):
+            return check_stream_interval(request.stream_interval)
+        return self.stream_interval
+
     async def Generate(
         self, request: gateway_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[gateway_pb2.GenerateResponse]:
         # NOTE: in a thread: tokenizing a long prompt would stall every other stream.
         job = await asyncio.to_thread(self._validate, request)
+        interval = self._interval(request)
         # NOTE: before anything it could undo; the request belongs to the caller's API key
         claim = self.requests.claim(job.request_id, caller())
         try:
@@ -76,7 +86,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                         f"the gateway is at its limit of {self.max_inflight} requests in flight",
                     )
                 try:
-                    async for msg in self._generate(job, claim, context):
+                    async for msg in self._generate(job, claim, context, interval):
                         yield msg
                 finally:
                     self._slots.release()
@@ -95,7 +105,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             self.token_rate.refund(claim.owner, most - claim.generated)
 
     async def _generate(
-        self, job: Job, claim: Claim, context: grpc.aio.ServicerContext
+        self, job: Job, claim: Claim, context: grpc.aio.ServicerContext, interval: int
     ) -> AsyncIterator[gateway_pb2.GenerateResponse]:
         obs = self.observer.start(job, context)
         # NOTE: a client that goes away cancels this task; the orchestrator then aborts the
@@ -104,6 +114,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             job, context.time_remaining(), lambda: not (context.done() or context.cancelled()), obs
         )
         rid, num_generated = job.request_id, 0
+        coalescer = Coalescer(interval)
         try:
             while not claim.aborted:
                 # NOTE: the task that drives this stream now (the HTTP API may change it).
@@ -119,11 +130,16 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                 finally:
                     claim.waiting = False
                 if msg.HasField("chunk"):
-                    obs.on_chunk()
                     num_generated += len(msg.chunk.token_ids)
                     claim.generated = num_generated
-                    yield gateway_pb2.GenerateResponse(request_id=rid, chunk=msg.chunk)
+                    delta = coalescer.add(msg.chunk)
+                    if delta is not None:
+                        obs.on_chunk()
+                        yield gateway_pb2.GenerateResponse(request_id=rid, chunk=delta)
                 else:
+                    for delta in coalescer.flush():
+                        obs.on_chunk()
+                        yield gateway_pb2.GenerateResponse(request_id=rid, chunk=delta)
                     claim.finished = True
                     done = gateway_pb2.Finished(
                         samples=msg.finished.samples, usage=msg.finished.usage
@@ -132,6 +148,8 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                     yield gateway_pb2.GenerateResponse(request_id=rid, finished=done)
             if claim.aborted and not claim.finished:
                 await responses.aclose()  # NOTE: first: what the request holds is freed
+                for delta in coalescer.flush():  # NOTE: usage counts them: the client gets them
+                    yield gateway_pb2.GenerateResponse(request_id=rid, chunk=delta)
                 claim.finished = True
                 done = _aborted(job, num_generated)
                 obs.on_finished(done)

@@ -35,8 +35,11 @@ T = TypeVar("T")
 MAX_MESSAGE_BYTES = 8 * 1024 * 1024
 DEFAULT_BLOCKING_THREADS = 256
 # NOTE: gRPC binds with SO_REUSEPORT by default: a second server on a port in use would then
-# start too and split the traffic. Off, it fails at start (BindError) instead.
+# start too and split the traffic. Off, it fails at start (BindError) instead. Only the
+# processes of one `splitserve gateway --processes N` turn it on, after their parent checked
+# that nobody else holds the port (splitserve/gateway_processes.py).
 NO_REUSEPORT = ("grpc.so_reuseport", 0)
+REUSEPORT = ("grpc.so_reuseport", 1)
 
 
 class BindError(OSError):
@@ -248,6 +251,7 @@ def start_server(
     blocking_threads: int = DEFAULT_BLOCKING_THREADS,
     interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
     credentials: grpc.ServerCredentials | None = None,
+    reuse_port: bool = False,
 ) -> Server:
     """Start a `grpc.aio` server on a new event loop thread, with health (NOT_SERVING until
     `set_serving`) and reflection; `register` adds the servicers (on the loop's thread).
@@ -255,7 +259,8 @@ def start_server(
     Port 0 picks a free port; the bound one is returned. `blocking_threads` bounds the loop's
     default executor, where handlers run what blocks (`asyncio.to_thread`). `interceptors`
     run inside the status interceptor (an authentication check's error becomes its status);
-    `credentials` serve TLS.
+    `credentials` serve TLS. `reuse_port`: share the port with the other processes of one
+    gateway (SO_REUSEPORT; see NO_REUSEPORT).
     """
     names = list(service_names)
     loop = asyncio.new_event_loop()
@@ -273,7 +278,7 @@ def start_server(
             options=[
                 ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
                 ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-                NO_REUSEPORT,
+                REUSEPORT if reuse_port else NO_REUSEPORT,
             ],
         )
         register(server)

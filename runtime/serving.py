@@ -71,10 +71,12 @@ def open_service(
     specs: Sequence[ServiceSpec],
     interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
     credentials: grpc.ServerCredentials | None = None,
+    reuse_port: bool = False,
 ) -> Opened:
     """Start the service's gRPC server (its own event loop thread; health NOT_SERVING, every
     method UNAVAILABLE "loading") and its /metrics endpoint. `interceptors` check who calls
-    (`runtime/security.py`); `credentials` serve TLS."""
+    (`runtime/security.py`); `credentials` serve TLS; `reuse_port` shares the port with the
+    other processes of one gateway (SO_REUSEPORT)."""
     lifecycle = Lifecycle([spec.name for spec in specs])
     gates = [lifecycle.gate(spec.admitting) for spec in specs]
 
@@ -89,6 +91,7 @@ def open_service(
         service.port,
         interceptors=interceptors,
         credentials=credentials,
+        reuse_port=reuse_port,
     )
     lifecycle.attach(server)
     metrics = Metrics(service.served_model_name)

@@ -112,6 +112,22 @@ class GatewaySettings:
     max_migrations: int = 2
     # The OpenAI-compatible HTTP API on this port, beside gRPC (0: off)
     http_port: int = 0
+    # New tokens per client message, per sample, when a request does not say (its
+    # `stream_interval`): fewer, larger messages cost the gateway less (docs/deploy.md)
+    stream_interval: int = 1
+    # Gateway processes sharing the ports (SO_REUSEPORT); 0: sized to the host (docs/deploy.md)
+    processes: int = 0
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.stream_interval <= 4096:
+            raise ValueError(
+                f"--stream-interval must be 1 to 4096 tokens per message, got "
+                f"{self.stream_interval}"
+            )
+        if not 0 <= self.processes <= 256:
+            raise ValueError(
+                f"--processes must be 0 (sized to the host) to 256, got {self.processes}"
+            )
 
 
 TRACE_EXPORTERS = ("otlp", "console")

@@ -80,6 +80,16 @@ def _serve(args: argparse.Namespace, env: Mapping[str, str]) -> int:
     )
     security = security_from_args(args, env)
     security.check_exposure(service.host, gateway=args.command == "gateway")
+    if args.command == "gateway" and not args.reuse_port:
+        from splitserve.gateway_processes import default_processes, run_gateway_processes
+
+        processes = args.processes or default_processes()
+        if processes > 1:  # NOTE: this process only supervises; each child is a gateway
+            return run_gateway_processes(
+                args.argv, processes, service.host, service.port, args.http_port,
+                service.metrics_port, service.worker_id, args.max_inflight,
+                service.drain_timeout_s,
+            )  # fmt: skip
     # NOTE: the password joins the URL in memory only (never argv, never printed).
     service = dataclasses.replace(
         service, redis_url=with_redis_password(service.redis_url, security.redis_password)
@@ -98,7 +108,11 @@ def _serve(args: argparse.Namespace, env: Mapping[str, str]) -> int:
     try:
         if args.command == "gateway":
             gateway = from_args(GatewaySettings, args)
-            running = services.start_gateway(service, gateway, tracing, security)
+            if args.reuse_port:  # one of `--processes N`: it stops when its parent goes
+                threading.Thread(target=_stop_with_parent, daemon=True).start()
+            running = services.start_gateway(
+                service, gateway, tracing, security, reuse_port=args.reuse_port
+            )
         elif args.command == "prefill":
             worker = from_args(WorkerSettings, args)
             running = services.start_prefill(service, worker, tracing, security)
@@ -117,6 +131,12 @@ def _serve(args: argparse.Namespace, env: Mapping[str, str]) -> int:
     finally:
         tracing.shutdown()
     return 0
+
+
+def _stop_with_parent() -> None:
+    """SIGTERM ourselves once stdin closes: the supervising parent went away."""
+    sys.stdin.read()
+    os.kill(os.getpid(), signal.SIGTERM)
 
 
 def _up(args: argparse.Namespace) -> int:
@@ -251,6 +271,8 @@ def build_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
         else:
             add_flags(p, WorkerSettings, env)
         add_security_flags(p, env, gateway=name == "gateway")
+        if name == "gateway":  # NOTE: set by `--processes N` on each of its processes
+            p.add_argument("--reuse-port", action="store_true", help=argparse.SUPPRESS)
         if name == "decode":
             p.add_argument("--colocated", action="store_true", help="also prefill (no P workers)")
         p.set_defaults(func=lambda args: _serve(args, env))
@@ -313,6 +335,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         except ValueError:
             raise ValueError(f"SPLITSERVE_LOG_LEVEL={level!r}: not a logging level") from None
         args = build_parser(env).parse_args(argv)
+        args.argv = list(sys.argv[1:] if argv is None else argv)
         command = f"splitserve {args.command}"
         return int(args.func(args))
     except (ValueError, BindError) as exc:

@@ -32,7 +32,9 @@ def start_gateway(
     gateway: GatewaySettings,
     tracing: Tracing | None = None,
     security: Security | None = None,
+    reuse_port: bool = False,
 ) -> Running:
+    """A gateway in this process; `reuse_port`: one of `--processes N`, sharing its ports."""
     tracing = tracing or Tracing.disabled()
     security = security or Security()
     opened = open_service(
@@ -44,6 +46,7 @@ def start_gateway(
         ],
         interceptors=security.gateway_interceptors(),
         credentials=security.server_credentials(),
+        reuse_port=reuse_port,
     )
     metrics = opened.metrics
     try:
@@ -90,13 +93,14 @@ def start_gateway(
                 observer,
                 max_inflight_per_key=gateway.max_inflight_per_key,
                 max_tokens_per_minute_per_key=gateway.max_tokens_per_minute_per_key,
+                stream_interval=gateway.stream_interval,
             )
         )
         # NOTE: its channels to the workers live on the server's loop: closed there, at stop.
         opened.server.on_stop(orchestrator.close)
         http = start_http(
             opened, tokenizer, info, service.host, gateway.http_port, security.http_authorize(),
-            gateway.tool_call_parser,
+            gateway.tool_call_parser, reuse_port=reuse_port,
         )  # fmt: skip
     except BaseException:
         opened.close()
@@ -130,6 +134,7 @@ def start_http(
     port: int,
     authorize: Authorize | None = None,
     tool_call_parser: str = "auto",
+    reuse_port: bool = False,
 ) -> HttpFrontDoor | None:
     """The OpenAI-compatible HTTP API beside the gRPC one (None when `port` is 0): it calls
     the same Gateway servicer, through the same lifecycle gate, on the same event loop, and
@@ -147,6 +152,6 @@ def start_http(
         tool_call_parser,
         opened.metrics.registry,
     )
-    http = HttpFrontDoor(app, host, port)
+    http = HttpFrontDoor(app, host, port, reuse_port=reuse_port)
     http.start(opened.server)
     return http

@@ -1,0 +1,214 @@
+"""Relay benchmark (issue 26): the output tokens/s the gateway relays, apart from any GPU.
+
+    python -m bench.relay                                   # 1 and 4 processes, intervals 1,4,16
+    python -m bench.relay --processes 1,2,4,8 --intervals 1,2,4,8,16 --streams 512 --clients 8
+    python -m bench.relay --smoke                           # CPU, seconds: checks that it runs
+
+Everything is real but the workers' compute: a real `redis-server`, the real `splitserve gateway
+--processes N` (its own processes), and fake decode and prefill workers (`bench/relay_fakes.py`:
+real gRPC servers on loopback, registered in Redis as real workers are) that send tokens as fast
+as the gateway reads them. Client processes (`bench/relay_client.py`) hold `--streams`
+concurrent Generate streams (512-token replies, asked again as soon as one ends) through the
+public gRPC API and count the tokens that arrive inside a measured window; meanwhile the gateway
+processes' CPU time is read from /proc. Per (processes, stream_interval): output tokens/s,
+client messages/s, gateway CPU cores used, and tokens/s per gateway core — the number that
+sizes the gateway (docs/deploy.md). The clients and fakes share the host's cores with the
+gateway: on a small host they limit the total, which is why tokens/s per core is reported.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from bench.common import table, write_results
+from splitserve.kv_transfer.redis_server import RedisServer
+from splitserve.up import free_port
+
+CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
+
+
+def cpu_seconds(pids: list[int]) -> float:
+    """utime + stime of `pids` (their threads included), from /proc/<pid>/stat."""
+    total = 0
+    for pid in pids:
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except (FileNotFoundError, ProcessLookupError):
+            continue
+        total += int(fields[11]) + int(fields[12])  # utime, stime (fields 14, 15 of stat)
+    return total / CLOCK_TICKS
+
+
+def process_tree(pid: int) -> list[int]:
+    """`pid` and its children (the gateway's worker processes)."""
+    children = Path(f"/proc/{pid}/task/{pid}/children")
+    try:
+        kids = [int(c) for c in children.read_text().split()]
+    except FileNotFoundError:
+        kids = []
+    return [pid, *(p for kid in kids for p in process_tree(kid))]
+
+
+def wait_serving(address: str, proc: subprocess.Popen, timeout_s: float) -> None:
+    """Until the gateway at `address` answers health SERVING; RuntimeError if it exits."""
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    deadline = time.monotonic() + timeout_s
+    with grpc.insecure_channel(address) as channel:
+        health = health_pb2_grpc.HealthStub(channel)
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                raise RuntimeError(f"the gateway exited during start-up ({proc.returncode})")
+            try:
+                reply = health.Check(health_pb2.HealthCheckRequest(), timeout=1.0)
+                if reply.status == health_pb2.HealthCheckResponse.SERVING:
+                    return
+            except grpc.RpcError:
+                pass
+            time.sleep(0.2)
+    raise RuntimeError(f"the gateway was not serving within {timeout_s:.0f} s")
+
+
+def _gateway(args: argparse.Namespace, redis_url: str, model: str, processes: int, interval: int):
+    port = free_port("127.0.0.1")
+    cmd = [
+        sys.executable, "-m", "splitserve.cli", "gateway", "--model", model,
+        "--redis-url", redis_url, "--port", str(port), "--processes", str(processes),
+        "--stream-interval", str(interval), "--max-inflight", str(max(256, args.streams * 2)),
+        "--drain-timeout-s", "2",
+    ]  # fmt: skip
+    proc = subprocess.Popen(cmd, start_new_session=True)
+    wait_serving(f"127.0.0.1:{port}", proc, timeout_s=120.0)
+    return proc, f"127.0.0.1:{port}"
+
+
+def run_one(
+    args: argparse.Namespace, redis_url: str, model: str, processes: int, interval: int
+) -> dict[str, Any]:
+    proc, address = _gateway(args, redis_url, model, processes, interval)
+    try:
+        pids = process_tree(proc.pid)
+        start = time.time() + args.warmup_s
+        end = start + args.seconds
+        per_client = max(1, args.streams // args.clients)
+        cmd = [
+            sys.executable, "-m", "bench.relay_client", "--address", address,
+            "--streams", str(per_client), "--start", str(start), "--end", str(end),
+            "--max-tokens", str(args.max_tokens),
+        ]  # fmt: skip
+        clients = [
+            subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True) for _ in range(args.clients)
+        ]
+        time.sleep(max(0.0, start - time.time()))
+        cpu0, t0 = cpu_seconds(pids), time.monotonic()
+        time.sleep(max(0.0, end - time.time()))
+        cpu1, t1 = cpu_seconds(pids), time.monotonic()
+        seen: dict[str, int] = {}
+        for client in clients:
+            out, _ = client.communicate(timeout=120)
+            for key, value in json.loads(out.strip().splitlines()[-1]).items():
+                seen[key] = seen.get(key, 0) + value
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+    window = t1 - t0
+    cores = (cpu1 - cpu0) / window
+    tokens_s = seen.get("tokens", 0) / window
+    return {
+        "processes": processes,
+        "stream_interval": interval,
+        "streams": per_client * args.clients,
+        "tokens_per_s": tokens_s,
+        "messages_per_s": seen.get("messages", 0) / window,
+        "requests_per_s": seen.get("requests", 0) / window,
+        "gateway_cores": cores,
+        "tokens_per_s_per_core": tokens_s / cores if cores > 0 else 0.0,
+        "errors": {k: v for k, v in seen.items() if k.startswith("error_")},
+    }
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--processes", default="1,4", help="gateway process counts")
+    parser.add_argument("--intervals", default="1,4,16", help="stream_interval values")
+    parser.add_argument("--streams", type=int, default=256, help="concurrent client streams")
+    parser.add_argument("--clients", type=int, default=4, help="client processes")
+    parser.add_argument("--decode", type=int, default=2, help="fake decode workers")
+    parser.add_argument("--fake-processes", type=int, default=2, help="processes of fakes")
+    parser.add_argument("--tokens-per-message", type=int, default=1, help="from each fake D")
+    parser.add_argument("--max-tokens", type=int, default=512)
+    parser.add_argument("--seconds", type=float, default=10.0, help="measured window")
+    parser.add_argument("--warmup-s", type=float, default=3.0)
+    parser.add_argument("--smoke", action="store_true", help="tiny and short (CPU check)")
+    parser.add_argument("--out", default="bench/results/relay.json")
+    args = parser.parse_args(argv)
+    if args.smoke:
+        args.processes, args.intervals = "1,2", "1,4"
+        args.streams, args.clients, args.decode, args.fake_processes = 8, 1, 1, 1
+        args.max_tokens, args.seconds, args.warmup_s = 64, 1.5, 1.0
+    from splitserve.testing.tiny_model import make_tiny_model
+
+    rows = []
+    # NOTE: the gateway needs a model's config and tokenizer only: a tiny one will do.
+    with tempfile.TemporaryDirectory() as tmp, RedisServer() as redis:
+        model = str(make_tiny_model(tmp))
+        fake_cmd = [
+            sys.executable, "-m", "bench.relay_fakes", "--redis-url", redis.url,
+            "--decode", str(max(1, args.decode // args.fake_processes)),
+            "--prefill", "1", "--tokens-per-message", str(args.tokens_per_message),
+        ]  # fmt: skip
+        fakes = [
+            subprocess.Popen(
+                [*fake_cmd, "--id-prefix", f"p{i}-"],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                text=True,
+            )
+            for i in range(args.fake_processes)
+        ]
+        try:
+            for fake in fakes:
+                assert fake.stdout is not None
+                if fake.stdout.readline().strip() != "ready":
+                    raise RuntimeError("the fake workers did not start")
+            for processes in (int(p) for p in args.processes.split(",")):
+                for interval in (int(i) for i in args.intervals.split(",")):
+                    row = run_one(args, redis.url, model, processes, interval)
+                    rows.append(row)
+                    print(table([row], COLUMNS).splitlines()[-1], flush=True)
+        finally:
+            for fake in fakes:
+                fake.terminate()
+                fake.wait(30)
+    results = {
+        "benchmark": "relay",
+        "host_cpus": os.cpu_count(),
+        "workload": f"{args.streams} streams, {args.max_tokens}-token replies, fake workers "
+        f"({args.decode} decode, {args.tokens_per_message} token(s) per worker message)",
+        "rows": rows,
+    }
+    print(table(rows, COLUMNS))
+    write_results(args.out, results)
+    return results
+
+
+COLUMNS = [
+    "processes", "stream_interval", "streams", "tokens_per_s", "messages_per_s",
+    "gateway_cores", "tokens_per_s_per_core",
+]  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()

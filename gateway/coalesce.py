@@ -1,0 +1,67 @@
+"""Coalescing a request's new tokens into fewer client messages (`stream_interval`).
+
+Relaying costs the gateway per message, not per token: a gRPC write, an SSE event, a metrics
+observation. A decode worker may send a message per step (one token); `Coalescer` holds a
+sample's tokens until it has `interval` of them and then hands them on as one `SampleDelta`:
+
+    worker:  [t1] [t2] [t3] [t4] [t5] ... end        interval 4
+    client:            [t1 t2 t3 t4]  ... [t5 …] (flushed before the final message)
+
+Interval 1 passes every chunk through as it is (not copied). A chunk that already holds
+`interval` tokens or more (a worker that batches its own messages) also goes through as it is
+when nothing of its sample is held. Tokens are never held past the end of the stream: `flush`
+hands on what is left, before the final message.
+"""
+
+from __future__ import annotations
+
+from splitserve.engine.errors import InvalidRequest
+from splitserve.protos.v1 import common_pb2
+
+# The most tokens per message a request may ask for: past this, every stream is one message.
+MAX_STREAM_INTERVAL = 4096
+
+
+def check_stream_interval(interval: int, what: str = "stream_interval") -> int:
+    """`interval` if it is 1..MAX_STREAM_INTERVAL; else InvalidRequest naming `what`."""
+    if not 1 <= interval <= MAX_STREAM_INTERVAL:
+        raise InvalidRequest(
+            f"{what} must be 1 to {MAX_STREAM_INTERVAL} tokens per message, got {interval}"
+        )
+    return interval
+
+
+class Coalescer:
+    """Per-sample buffers of new tokens for one request (see the module doc)."""
+
+    __slots__ = ("interval", "_held")
+
+    def __init__(self, interval: int) -> None:
+        self.interval = interval
+        self._held: dict[int, common_pb2.SampleDelta] = {}
+
+    def add(self, chunk: common_pb2.SampleDelta) -> common_pb2.SampleDelta | None:
+        """The delta to send now for `chunk` (it, or the sample's held tokens with it), or
+        None while its sample has fewer than `interval` tokens held."""
+        if self.interval <= 1:
+            return chunk
+        held = self._held.get(chunk.index)
+        if held is None:
+            if len(chunk.token_ids) >= self.interval:
+                return chunk
+            held = self._held[chunk.index] = common_pb2.SampleDelta(index=chunk.index)
+        held.token_ids.extend(chunk.token_ids)
+        if chunk.text:
+            held.text += chunk.text
+        if chunk.logprobs:
+            held.logprobs.extend(chunk.logprobs)
+        if len(held.token_ids) < self.interval:
+            return None
+        del self._held[chunk.index]
+        return held
+
+    def flush(self) -> list[common_pb2.SampleDelta]:
+        """Every sample's held tokens (in sample order), now; nothing is held after."""
+        held = [self._held[i] for i in sorted(self._held)]
+        self._held.clear()
+        return held
