@@ -128,8 +128,16 @@ def add_security_flags(
         default=env.get("SPLITSERVE_API_KEY_FILE"),
         help="accept the API keys in this file, one per line",
     )
-    parser.add_argument("--tls-cert-file", default=env.get("SPLITSERVE_TLS_CERT_FILE"))
-    parser.add_argument("--tls-key-file", default=env.get("SPLITSERVE_TLS_KEY_FILE"))
+    parser.add_argument(
+        "--tls-cert-file",
+        default=env.get("SPLITSERVE_TLS_CERT_FILE"),
+        help="serve TLS with this certificate (PEM)",
+    )
+    parser.add_argument(
+        "--tls-key-file",
+        default=env.get("SPLITSERVE_TLS_KEY_FILE"),
+        help="… and this private key (PEM)",
+    )
 
 
 def security_from_args(args: argparse.Namespace, env: Mapping[str, str]) -> Security:

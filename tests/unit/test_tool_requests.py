@@ -136,7 +136,9 @@ def test_a_template_without_tools_gets_the_gateway_tool_prompt(tokenizers, parse
     assert text.startswith("<|im_start|>system\nBe brief.\n\n" + tool_prompt(TOOLS, parser))
     assert '"name": "get_weather"' in text
     if parser == "hermes":
-        written = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>'
+        written = (
+            '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>'
+        )
     else:
         written = '{"name": "get_weather", "parameters": {"city": "Oslo"}}'
     assert f"<|im_start|>assistant\n{written}<|im_end|>" in text
