@@ -88,6 +88,9 @@ class EngineConfig:
     enable_pdl: bool = True
     # Speculative decoding (engine/spec_decode/): None decodes one token per step.
     speculative: SpeculativeConfig | None = None
+    # Ranks (processes, one GPU each) the model is sharded over (engine/parallel/): rank 0 is
+    # this engine; it starts the others.
+    tensor_parallel_size: int = 1
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -113,6 +116,10 @@ class EngineConfig:
             raise ValueError("load_format must be 'safetensors' or 'dummy'")
         if self.max_model_len is not None and self.max_model_len <= 1:
             raise ValueError("max_model_len must be at least 2")
+        if self.tensor_parallel_size < 1:
+            raise ValueError("tensor_parallel_size must be at least 1")
+        if self.tensor_parallel_size > 1 and self.quantization == "fp8":
+            raise ValueError("quantization 'fp8' is not supported with tensor_parallel_size > 1")
 
     @property
     def cache_dtype(self) -> torch.dtype:

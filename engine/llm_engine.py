@@ -31,6 +31,9 @@ from splitserve.engine.model_runner import ModelRunner
 from splitserve.engine.output_processor import OutputProcessor, RequestState
 from splitserve.engine.outputs import RequestOutput, Resume, SampledToken
 from splitserve.engine.overlap import PLACEHOLDER, InFlight
+from splitserve.engine.parallel.follower import agree_on_kv_pool
+from splitserve.engine.parallel.launcher import Followers
+from splitserve.engine.parallel.sharding import check_divisible
 from splitserve.engine.platform import Platform
 from splitserve.engine.request_checks import check_request
 from splitserve.engine.sampling_params import SamplingParams
@@ -73,9 +76,16 @@ class LLMEngine:
         self.tokenizer = load_tokenizer(model_dir)
         mc = self.model_config
         self.grammars = Grammars(self.tokenizer, mc.vocab_size, mc.eos_token_ids)
-        self.model = load_model(model_dir, self.model_config, config, self.platform)
-        budget = self.platform.kv_cache_budget(config)
-        self.config = size_kv_pool(self.model_config, config, budget)
+        # Tensor parallelism: this engine is rank 0; its followers shard the model with it.
+        self.followers: Followers | None = None
+        if config.tensor_parallel_size > 1:
+            check_divisible(mc, config.tensor_parallel_size)
+            self.followers = Followers.start(model_dir, config)
+        try:
+            self._load(model_dir, config)
+        except BaseException:
+            self.shutdown()
+            raise
         self.speculator = self._start_speculation(config)
         assert self.config.num_kv_blocks is not None
         self.block_manager = BlockManager(
@@ -87,9 +97,10 @@ class LLMEngine:
         self.scheduler = Scheduler(
             self.config, self.block_manager, max_len, self.model_config.eos_token_ids
         )
-        self.kv_cache = KVCache.allocate(self.model_config, self.config)
         self.kv_connector = KVConnector(self.kv_cache, self.block_manager, self.config.block_size)
         self.runner = ModelRunner(self.model, self.kv_cache, self.config)
+        if self.followers is not None:
+            self.runner.step_plans = self.followers
         if self.platform.cuda_graphs:
             self.runner.capture_cuda_graphs()
         self.outputs = OutputProcessor(self.tokenizer, self.config.stream_text)
@@ -97,8 +108,25 @@ class LLMEngine:
         self._sent_prefills: list[str] = []  # watched prefills whose last blocks are pinned
         overlap = self.config.async_scheduling
         self.overlap = self.platform.cuda_graphs if overlap is None else overlap
+        self.overlap = self.overlap and self.followers is None  # NOTE: model_runner.launch
         self._inflight: InFlight | None = None  # a decode step launched, not yet settled
         self._ids = itertools.count()
+
+    def _load(self, model_dir: str | Path, config: EngineConfig) -> None:
+        """This rank's model and KV cache (the whole model without tensor parallelism)."""
+        group = self.followers.group if self.followers is not None else None
+        self.model = load_model(model_dir, self.model_config, config, self.platform, group)
+        local = self.model.cfg  # this rank's heads: its KV cache holds only those
+        if group is not None:
+            self.config = agree_on_kv_pool(local, config, self.platform, group)
+        else:
+            self.config = size_kv_pool(local, config, self.platform.kv_cache_budget(config))
+        self.kv_cache = KVCache.allocate(local, self.config)
+
+    def shutdown(self) -> None:
+        """Stop this engine's other tensor-parallel ranks (idempotent; nothing at TP=1)."""
+        if self.followers is not None:
+            self.followers.shutdown()
 
     @property
     def max_model_len(self) -> int:

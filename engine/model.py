@@ -15,6 +15,8 @@ from splitserve.engine.attention import AttentionBackend, AttentionMetadata, get
 from splitserve.engine.lora.batch import LoRALayer
 from splitserve.engine.model_config import ModelConfig
 from splitserve.engine.ops import NO_SCALES, Activation, Scales, TorchOps
+from splitserve.engine.parallel.group import ParallelGroup
+from splitserve.engine.parallel.layers import VocabParallelEmbedding
 from splitserve.engine.rotary import RotaryEmbedding
 
 
@@ -180,9 +182,17 @@ def _merge(a: nn.Linear, b: nn.Linear, c: nn.Linear | None, name: str) -> torch.
 
 class DecoderLayer(nn.Module):
     def __init__(
-        self, cfg: ModelConfig, rotary: RotaryEmbedding, backend: AttentionBackend, ops: TorchOps
+        self,
+        cfg: ModelConfig,
+        rotary: RotaryEmbedding,
+        backend: AttentionBackend,
+        ops: TorchOps,
+        group: ParallelGroup,
     ):
         super().__init__()
+        # Tensor parallelism: o_proj and down_proj are row-parallel, so each rank holds a
+        # partial sum of the sub-layer's output until this all-reduce (identity at TP=1).
+        self.group = group
         self.self_attn = Attention(cfg, rotary, backend, ops)
         self.mlp = MLP(cfg, ops)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
@@ -202,15 +212,21 @@ class DecoderLayer(nn.Module):
         ops); torch ops add in HF's order, so float32 results stay identical.
         """
         h, residual = self.input_layernorm.norm_for(x, residual, self.self_attn.qkv_scales)
-        out = self.self_attn(positions, h, kv_cache, meta)
+        out = self.group.all_reduce(self.self_attn(positions, h, kv_cache, meta))
         h, residual = self.post_attention_layernorm.norm_for(out, residual, self.mlp.gate_up_scales)
-        return self.mlp(h), residual
+        return self.group.all_reduce(self.mlp(h)), residual
 
 
 class DecoderModel(nn.Module):
-    def __init__(self, cfg: ModelConfig, max_len: int, backend_name: str, ops: TorchOps) -> None:
+    def __init__(
+        self, cfg: ModelConfig, max_len: int, backend_name: str, ops: TorchOps, group: ParallelGroup
+    ) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens: nn.Embedding | VocabParallelEmbedding = (
+            VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, group)
+            if group.world_size > 1
+            else nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        )
         self.rotary = RotaryEmbedding(cfg.rope, cfg.head_dim, max_len)
         backend_cls = get_attention_backend(backend_name)
         backend = backend_cls(
@@ -222,13 +238,19 @@ class DecoderModel(nn.Module):
             ops=ops,
         )
         self.layers = nn.ModuleList(
-            DecoderLayer(cfg, self.rotary, backend, ops) for _ in range(cfg.num_layers)
+            DecoderLayer(cfg, self.rotary, backend, ops, group) for _ in range(cfg.num_layers)
         )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
 
 
 class CausalLM(nn.Module):
-    """Decoder + LM head. `forward` returns final hidden states; `compute_logits` the logits."""
+    """Decoder + LM head. `forward` returns final hidden states; `compute_logits` the logits.
+
+    Under tensor parallelism (`group` of more than one rank) `cfg` is this rank's shard
+    (engine/parallel/sharding.py: its heads and MLP columns, the whole vocabulary), the
+    embedding and LM head are vocab-parallel, and `compute_logits` gathers every rank's
+    columns, so each rank returns the whole vocabulary's logits.
+    """
 
     def __init__(
         self,
@@ -236,12 +258,15 @@ class CausalLM(nn.Module):
         max_len: int,
         backend_name: str = "torch",
         ops: TorchOps | None = None,
+        group: ParallelGroup | None = None,
     ) -> None:
         super().__init__()
         self.cfg = cfg
         self.ops = ops or TorchOps()
-        self.model = DecoderModel(cfg, max_len, backend_name, self.ops)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.group = group or ParallelGroup()
+        self.model = DecoderModel(cfg, max_len, backend_name, self.ops, self.group)
+        vocab = -(-cfg.vocab_size // self.group.world_size)  # this rank's rows, padded
+        self.lm_head = nn.Linear(cfg.hidden_size, vocab, bias=False)
         self.tie_weights()
 
     def tie_weights(self) -> None:
@@ -274,4 +299,7 @@ class CausalLM(nn.Module):
             layer.mlp.merge_projections()
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.ops.linear(hidden, self.lm_head.weight)
+        logits = self.ops.linear(hidden, self.lm_head.weight)
+        if self.group.world_size == 1:
+            return logits
+        return self.group.all_gather_last(logits)[:, : self.cfg.vocab_size]

@@ -6,6 +6,7 @@ SchedulerOutput ──▶ input_ids / positions / slot_mapping / block_tables �
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 import torch
@@ -17,6 +18,7 @@ from splitserve.engine.kv_cache import KVCache
 from splitserve.engine.model import CausalLM
 from splitserve.engine.outputs import SampledToken
 from splitserve.engine.overlap import PLACEHOLDER, InFlight
+from splitserve.engine.parallel.step_plan import StepPlan, StepPlanSink
 from splitserve.engine.sampler import Sampler, SamplingRow, plain_greedy_params
 from splitserve.engine.scheduler import ScheduledSequence, SchedulerOutput
 from splitserve.engine.sequence import Sequence, step_generator
@@ -44,6 +46,8 @@ class ModelRunner:
             torch.zeros(config.max_num_seqs, dtype=torch.int64, pin_memory=pin) for _ in range(2)
         ]
         self._launches = 0
+        # Tensor parallelism, on rank 0: each step's inputs go to the follower ranks first.
+        self.step_plans: StepPlanSink | None = None
 
     def capture_cuda_graphs(self) -> None:
         """Capture decode graphs (CUDA only; the attention backend must be graph-safe)."""
@@ -65,25 +69,15 @@ class ModelRunner:
         self, out: SchedulerOutput, block_tables: dict[str, list[int]]
     ) -> dict[str, list[SampledToken]]:
         """Run one step; returns the sampled tokens of each sequence that samples."""
-        self.kv_cache.copy_blocks(out.block_copies)
         batch = _gather(out, block_tables, self.config.block_size)
+        if self.step_plans is not None:
+            self.step_plans.send(StepPlan(out.block_copies, **dataclasses.asdict(batch)))
+        self.kv_cache.copy_blocks(out.block_copies)
         sampling = [s.seq for s in out.scheduled if s.samples]
-        graphs = self.graphs
-        argmax: torch.Tensor | None = None
-        if graphs is not None and batch.is_decode and graphs.can_run(len(batch.query_lens)):
-            logits, argmax = graphs.run(
-                batch.input_ids, batch.positions, batch.slots, batch.seq_lens, batch.tables
-            )
-            if len(batch.logits_indices) != len(batch.query_lens):
-                index = self._to_dev(batch.logits_indices)
-                logits, argmax = logits[index], argmax[index]
-        else:
-            hidden = self._forward_eager(batch)
-            if not sampling:
-                return {}
-            logits = self.model.compute_logits(hidden[self._to_dev(batch.logits_indices)])
-        if not sampling:
+        forward = self._forward(batch)
+        if forward is None or not sampling:
             return {}
+        logits, argmax = forward
         verified: dict[str, list[SampledToken]] = {}
         if any(s.draft_token_ids for s in out.scheduled):
             logits, argmax, sampling, verified = self._verify(out, logits, argmax)
@@ -137,6 +131,32 @@ class ModelRunner:
         index = self._to_dev(plain_rows)
         return logits[index], None if argmax is None else argmax[index], plain, verified
 
+    @torch.inference_mode()
+    def follow(self, plan: StepPlan) -> None:
+        """A follower rank's step: rank 0's inputs, the same forward (its collectives pair up
+        with rank 0's), no sampling."""
+        self.kv_cache.copy_blocks(plan.block_copies)
+        fields = dataclasses.asdict(plan)
+        del fields["block_copies"]
+        self._forward(_Batch(**fields))
+
+    def _forward(self, batch: _Batch) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+        """The model on `batch`: (logits of the rows that sample, their argmax when a graph
+        computed it), or None when no row samples."""
+        graphs = self.graphs
+        if graphs is not None and batch.is_decode and graphs.can_run(len(batch.query_lens)):
+            logits, argmax = graphs.run(
+                batch.input_ids, batch.positions, batch.slots, batch.seq_lens, batch.tables
+            )
+            if len(batch.logits_indices) != len(batch.query_lens):
+                index = self._to_dev(batch.logits_indices)
+                logits, argmax = logits[index], argmax[index]
+            return logits, argmax
+        hidden = self._forward_eager(batch)
+        if not batch.logits_indices:
+            return None
+        return self.model.compute_logits(hidden[self._to_dev(batch.logits_indices)]), None
+
     def can_overlap(self, out: SchedulerOutput) -> bool:
         """Whether `out` is a decode step whose tokens may stay on the device (`launch`): the
         sampler's plain-greedy case for every row, none about to fork, and none whose blocks
@@ -156,6 +176,8 @@ class ModelRunner:
     ) -> InFlight:
         """Start a `can_overlap` step without waiting for it. A sequence whose newest token is
         still in flight in `prev` takes it from `prev`'s tokens on the device."""
+        # NOTE: followers can't take `prev`'s tokens from rank 0's device: no overlap with TP.
+        assert self.step_plans is None, "overlapped steps run at tensor_parallel_size 1 only"
         self.kv_cache.copy_blocks(out.block_copies)
         batch = _gather(out, block_tables, self.config.block_size)
         seqs = [s.seq for s in out.scheduled]

@@ -72,7 +72,12 @@ class Platform:
             dtype=config.dtype,
             attention_backend=backend,
             triton_ops=triton_ops,
-            cuda_graphs=config.enable_cuda_graphs and on_gpu and backend_cls.graph_safe,
+            # NOTE: tensor-parallel decode runs eager for now (its graphs would have to be
+            # captured and replayed in step on every rank).
+            cuda_graphs=config.enable_cuda_graphs
+            and on_gpu
+            and backend_cls.graph_safe
+            and config.tensor_parallel_size == 1,
             pdl=config.enable_pdl and triton_ops,
             merge_projections=on_gpu,
         )

@@ -4,8 +4,9 @@ listed in an index)."""
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import safe_open
@@ -15,7 +16,12 @@ from splitserve.engine.config import EngineConfig
 from splitserve.engine.gguf_cache import resolve_checkpoint
 from splitserve.engine.model import CausalLM
 from splitserve.engine.model_config import ModelConfig
+from splitserve.engine.parallel import sharding
+from splitserve.engine.parallel.group import ParallelGroup
 from splitserve.engine.platform import Platform
+
+Select = Callable[[str, Any], torch.Tensor]
+"""(name, safetensors slice) -> the part of that tensor to load (a tensor-parallel rank's)."""
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -45,15 +51,27 @@ def checkpoint_files(model_dir: str | Path) -> list[Path]:
     return files
 
 
-def iter_tensors(model_dir: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield (name, tensor) for every tensor in the checkpoint, one shard at a time."""
+def iter_tensors(
+    model_dir: str | Path, select: Select | None = None
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (name, tensor) for every tensor in the checkpoint, one shard at a time; with
+    `select`, only the part of each tensor it picks is read from the file."""
     for file in checkpoint_files(model_dir):
         with safe_open(str(file), framework="pt") as f:
             for name in f.keys():  # noqa: SIM118 - safe_open has no __iter__
-                yield name, f.get_tensor(name)
+                if select is None:
+                    yield name, f.get_tensor(name)
+                else:
+                    yield name, select(name, f.get_slice(name))
 
 
-def load_weights(model: torch.nn.Module, model_dir: str | Path, *, tied_lm_head: bool) -> None:
+def load_weights(
+    model: torch.nn.Module,
+    model_dir: str | Path,
+    *,
+    tied_lm_head: bool,
+    select: Select | None = None,
+) -> None:
     """Copy checkpoint tensors into `model`'s parameters; raise ValueError on any mismatch.
 
     Every parameter must be filled exactly once (except a tied `lm_head`, which shares the
@@ -63,7 +81,7 @@ def load_weights(model: torch.nn.Module, model_dir: str | Path, *, tied_lm_head:
     params = dict(model.named_parameters(remove_duplicate=False))
     loaded: set[str] = set()
     unexpected: list[str] = []
-    for name, tensor in iter_tensors(model_dir):
+    for name, tensor in iter_tensors(model_dir, select):
         # Tied checkpoints sometimes still store a copy of the embedding as lm_head.
         if name.endswith("rotary_emb.inv_freq") or (tied_lm_head and name == "lm_head.weight"):
             continue
@@ -106,21 +124,32 @@ def fill_dummy_weights(model: torch.nn.Module, seed: int = 0) -> None:
 
 
 def load_model(
-    model_dir: str | Path, model_cfg: ModelConfig, config: EngineConfig, platform: Platform
+    model_dir: str | Path,
+    model_cfg: ModelConfig,
+    config: EngineConfig,
+    platform: Platform,
+    group: ParallelGroup | None = None,
 ) -> CausalLM:
-    """Build the transformer for `model_cfg` and fill it from the checkpoint's safetensors."""
+    """Build the transformer for `model_cfg` and fill it from the checkpoint's safetensors.
+
+    With a tensor-parallel `group`, this rank's shard of it: each rank reads only its slices
+    of the checkpoint (engine/parallel/sharding.py)."""
     model_dir = resolve_checkpoint(model_dir)  # a GGUF: its HF-format copy (gguf_cache)
+    shard = group.shard if group is not None else sharding.SINGLE
     # NOTE: built on the meta device and materialised once in the target dtype, so a large
     # model never holds a float32 copy or random initial weights.
     with torch.device("meta"):
         model = CausalLM(
-            model_cfg,
+            sharding.local_config(model_cfg, shard),
             config.max_model_len or model_cfg.max_model_len,
             platform.attention_backend,
             platform.ops(),
+            group,
         )
         model = model.to(dtype=config.dtype)
         quant = quantization.resolve(model_dir, config.quantization)
+        if quant is not None and shard.size > 1:
+            raise ValueError("FP8 weights are not supported with tensor parallelism yet")
         if quant is not None and quant.prequantized and config.load_format != "dummy":
             quantization.prepare(model, quant)  # filled from the checkpoint as stored
     model = model.to_empty(device=config.device)
@@ -129,7 +158,13 @@ def load_model(
     if config.load_format == "dummy":
         fill_dummy_weights(model, config.seed)
     else:
-        load_weights(model, model_dir, tied_lm_head=model_cfg.tie_word_embeddings)
+        select: Select | None = None
+        if shard.size > 1:
+
+            def select(name: str, source: Any) -> torch.Tensor:
+                return sharding.read_slice(name, source, model_cfg, shard)
+
+        load_weights(model, model_dir, tied_lm_head=model_cfg.tie_word_embeddings, select=select)
     if quant is not None and not any(p.dtype == quantization.FP8 for p in model.parameters()):
         quantization.quantize_model(model)  # at load (or dummy weights)
     if platform.merge_projections:

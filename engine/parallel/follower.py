@@ -1,0 +1,80 @@
+"""A follower rank: loads its shard, holds its KV-cache shard, and runs every step rank 0
+plans until rank 0 stops it (or dies: then this process exits too)."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import sys
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+from splitserve.engine.config import EngineConfig
+from splitserve.engine.kv_cache import KVCache, size_kv_pool
+from splitserve.engine.model_config import ModelConfig
+from splitserve.engine.model_runner import ModelRunner
+from splitserve.engine.parallel.group import TorchGroup
+from splitserve.engine.parallel.launch_args import FollowerArgs
+from splitserve.engine.parallel.sharding import Shard, local_config
+from splitserve.engine.parallel.step_plan import StepPlanChannel
+from splitserve.engine.platform import Platform
+from splitserve.engine.weights import load_model
+
+log = logging.getLogger(__name__)
+
+_PARENT_POLL_S = 1.0
+
+
+def _exit_with_parent() -> None:
+    """Leave when rank 0's process is gone (killed, say): a collective waiting on it would
+    otherwise hold this process, and its GPU, until the backend's timeout."""
+    parent = os.getppid()
+    while True:
+        time.sleep(_PARENT_POLL_S)
+        if os.getppid() != parent:
+            os._exit(1)
+
+
+def main(args: FollowerArgs) -> None:
+    """Run rank `args.rank` of `config.tensor_parallel_size`; `args.config` is rank 0's (with
+    this rank's device)."""
+    config, rank, model_dir = args.config, args.rank, args.model_dir
+    threading.Thread(target=_exit_with_parent, daemon=True, name="tp-parent-watch").start()
+    platform = Platform.resolve(config)
+    platform.activate()
+    group = TorchGroup(Shard(rank, config.tensor_parallel_size), args.rendezvous, platform.device)
+    try:
+        model_config = ModelConfig.from_pretrained(model_dir)
+        model = load_model(Path(model_dir), model_config, config, platform, group)
+        config = agree_on_kv_pool(local_config(model_config, group.shard), config, platform, group)
+        kv_cache = KVCache.allocate(local_config(model_config, group.shard), config)
+        runner = ModelRunner(model, kv_cache, config)
+        channel = StepPlanChannel(group, platform.device)
+        with torch.inference_mode():
+            while (plan := channel.recv()) is not None:
+                runner.follow(plan)
+    except RuntimeError:
+        # NOTE: rank 0 went away mid-collective; it reports its own failure.
+        log.warning("tensor-parallel rank %d: group failed", rank, exc_info=True)
+        os._exit(1)
+    finally:
+        group.close()
+
+
+def agree_on_kv_pool(
+    local: ModelConfig, config: EngineConfig, platform: Platform, group: TorchGroup
+) -> EngineConfig:
+    """Every rank's pool gets the block count the tightest rank can hold (rank 0's block ids
+    address every rank's shard). Each rank calls this once, in the same order."""
+    sized = size_kv_pool(local, config, platform.kv_cache_budget(config))
+    assert sized.num_kv_blocks is not None
+    return dataclasses.replace(sized, num_kv_blocks=group.min_int(sized.num_kv_blocks))
+
+
+if __name__ == "__main__":
+    logging.basicConfig(level=logging.WARNING)
+    main(FollowerArgs.from_json(sys.argv[1]))

@@ -1,0 +1,84 @@
+"""Tensor parallelism on the CPU (gloo, real follower processes): greedy float32 tokens equal
+TP=1's and HF's for every tiny architecture, a dead rank fails the engine with a clear error,
+and shutdown stops every rank."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import pytest
+
+from splitserve.engine import LLM, SamplingParams
+from splitserve.engine.parallel.launcher import RankLost
+from splitserve.testing.tiny_model import make_tiny_model
+from tests.engine.hf_oracle import hf_greedy, random_prompts
+
+MAX_NEW = 12
+GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
+LENGTHS = [1, 7, 17, 40, 97]
+
+
+def _tokens(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
+
+
+@pytest.fixture(scope="module")
+def replicated_kv_model(tmp_path_factory):
+    """Fewer KV heads (1) than ranks (2): both ranks hold the one KV head."""
+    root = tmp_path_factory.mktemp("tp-models")
+    return make_tiny_model(root / "llama-kv1", "llama", config_overrides={"num_key_value_heads": 1})
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2", "qwen3", "llama-kv1"])
+def test_tp2_greedy_tokens_equal_tp1_and_hf(tiny_models, replicated_kv_model, arch):
+    model_dir = replicated_kv_model if arch == "llama-kv1" else tiny_models[arch]
+    # A small token budget chunks the long prompts; a shared prefix hits the prefix cache.
+    options = {"num_kv_blocks": 64, "max_num_batched_tokens": 32}
+    tp2 = LLM(model_dir, tensor_parallel_size=2, **options)
+    try:
+        vocab = tp2.engine.model_config.vocab_size
+        prompts = random_prompts(LENGTHS, vocab)
+        prompts.append(prompts[-1][:80] + [5, 6, 7])
+        got = _tokens(tp2, prompts)
+        tp2.engine.check_integrity()
+        assert tp2.engine.kv_usage().num_used_blocks == 0
+    finally:
+        tp2.engine.shutdown()
+    want_tp1 = _tokens(LLM(model_dir, **options), prompts)
+    want_hf = [hf_greedy(model_dir, tuple(p), MAX_NEW) for p in prompts]
+    assert got == want_tp1
+    assert got == want_hf
+
+
+@pytest.mark.slow
+def test_dead_rank_fails_the_engine_and_shutdown_stops_every_rank(tiny_models):
+    llm = LLM(tiny_models["llama"], tensor_parallel_size=2, num_kv_blocks=32)
+    engine = llm.engine
+    assert engine.followers is not None
+    try:
+        assert len(_tokens(llm, [[3, 4, 5]])[0]) == MAX_NEW
+        (proc,) = engine.followers.procs
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(10)
+        with pytest.raises(RankLost, match="rank 1 .* exited"):
+            llm.generate([[3, 4, 5]], GREEDY, use_tqdm=False)
+    finally:
+        engine.shutdown()
+    assert all(p.poll() is not None for p in engine.followers.procs)
+
+
+@pytest.mark.slow
+def test_shutdown_stops_every_rank_cleanly(tiny_models):
+    llm = LLM(tiny_models["qwen2"], tensor_parallel_size=2, num_kv_blocks=32)
+    followers = llm.engine.followers
+    assert followers is not None
+    llm.engine.shutdown()
+    assert [p.returncode for p in followers.procs] == [0]
+
+
+def test_a_degree_that_does_not_divide_the_heads_is_refused_before_any_rank_starts(tiny_models):
+    # The tiny Llama has 4 query heads and 2 KV heads: 3 ranks can't split them.
+    with pytest.raises(ValueError, match="tensor_parallel_size 3 must divide"):
+        LLM(tiny_models["llama"], tensor_parallel_size=3)
