@@ -78,6 +78,13 @@ class RequestTable:
     def __len__(self) -> int:
         return len(self._claims)
 
+    def __contains__(self, request_id: object) -> bool:
+        return request_id in self._claims
+
+    def ids(self) -> list[str]:
+        """The running request ids."""
+        return list(self._claims)
+
     def claim(self, request_id: str, owner: str = "") -> Claim:
         """Hold `request_id` for the calling task, on behalf of `owner`; AlreadyExists if it is
         running."""

@@ -20,6 +20,7 @@ from splitserve.gateway.key_limits import PerKeyInflight, PerKeyTokenRate
 from splitserve.gateway.limits import AdvertisedLimits, check_job, check_request
 from splitserve.gateway.observability import GatewayObserver
 from splitserve.gateway.orchestrator import Orchestrator
+from splitserve.gateway.replicas import SharedRequests
 from splitserve.gateway.requests import Claim, RequestTable
 from splitserve.gateway.validation import Job, validate_request
 from splitserve.protos.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
@@ -45,6 +46,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         max_inflight_per_key: int = 0,
         max_tokens_per_minute_per_key: int = 0,
         stream_interval: int = 1,
+        shared: SharedRequests | None = None,
     ) -> None:
         self.orchestrator = orchestrator
         self.observer = observer
@@ -53,6 +55,8 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         self._slots = threading.BoundedSemaphore(max_inflight)
         self.max_inflight = max_inflight
         self.requests = RequestTable()
+        # The request ids of every gateway replica, in Redis (None: this one alone)
+        self.shared = shared
         self.limits = AdvertisedLimits(orchestrator.registry)
         self.per_key = PerKeyInflight(max_inflight_per_key)
         self.token_rate = PerKeyTokenRate(max_tokens_per_minute_per_key)
@@ -79,7 +83,13 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         interval = self._interval(request)
         # NOTE: before anything it could undo; the request belongs to the caller's API key
         claim = self.requests.claim(job.request_id, caller())
+        shared = False
         try:
+            if self.shared is not None:  # NOTE: refused if another replica runs the id
+                claim.aborted |= await asyncio.to_thread(
+                    self.shared.claim, job.request_id, claim.owner
+                )
+                shared = True
             with self.per_key.hold(claim.owner), self._charged(job, claim):
                 if not self._slots.acquire(blocking=False):
                     raise Overloaded(
@@ -92,6 +102,8 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                     self._slots.release()
         finally:
             self.requests.release(claim)
+            if shared:
+                self._release_shared(claim)
 
     @contextlib.contextmanager
     def _charged(self, job: Job, claim: Claim) -> Iterator[None]:
@@ -162,10 +174,21 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         finally:
             await responses.aclose()  # NOTE: now (frees the route), not whenever the GC does
 
+    def _release_shared(self, claim: Claim) -> None:
+        """Give the id back in Redis without holding up the stream's end."""
+        assert self.shared is not None
+        loop = asyncio.get_running_loop()
+        loop.run_in_executor(None, self.shared.release, claim.request_id, claim.owner)
+
     async def Abort(
         self, request: common_pb2.AbortRequest, context: grpc.aio.ServicerContext
     ) -> common_pb2.AbortResponse:
-        return common_pb2.AbortResponse(aborted=self.requests.abort(request.request_id, caller()))
+        rid, owner = request.request_id, caller()
+        here = rid in self.requests
+        aborted = self.requests.abort(rid, owner)
+        if not here and self.shared is not None:  # NOTE: it may run on another replica
+            aborted = await asyncio.to_thread(self.shared.abort_elsewhere, rid, owner)
+        return common_pb2.AbortResponse(aborted=aborted)
 
     async def GetModelInfo(
         self, request: gateway_pb2.GetModelInfoRequest, context: grpc.aio.ServicerContext

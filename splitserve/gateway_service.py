@@ -5,12 +5,17 @@ one per process (`gateway_processes.py`)."""
 
 from __future__ import annotations
 
+import uuid
+
+import redis
+
 from splitserve.engine.model_config import ModelConfig
 from splitserve.engine.tokenizer import load_tokenizer
 from splitserve.gateway.http_server import Authorize, HttpFrontDoor, create_app
 from splitserve.gateway.migration import FailoverSettings
 from splitserve.gateway.observability import GatewayObserver
 from splitserve.gateway.orchestrator import Orchestrator, OrchestratorSettings
+from splitserve.gateway.replicas import SharedRequests
 from splitserve.gateway.router import make_policy
 from splitserve.gateway.servicer import GatewayServicer, ModelInfo
 from splitserve.gateway.stubs import Stubs
@@ -84,18 +89,25 @@ def start_gateway(
             outcomes=True,
         )
         observer = GatewayObserver(tracing, requests, RoutingMetrics(metrics), info.name)
-        opened.gates[0].bind(
-            GatewayServicer(
-                orchestrator,
-                tokenizer,
-                info,
-                gateway.max_inflight,
-                observer,
-                max_inflight_per_key=gateway.max_inflight_per_key,
-                max_tokens_per_minute_per_key=gateway.max_tokens_per_minute_per_key,
-                stream_interval=gateway.stream_interval,
-            )
+        # NOTE: an id of its own per start: a restarted process never meets its old leases.
+        shared = SharedRequests(
+            redis.Redis.from_url(service.redis_url, socket_connect_timeout=2.0, socket_timeout=5.0),
+            f"{service.worker_id}-{uuid.uuid4().hex[:6]}",
+            registry.namespace,
         )
+        servicer = GatewayServicer(
+            orchestrator,
+            tokenizer,
+            info,
+            gateway.max_inflight,
+            observer,
+            max_inflight_per_key=gateway.max_inflight_per_key,
+            max_tokens_per_minute_per_key=gateway.max_tokens_per_minute_per_key,
+            stream_interval=gateway.stream_interval,
+            shared=shared,
+        )
+        opened.gates[0].bind(servicer)
+        shared.start(opened.server.loop, servicer.requests.abort, servicer.requests.ids)
         # NOTE: its channels to the workers live on the server's loop: closed there, at stop.
         opened.server.on_stop(orchestrator.close)
         http = start_http(
@@ -112,6 +124,7 @@ def start_gateway(
         if http is not None:
             http.stop(opened.server)
         opened.server.stop()
+        shared.stop()
         registry.close()
         metrics.close()
 

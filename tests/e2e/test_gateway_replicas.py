@@ -1,0 +1,147 @@
+"""Several gateway processes in front of the same workers: `splitserve gateway --processes 2` on
+one port (gRPC and HTTP), and a second gateway on a port of its own, all sharing one Redis.
+Tokens equal the offline engine's through any of them; an Abort sent to one gateway stops the
+request another one runs; a request id running on one is refused by another; prefill budgets
+hold across replicas."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import grpc
+import httpx
+import pytest
+
+from splitserve.client import collect, stream
+from splitserve.engine import LLM, SamplingParams
+from splitserve.protos.v1 import common_pb2
+from splitserve.up import Stack, free_port
+from tests.e2e.harness import assert_nothing_leaks, gateway, running_stack
+from tests.engine.hf_oracle import random_prompts
+
+pytestmark = pytest.mark.slow
+
+GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+LONG = SamplingParams(temperature=0, max_tokens=1500, ignore_eos=True)
+ABORT = common_pb2.FINISH_REASON_ABORT
+
+
+@pytest.fixture(scope="module")
+def model_dir(tiny_models) -> Path:
+    return tiny_models["llama"]
+
+
+@pytest.fixture(scope="module")
+def stack(model_dir) -> Iterator[Stack]:
+    """1 prefill + 1 decode worker behind `splitserve gateway --processes 2` (gRPC and HTTP)."""
+    with running_stack(
+        model_dir, prefill=1, decode=1, http_port=0, extra_gateway_args=("--processes", "2")
+    ) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def other(stack, model_dir) -> Iterator[str]:
+    """A second gateway, on a port of its own, over the same Redis and workers."""
+    port = free_port("127.0.0.1")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "splitserve.cli", "gateway", "--model", str(model_dir),
+         "--port", str(port), "--processes", "1"],
+        env={**os.environ, "SPLITSERVE_REDIS_URL": stack.redis_url},
+        stdout=subprocess.PIPE, text=True, start_new_session=True,
+    )  # fmt: skip
+    assert proc.stdout is not None
+    line = proc.stdout.readline()
+    assert "serving on" in line, line
+    try:
+        yield f"127.0.0.1:{port}"
+    finally:
+        proc.terminate()
+        proc.wait(30)
+
+
+def _stub(address: str):
+    return gateway(Stack(address, "", ""))
+
+
+def _first_tokens(call, n: int) -> None:
+    got = 0
+    for msg in call:
+        got += len(msg.chunk.token_ids)
+        if got >= n:
+            return
+    raise AssertionError("the stream ended early")
+
+
+def test_the_gateway_runs_two_processes_on_one_port(stack):
+    parent = stack.process("gateway")
+    children = Path(f"/proc/{parent.pid}/task/{parent.pid}/children").read_text().split()
+    assert len(children) == 2
+
+
+def test_tokens_over_grpc_and_http_equal_offline_through_two_processes(stack, model_dir):
+    llm = LLM(model_dir)
+    prompts = random_prompts([3, 17, 40, 64, 90, 12, 33, 5], llm.engine.model_config.vocab_size, 7)
+    want = [o.outputs[0] for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
+
+    def over_grpc(prompt):  # NOTE: a channel each, so that connections spread over processes
+        with grpc.insecure_channel(stack.address) as channel:
+            from splitserve.protos.v1 import gateway_pb2_grpc
+
+            return collect(
+                stream(gateway_pb2_grpc.GatewayStub(channel), prompt, GREEDY, timeout_s=120)
+            )
+
+    def over_http(prompt):
+        body = {"model": model_dir.name, "prompt": prompt, "max_tokens": GREEDY.max_tokens,
+                "temperature": 0, "ignore_eos": True}  # fmt: skip
+        reply = httpx.post(f"{stack.http_url}/completions", json=body, timeout=120)
+        reply.raise_for_status()
+        return reply.json()["choices"][0]["text"]
+
+    with ThreadPoolExecutor(8) as pool:
+        grpc_out = list(pool.map(over_grpc, prompts))
+        http_out = list(pool.map(over_http, prompts))
+    assert [r.token_ids[0] for r in grpc_out] == [w.token_ids for w in want]
+    assert http_out == [w.text for w in want]
+    assert_nothing_leaks(stack)
+
+
+def test_abort_sent_to_another_gateway_stops_the_request(stack, other):
+    call = stream(gateway(stack), [9] * 20, LONG, request_id="cross-abort", timeout_s=120)
+    _first_tokens(call, 3)
+    started = time.monotonic()
+    reply = _stub(other).Abort(common_pb2.AbortRequest(request_id="cross-abort"), timeout=10)
+    assert reply.aborted
+    done = collect(call)
+    assert done.finished.samples[0].finish_reason == ABORT
+    assert done.finished.usage.completion_tokens < LONG.max_tokens
+    assert time.monotonic() - started < 5.0
+    assert_nothing_leaks(stack)
+
+
+def test_an_abort_before_the_request_arrives_elsewhere_ends_it_at_once(stack, other):
+    reply = _stub(other).Abort(common_pb2.AbortRequest(request_id="early-abort"), timeout=10)
+    assert not reply.aborted  # nothing ran yet
+    done = collect(stream(gateway(stack), [9] * 20, LONG, request_id="early-abort", timeout_s=60))
+    assert done.finished.samples[0].finish_reason == ABORT
+    assert_nothing_leaks(stack)
+
+
+def test_a_running_request_id_is_refused_by_another_gateway(stack, other):
+    call = stream(gateway(stack), [9] * 20, LONG, request_id="dup-id", timeout_s=120)
+    _first_tokens(call, 1)
+    with pytest.raises(grpc.RpcError) as err:
+        collect(stream(_stub(other), [5] * 8, GREEDY, request_id="dup-id", timeout_s=30))
+    assert err.value.code() == grpc.StatusCode.ALREADY_EXISTS
+    call.cancel()
+    assert_nothing_leaks(stack)
+    # Once it ended, the id is free again, on any gateway.
+    done = collect(stream(_stub(other), [5] * 8, GREEDY, request_id="dup-id", timeout_s=60))
+    assert done.finished.usage.completion_tokens == GREEDY.max_tokens
