@@ -1,0 +1,207 @@
+"""Draft-model proposals: a smaller model guesses K tokens, one forward per token.
+
+The draft is any supported checkpoint sharing the target's vocabulary (`--speculative-model`),
+or the target's own first k layers with its final norm and LM head
+(`--speculative-draft-layers k`: no extra weights, the modules are shared).
+
+Its KV pool mirrors the target's: the same number of blocks, indexed by the target's block
+tables, so the block manager's rules (allocation, copy-on-write, rollback, preemption) hold
+for it unchanged. Per sequence the draft remembers how many leading positions of its pool are
+valid; anything past the target's computed tokens is stale (rejected drafts) and rewritten.
+
+    target computed  |0 ............................. c)  c = tokens with target KV
+    draft valid      |0 ..................... v)           v <= c: catch up on [v, c] first
+    propose          inputs t[v..c], d1 .. d(k-1)  ->  drafts d1 .. dk (argmax: point masses)
+
+The draft computes a prompt's KV in the steps the target prefills it (chunked prefill too,
+`observe`); a request admitted prefilled (a decode worker) or taken from the prefix cache is
+caught up in its first speculative step. The draft runs eagerly (no CUDA graphs).
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+
+from splitserve.engine.attention import AttentionMetadata
+from splitserve.engine.kv_cache import KVCache, bytes_per_block
+from splitserve.engine.model_config import ModelConfig
+from splitserve.engine.spec_decode.proposer import Proposer
+from splitserve.engine.weights import load_model
+
+if TYPE_CHECKING:
+    from splitserve.engine.config import EngineConfig
+    from splitserve.engine.model import CausalLM
+    from splitserve.engine.platform import Platform
+    from splitserve.engine.scheduler import ScheduledSequence, SchedulerOutput
+    from splitserve.engine.sequence import Sequence
+    from splitserve.engine.spec_decode.config import SpeculativeConfig
+
+
+def truncated_model(target: CausalLM, num_layers: int) -> CausalLM:
+    """The target's first `num_layers` layers with its embedding, final norm and LM head,
+    sharing their weights (a shallow copy: nothing is duplicated)."""
+    if not 1 <= num_layers <= target.cfg.num_layers:
+        raise ValueError(
+            f"speculative draft_layers must be 1 to {target.cfg.num_layers}, got {num_layers}"
+        )
+    draft = copy.copy(target)
+    draft._modules = dict(target._modules)
+    inner = copy.copy(target.model)
+    inner._modules = dict(target.model._modules)
+    inner.layers = nn.ModuleList(list(target.model.layers)[:num_layers])
+    draft.model = inner
+    draft.cfg = dataclasses.replace(target.cfg, num_layers=num_layers)
+    return draft
+
+
+class DraftModelProposer(Proposer):
+    def __init__(self, model: CausalLM, target_cfg: ModelConfig, block_size: int, device: str):
+        self.model = model
+        self.target_cfg = target_cfg  # the target's (this rank's) shape, for the pool split
+        self.block_size = block_size
+        self.device = torch.device(device)
+        self.kv_cache: KVCache | None = None
+        # seq_id -> (sequence, leading positions whose draft KV is valid)
+        self._valid: dict[str, tuple[Sequence, int]] = {}
+
+    @classmethod
+    def build(
+        cls,
+        config: SpeculativeConfig,
+        target: CausalLM,
+        model_config: ModelConfig,
+        engine_config: EngineConfig,
+        platform: Platform,
+    ) -> DraftModelProposer:
+        if config.model is None:
+            assert config.draft_layers is not None
+            model = truncated_model(target, config.draft_layers)
+        else:
+            draft_cfg = ModelConfig.from_pretrained(config.model)
+            if draft_cfg.vocab_size != model_config.vocab_size:
+                raise ValueError(
+                    f"the draft model's vocabulary ({draft_cfg.vocab_size}) is not the "
+                    f"target's ({model_config.vocab_size}): they must share a tokenizer"
+                )
+            model = load_model(config.model, draft_cfg, engine_config, platform)
+        return cls(model, target.cfg, engine_config.block_size, engine_config.device)
+
+    def plan(self, seq: Sequence, k: int) -> int:
+        return k
+
+    def share_kv_budget(
+        self, config: EngineConfig, asked_num_kv_blocks: int | None
+    ) -> EngineConfig:
+        if asked_num_kv_blocks is not None:
+            return config  # both pools hold the number of blocks asked for
+        assert config.num_kv_blocks is not None
+        target = bytes_per_block(self.target_cfg, config.block_size, config.cache_dtype)
+        draft = bytes_per_block(self.model.cfg, config.block_size, config.cache_dtype)
+        blocks = config.num_kv_blocks * target // (target + draft)
+        return dataclasses.replace(config, num_kv_blocks=max(1, blocks))
+
+    def allocate(self, config: EngineConfig) -> None:
+        self.kv_cache = KVCache.allocate(self.model.cfg, config)
+
+    def forget(self, seq: Sequence) -> None:
+        self._valid.pop(seq.seq_id, None)
+
+    def _valid_len(self, seq: Sequence) -> int:
+        entry = self._valid.get(seq.seq_id)
+        valid = entry[1] if entry is not None and entry[0] is seq else 0
+        return min(valid, seq.num_computed_tokens)
+
+    @torch.inference_mode()
+    def observe(self, out: SchedulerOutput, block_tables: dict[str, list[int]]) -> None:
+        """The step's prompt chunks and plain decodes, run through the draft (its KV only)."""
+        assert self.kv_cache is not None
+        self.kv_cache.copy_blocks(out.block_copies)
+        self._valid = {k: v for k, v in self._valid.items() if not v[0].is_finished}
+        rows = []
+        for item in out.scheduled:
+            if item.num_spec_tokens:
+                continue
+            seq = item.seq
+            end = seq.num_computed_tokens + item.num_new_tokens
+            start = self._valid_len(seq)
+            rows.append((seq, seq.tokens_between(start, end), start, block_tables[seq.seq_id]))
+        if rows:
+            self._forward(rows, want_logits=False)
+
+    @torch.inference_mode()
+    def propose(
+        self, items: list[ScheduledSequence], block_tables: dict[str, list[int]]
+    ) -> dict[str, list[int]]:
+        drafts: dict[str, list[int]] = {it.seq.seq_id: [] for it in items}
+        # First forward: each sequence's uncomputed-by-the-draft tokens through its last one.
+        rows = []
+        for it in items:
+            seq = it.seq
+            start = self._valid_len(seq)
+            tokens = seq.tokens_between(start, seq.num_tokens)
+            rows.append((seq, tokens, start, block_tables[seq.seq_id]))
+        next_ids = self._forward(rows, want_logits=True)
+        for it, token in zip(items, next_ids, strict=True):
+            drafts[it.seq.seq_id].append(token)
+        # Then one draft token per forward, for the sequences that want more.
+        for j in range(1, max(it.num_spec_tokens for it in items)):
+            live = [it for it in items if it.num_spec_tokens > j]
+            rows = [
+                (it.seq, [drafts[it.seq.seq_id][-1]], it.seq.num_tokens + j - 1,
+                 block_tables[it.seq.seq_id])
+                for it in live
+            ]  # fmt: skip
+            for it, token in zip(live, self._forward(rows, want_logits=True), strict=True):
+                drafts[it.seq.seq_id].append(token)
+        for it in items:
+            # NOTE: positions up to the last draft's input hold KV; what the target rejects
+            # is cut off by `_valid_len` (never past the target's computed tokens).
+            self._valid[it.seq.seq_id] = (it.seq, it.seq.num_tokens + it.num_spec_tokens - 1)
+        return drafts
+
+    def _forward(
+        self, rows: list[tuple[Sequence, list[int], int, list[int]]], want_logits: bool
+    ) -> list[int]:
+        """Run the draft over (sequence, tokens, first position, block table) rows; record
+        the KV it wrote; return each row's argmax after its last token when asked."""
+        assert self.kv_cache is not None
+        bs = self.block_size
+        ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        cu = [0]
+        seq_lens: list[int] = []
+        last: list[int] = []
+        for seq, tokens, start, table in rows:
+            end = start + len(tokens)
+            ids.extend(tokens)
+            positions.extend(range(start, end))
+            slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
+            cu.append(cu[-1] + len(tokens))
+            seq_lens.append(end)
+            last.append(len(ids) - 1)
+            self._valid[seq.seq_id] = (seq, end)
+        width = max(len(r[3]) for r in rows)
+        tables = [r[3] + [0] * (width - len(r[3])) for r in rows]
+        meta = AttentionMetadata(
+            slot_mapping=self._dev(slots),
+            cu_seqlens_q=self._dev(cu, torch.int32),
+            seq_lens=self._dev(seq_lens, torch.int32),
+            block_tables=self._dev(tables, torch.int32),
+            query_lens_cpu=tuple(len(r[1]) for r in rows),
+            seq_lens_cpu=tuple(seq_lens),
+            block_size=bs,
+        )
+        hidden = self.model(self._dev(ids), self._dev(positions), list(self.kv_cache.layers), meta)
+        if not want_logits:
+            return []
+        logits = self.model.compute_logits(hidden[self._dev(last)])
+        return [int(t) for t in logits.argmax(dim=-1).tolist()]
+
+    def _dev(self, values: list, dtype: torch.dtype = torch.int64) -> torch.Tensor:
+        return torch.tensor(values, dtype=dtype).to(self.device, non_blocking=True)

@@ -1,0 +1,66 @@
+"""Draft-model speculation is lossless: greedy float32 outputs equal HF's, whether the draft is
+a separate checkpoint (here the target's own, which must accept every draft) or the target's
+first layers (which must reject some), through chunked prefill, prefix hits and preemption; the
+draft's KV pool mirrors the target's blocks and shares its memory budget."""
+
+from __future__ import annotations
+
+import pytest
+
+from splitserve.engine import LLM, SamplingParams
+from splitserve.engine.spec_decode.config import SpeculativeConfig
+from tests.engine.hf_oracle import hf_greedy, random_prompts
+
+pytestmark = pytest.mark.slow
+
+MAX_NEW = 16
+GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
+
+
+def _generate(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
+
+
+def _assert_clean(llm: LLM) -> None:
+    llm.engine.check_integrity()
+    usage = llm.engine.kv_usage()
+    assert usage.num_used_blocks == 0 and usage.num_sequences == 0
+
+
+def test_truncated_draft_matches_hf_through_chunked_prefill_and_prefix_hits(tiny_models):
+    model_dir = tiny_models["llama"]
+    spec = SpeculativeConfig("draft", 3, draft_layers=1)
+    llm = LLM(model_dir, speculative=spec, max_num_batched_tokens=20)
+    vocab = llm.engine.model_config.vocab_size
+    shared = random_prompts([40], vocab, seed=31)[0]
+    prompts = [shared + s for s in random_prompts([5, 23], vocab, seed=32)]
+    got = _generate(llm, prompts[:1]) + _generate(llm, prompts[1:])
+    assert got == [hf_greedy(model_dir, tuple(p), MAX_NEW) for p in prompts]
+    stats = llm.engine.stats()
+    assert stats.spec_decode_num_accepted_tokens < stats.spec_decode_num_draft_tokens  # rejections
+    assert llm.engine.block_manager.prefix_cache_hits >= 32
+    _assert_clean(llm)
+
+
+def test_draft_checkpoint_equal_to_the_target_accepts_everything(tiny_models):
+    model_dir = tiny_models["qwen2"]
+    llm = LLM(model_dir, speculative=SpeculativeConfig("draft", 4, model=str(model_dir)))
+    plain_blocks = LLM(model_dir).engine.config.num_kv_blocks
+    assert llm.engine.config.num_kv_blocks == plain_blocks // 2  # same shape: half each
+    prompts = random_prompts([9, 30], llm.engine.model_config.vocab_size, seed=33)
+    assert _generate(llm, prompts) == [hf_greedy(model_dir, tuple(p), MAX_NEW) for p in prompts]
+    stats = llm.engine.stats()
+    assert stats.spec_decode_num_draft_tokens > 0
+    assert stats.spec_decode_num_accepted_tokens == stats.spec_decode_num_draft_tokens
+    _assert_clean(llm)
+
+
+def test_truncated_draft_under_preemption_matches_hf(tiny_models):
+    model_dir = tiny_models["llama"]
+    spec = SpeculativeConfig("draft", 3, draft_layers=1)
+    llm = LLM(model_dir, speculative=spec, num_kv_blocks=8)
+    prompts = random_prompts([30, 45, 20, 38], llm.engine.model_config.vocab_size, seed=34)
+    assert _generate(llm, prompts) == [hf_greedy(model_dir, tuple(p), MAX_NEW) for p in prompts]
+    assert llm.engine.scheduler.num_preemptions > 0
+    assert llm.engine.stats().spec_decode_num_drafts > 0
+    _assert_clean(llm)
