@@ -36,6 +36,7 @@ from splitserve.engine.prefix_hash import prefix_block_hashes
 from splitserve.gateway.admission import PrefillBudget
 from splitserve.gateway.migration import FailoverSettings, StreamMover, Suspects
 from splitserve.gateway.observability import PREFILL, RESERVE, RequestObservation
+from splitserve.gateway.prefill_ledger import PrefillLedger
 from splitserve.gateway.router import NoWorkerError, RoutingPolicy
 from splitserve.gateway.stubs import Stubs
 from splitserve.gateway.validation import Job
@@ -87,7 +88,9 @@ class Orchestrator:
         policy: RoutingPolicy,
         settings: OrchestratorSettings,
         stubs: Stubs | None = None,
+        ledger: PrefillLedger | None = None,
     ) -> None:
+        """`ledger`: where prefill budgets are counted (default: this process only)."""
         self.registry = registry
         self.policy = policy
         self.settings = settings
@@ -95,7 +98,7 @@ class Orchestrator:
         self._inflight: dict[str, int] = {}
         self._warned: set[str] = set()
         self._lock = threading.Lock()
-        self.budget = PrefillBudget(settings.max_prefill_tokens_per_worker)
+        self.budget = PrefillBudget(settings.max_prefill_tokens_per_worker, ledger=ledger)
         self.suspects = Suspects(settings.failover.suspect_s)
         self.mover = StreamMover(self, settings.failover)
 

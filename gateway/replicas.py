@@ -7,6 +7,8 @@ Kubernetes Service).
     {ns}:gw:early:{owner}:{id}     an Abort that came before its Generate (PX remember_s)
     {ns}:gw:abort:{replica}        pub/sub channel: Aborts for the replica's requests
     {ns}:gw:reply:{nonce}          list: the owner's answer to one forwarded Abort
+    {ns}:gw:alive:{replica}        while the replica lives (PX lease, renewed by it): what
+                                   its shared prefill budgets count (gateway/prefill_ledger.py)
 
     client ──Abort(id)──▶ replica B ── GET req:id ─▶ "A…" ── PUBLISH abort:A ──▶ replica A
                               ▲                                                    │ cancels it
@@ -24,6 +26,7 @@ and aborts its requests): serving beats refusing, and the registry is down anywa
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import json
 import logging
@@ -72,7 +75,7 @@ class SharedRequests:
         client: redis.Redis,
         replica_id: str,
         namespace: str = "splitserve",
-        lease_s: float = 30.0,
+        lease_s: float = 15.0,
         remember_s: float = 30.0,
         reply_timeout_s: float = 2.0,
     ) -> None:
@@ -98,6 +101,9 @@ class SharedRequests:
 
     def _channel(self, replica_id: str) -> str:
         return f"{self._ns}:gw:abort:{replica_id}"
+
+    def _alive_key(self) -> str:
+        return f"{self._ns}:gw:alive:{self.replica_id}"
 
     def _value(self, owner: str) -> str:
         return f"{self.replica_id}\n{owner_hash(owner)}"
@@ -160,7 +166,12 @@ class SharedRequests:
         running: Callable[[], Iterable[str]],
     ) -> None:
         """Listen for Aborts forwarded to this replica (each run by `abort_local(id, owner)`
-        on `loop`) and renew the leases of the ids `running()` lists (read on `loop`)."""
+        on `loop`) and renew the leases of the ids `running()` lists (read on `loop`), and of
+        the replica itself."""
+        try:
+            self._client.set(self._alive_key(), b"1", px=self.lease_ms)
+        except redis.RedisError as exc:
+            self._unreachable(exc)
         for target, name in ((self._listen, "gw-aborts"), (self._renew, "gw-leases")):
             thread = threading.Thread(
                 target=target, args=(loop, abort_local, running), name=name, daemon=True
@@ -172,6 +183,9 @@ class SharedRequests:
         self._stop.set()
         for thread in self._threads:
             thread.join(5.0)
+        # NOTE: its prefill tokens stop counting at once, not when the lease ends
+        with contextlib.suppress(redis.RedisError):
+            self._client.delete(self._alive_key())
         self._client.close()
 
     def _listen(self, loop, abort_local, running) -> None:  # noqa: ANN001 - see start
@@ -214,6 +228,7 @@ class SharedRequests:
             try:
                 ids = asyncio.run_coroutine_threadsafe(snapshot(), loop).result(5.0)
                 pipe = self._client.pipeline(transaction=False)
+                pipe.set(self._alive_key(), b"1", px=self.lease_ms)
                 for request_id in ids:
                     pipe.pexpire(self._req_key(request_id), self.lease_ms)
                 pipe.execute()

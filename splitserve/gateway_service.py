@@ -15,6 +15,7 @@ from splitserve.gateway.http_server import Authorize, HttpFrontDoor, create_app
 from splitserve.gateway.migration import FailoverSettings
 from splitserve.gateway.observability import GatewayObserver
 from splitserve.gateway.orchestrator import Orchestrator, OrchestratorSettings
+from splitserve.gateway.prefill_ledger import RedisLedger
 from splitserve.gateway.replicas import SharedRequests
 from splitserve.gateway.router import make_policy
 from splitserve.gateway.servicer import GatewayServicer, ModelInfo
@@ -60,6 +61,11 @@ def start_gateway(
         registry = Registry(
             service.redis_url, retry_s=service.registry_retry_s, secret=security.cluster_secret
         )
+        # NOTE: an id of its own per start: a restarted process never meets its old leases.
+        replica_id = f"{service.worker_id}-{uuid.uuid4().hex[:6]}"
+        shared_redis = redis.Redis.from_url(
+            service.redis_url, socket_connect_timeout=2.0, socket_timeout=5.0
+        )
         orchestrator = Orchestrator(
             registry,
             make_policy(gateway.routing_policy),
@@ -76,6 +82,7 @@ def start_gateway(
                 ),
             ),
             stubs=Stubs(member_channel_interceptors(security.cluster_secret, forward_caller=True)),
+            ledger=RedisLedger(shared_redis, replica_id, registry.namespace),
         )
         info = ModelInfo(
             name=service.served_model_name,
@@ -89,12 +96,7 @@ def start_gateway(
             outcomes=True,
         )
         observer = GatewayObserver(tracing, requests, RoutingMetrics(metrics), info.name)
-        # NOTE: an id of its own per start: a restarted process never meets its old leases.
-        shared = SharedRequests(
-            redis.Redis.from_url(service.redis_url, socket_connect_timeout=2.0, socket_timeout=5.0),
-            f"{service.worker_id}-{uuid.uuid4().hex[:6]}",
-            registry.namespace,
-        )
+        shared = SharedRequests(shared_redis, replica_id, registry.namespace)
         servicer = GatewayServicer(
             orchestrator,
             tokenizer,
