@@ -26,7 +26,7 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
 from pydantic import BaseModel, ConfigDict, Field
 
-from splitserve.engine.errors import InvalidRequest, NotFound
+from splitserve.engine.errors import InvalidRequest, NotFound, SplitserveError
 from splitserve.gateway.http_models import ChatCompletionRequest, tool_messages
 from splitserve.gateway.tool_chat import render_with_tools
 from splitserve.gateway.tool_choice import plan_tools
@@ -74,6 +74,12 @@ def add_extra_routes(
     """Add /tokenize, /detokenize, /version and /metrics to `app`. `identity` checks a
     request's credentials; `error` answers an exception in OpenAI's shape."""
 
+    def failed(exc: Exception) -> JSONResponse:
+        """A domain error as its status; any other bad value (a malformed message) as a 400."""
+        if isinstance(exc, ValueError) and not isinstance(exc, SplitserveError):
+            exc = InvalidRequest(str(exc))
+        return error(exc)
+
     def check(request: Request, model: str | None) -> None:
         with identity(request):
             pass
@@ -103,7 +109,7 @@ def add_extra_routes(
             check(request, body.model)
             ids = await asyncio.to_thread(tokenize_sync, body)
         except Exception as exc:  # noqa: BLE001 - answered in OpenAI's shape
-            return error(exc)
+            return failed(exc)
         strs = tokenizer.convert_ids_to_tokens(ids) if body.return_token_strs else None
         return JSONResponse(
             {"count": len(ids), "max_model_len": info.max_model_len, "tokens": ids,
@@ -122,7 +128,7 @@ def add_extra_routes(
                 tokenizer.decode, body.tokens, clean_up_tokenization_spaces=False
             )
         except Exception as exc:  # noqa: BLE001 - answered in OpenAI's shape
-            return error(exc)
+            return failed(exc)
         return JSONResponse({"prompt": text})
 
     @app.get("/version")

@@ -201,6 +201,10 @@ def test_tokenize_renders_the_tools_as_a_chat_does(client, model_dir, root_url):
     assert back == {"prompt": "Hello world"}
     out_of_range = httpx.post(f"{root_url}/detokenize", json={"tokens": [10**9]})
     assert out_of_range.status_code == 400 and "vocabulary" in out_of_range.text
+    bad_role = httpx.post(f"{root_url}/tokenize", json={"messages": [{"role": "robot"}]})
+    assert bad_role.status_code == 400 and "role" in bad_role.json()["error"]["message"]
+    neither = httpx.post(f"{root_url}/tokenize", json={})
+    assert neither.status_code == 400 and "either" in neither.json()["error"]["message"]
 
 
 def test_echo_puts_the_prompt_before_the_completion(client, model_dir):

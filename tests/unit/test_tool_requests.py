@@ -147,3 +147,58 @@ def test_a_template_without_tools_gets_the_gateway_tool_prompt(tokenizers, parse
     sample = {"hermes": HermesParser, "json": JsonParser}[parser]()
     events = sample.feed(written) + sample.finish()
     assert [type(e).__name__ for e in events][:1] == ["CallStart"]
+
+
+def _shaper(plan):
+    from splitserve.gateway.http_responses import Shaper
+
+    return Shaper("m", chat=True, n=1, top_logprobs=None, token_text=str, tools=plan,
+                  parser="hermes")  # fmt: skip
+
+
+def test_streamed_chunks_carry_openai_tool_call_deltas_and_finish_tool_calls():
+    from splitserve.protos.v1 import common_pb2, gateway_pb2
+
+    text = 'Sure.<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>'
+    pieces = ["Sure.", "<tool_", 'call>\n{"name": "get_', 'weather", "arguments": {"ci',
+              'ty": "Oslo"}}', "\n</tool_call>"]  # fmt: skip
+    assert "".join(pieces) == text
+    shaper = _shaper(plan_tools(TOOLS, "auto", None))
+    chunks = [shaper.chunk(common_pb2.SampleDelta(index=0, text=p)) for p in pieces]
+    sent = [c["choices"][0]["delta"] for c in chunks if c is not None]
+    assert sent[0] == {"role": "assistant", "content": "Sure."}
+    calls = [entry for delta in sent for entry in delta.get("tool_calls", [])]
+    first, *rest = calls
+    assert first["index"] == 0 and first["id"].startswith("call_") and first["type"] == "function"
+    assert first["function"]["name"] == "get_weather"
+    assert all(set(e) == {"index", "function"} and set(e["function"]) == {"arguments"}
+               for e in rest)  # fmt: skip
+    assert "".join(e["function"]["arguments"] for e in calls) == '{"city": "Oslo"}'
+    stop = common_pb2.SampleFinish(index=0, finish_reason=common_pb2.FINISH_REASON_STOP)
+    (last,) = shaper.final_chunks(gateway_pb2.Finished(samples=[stop]))
+    assert last["choices"][0]["finish_reason"] == "tool_calls"
+    whole = _shaper(plan_tools(TOOLS, "auto", None))
+    whole.add(common_pb2.SampleDelta(index=0, text=text))
+    message = whole.response(gateway_pb2.Finished(samples=[stop]))["choices"][0]
+    assert message["finish_reason"] == "tool_calls"
+    assert message["message"]["content"] == "Sure."
+    (call,) = message["message"]["tool_calls"]
+    assert call["function"] == {"name": "get_weather", "arguments": '{"city": "Oslo"}'}
+    plain = _shaper(plan_tools(TOOLS, "auto", None))
+    plain.add(common_pb2.SampleDelta(index=0, text="No tools needed."))
+    answer = plain.response(gateway_pb2.Finished(samples=[stop]))["choices"][0]
+    assert answer["message"] == {"role": "assistant", "content": "No tools needed."}
+    assert answer["finish_reason"] == "stop"
+
+
+def test_parallel_tool_calls_false_keeps_the_first_call_of_auto():
+    from splitserve.protos.v1 import common_pb2, gateway_pb2
+
+    two = "".join(
+        f'<tool_call>{{"name": "{n}", "arguments": {{}}}}</tool_call>' for n in ("ping", "ping")
+    )
+    shaper = _shaper(plan_tools(TOOLS, "auto", False))
+    shaper.add(common_pb2.SampleDelta(index=0, text=two))
+    stop = common_pb2.SampleFinish(index=0, finish_reason=common_pb2.FINISH_REASON_STOP)
+    message = shaper.response(gateway_pb2.Finished(samples=[stop]))["choices"][0]["message"]
+    assert len(message["tool_calls"]) == 1
