@@ -28,6 +28,9 @@ COUNTERS = (
     ("num_preemptions", "Sequences preempted (recomputed later)."),
     ("prefix_cache_queries", "Prompt tokens looked up in the prefix cache."),
     ("prefix_cache_hits", "Prompt tokens found in the prefix cache."),
+    ("spec_decode_num_drafts", "Speculative verifications (one per sequence per step)."),
+    ("spec_decode_num_draft_tokens", "Draft tokens proposed."),
+    ("spec_decode_num_accepted_tokens", "Draft tokens accepted."),
 )
 
 
@@ -62,3 +65,11 @@ class EngineCollector(Collector):
             if s is not None:
                 counter.add_metric(values, getattr(s, name))
             yield counter
+        per_pos = CounterMetricFamily(
+            "splitserve:spec_decode_num_accepted_tokens_per_pos",
+            "Draft tokens accepted at each position of a proposal (0 first).",
+            labels=[*labels, "position"],
+        )
+        for position, count in enumerate(s.spec_decode_num_accepted_tokens_per_pos if s else ()):
+            per_pos.add_metric([*values, str(position)], count)
+        yield per_pos

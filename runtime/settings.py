@@ -80,6 +80,13 @@ class WorkerSettings:
     # FP8 weights: auto runs the checkpoint as stored; fp8 quantizes a 16/32-bit one at load
     quantization: str = "auto"
     kv_cache_dtype: str = "auto"  # auto (the model's dtype) | fp8: every worker must agree
+    # Speculative decoding (engine/spec_decode/): ngram | draft; empty: off. Prefill-only
+    # requests never speculate, so it matters on decode (and colocated) workers.
+    speculative_method: str = ""
+    num_speculative_tokens: int = 4  # K, the most tokens proposed per sequence per step
+    speculative_model: str = ""  # --speculative-method draft: the draft checkpoint's directory
+    # --speculative-method draft without --speculative-model: the target's first k layers
+    speculative_draft_layers: int = 0
     # A decode worker's reservations (not yet decoding) per client the gateway acts for (0: no
     # limit), so that one client can't hold the whole KV pool
     max_reservations_per_caller: int = 0

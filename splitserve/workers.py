@@ -7,6 +7,7 @@ from splitserve.engine.config import EngineConfig
 from splitserve.engine.llm_engine import LLMEngine
 from splitserve.engine.model_config import ModelConfig
 from splitserve.engine.platform import resolve_device, resolve_dtype
+from splitserve.engine.spec_decode.config import SpeculativeConfig
 from splitserve.engine.stats import EngineStats
 from splitserve.kv_transfer.registry import WorkerInfo
 from splitserve.runtime.settings import ServiceSettings, WorkerSettings
@@ -33,7 +34,20 @@ def engine_config(
         load_format=worker.load_format,
         quantization=None if worker.quantization == "auto" else worker.quantization,
         kv_cache_dtype=worker.kv_cache_dtype,
+        speculative=speculative_config(worker),
         async_scheduling=_async_scheduling(worker.async_scheduling),
+    )
+
+
+def speculative_config(worker: WorkerSettings) -> SpeculativeConfig | None:
+    """`--speculative-method` and its companions (None: no speculation)."""
+    if not worker.speculative_method:
+        return None
+    return SpeculativeConfig(
+        worker.speculative_method,
+        num_speculative_tokens=worker.num_speculative_tokens,
+        model=worker.speculative_model or None,
+        draft_layers=worker.speculative_draft_layers or None,
     )
 
 
