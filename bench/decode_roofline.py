@@ -154,6 +154,9 @@ def main() -> None:
         "their attention splits for it",
     )
     parser.add_argument("--steps", type=int, default=50)
+    parser.add_argument(
+        "--batches", type=int, nargs="+", default=[1, 8], help="decode batch sizes to time"
+    )
     parser.add_argument("--out", default="bench/results/decode_roofline.json")
     parser.add_argument("--profile", action="store_true", help="also profile batch-1 steps")
     parser.add_argument(
@@ -200,7 +203,7 @@ def main() -> None:
                     dtype=torch.bfloat16,
                     device="cuda",
                     load_format="dummy",
-                    max_num_seqs=8,
+                    max_num_seqs=max(args.batches),
                     max_model_len=max_model_len,
                     enable_pdl=pdl,
                     quantization=quant,
@@ -215,7 +218,7 @@ def main() -> None:
             )
             kv_elem = 1 if args.kv_cache_dtype == "fp8" else 2
             kv_per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * kv_elem
-            for batch in (1, 8):
+            for batch in args.batches:
                 times = decode_step_times(engine, batch, args.context, args.steps)
                 kv_bytes = batch * (args.context + args.steps // 2) * kv_per_token
                 rows.append(

@@ -18,6 +18,8 @@
 #   gemv            bench/gemv.py against cuBLAS at M = 1
 #   kv-transfer     bench/kv_transfer.py between two worker processes (two GPUs)
 #   serving         bench/serving.py, disaggregated against colocated (two GPUs)
+#   serving4        bench/serving.py on four GPUs, 1P+3D: before/after the engine core process
+#   serving-step    one decode worker's serving step at batch 128 and 256 against offline
 #   structured      bench/structured.py (sampler step, batch 64, half constrained vs free)
 #   fp8             FP8 weights and KV cache: GEMV tiles, decode floor, throughput, accuracy
 #   fp8-profile     where an FP8 batch-1 decode step's time goes (graph replay, host, kernels)
@@ -79,6 +81,24 @@ for step in "$@"; do
     gemv) run gemv 16 python3 -m bench.gemv --out "$OUT/gemv.json" ;;
     kv-transfer) run kv_transfer 30 python3 -m bench.kv_transfer --out "$OUT/kv_transfer.json" ;;
     serving) run serving 40 python3 -m bench.serving --out "$OUT/serving.json" ;;
+    serving4)
+      # Four GPUs, 1 prefill + 3 decode, 512/512: the engine loop as a thread of the worker's
+      # process with one gateway process (before) against the defaults (after), same host.
+      load=(--configs 1P+3D --duration-s 15 --client-processes 8 --timeout-s 300)
+      run serving4_before 30 python3 -m bench.serving "${load[@]}" --label before \
+        --workloads 512/512@48 --worker-args=--engine-core=thread \
+        --gateway-args=--processes=1 --out "$OUT/serving4_before.json"
+      run serving4_after 40 python3 -m bench.serving "${load[@]}" --label after \
+        --workloads 512/512@48,64,80,96 --out "$OUT/serving4_after.json" ;;
+    serving-step)
+      # One decode worker at a steady batch (closed loop, 512/512) against the offline step.
+      for c in 128 256; do
+        run "serving_step_$c" 20 python3 -m bench.serving --configs 1P+1D --label "c$c" \
+          --workloads 512/512@$((c / 4)) --duration-s 20 --concurrency "$c" \
+          --client-processes 8 --timeout-s 300 --out "$OUT/serving_step_$c.json"
+      done
+      run roofline_768 12 python3 -m bench.decode_roofline --batches 128 256 --context 768 \
+        --pdl on --async-scheduling on --out "$OUT/roofline_768.json" ;;
     fp8-profile)
       run roofline_fp8_profile 60 python3 -m bench.decode_roofline --quantization fp8 --pdl on \
         --breakdown --profile --out "$OUT/roofline_fp8_profile.json" ;;

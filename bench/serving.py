@@ -18,19 +18,24 @@ requests meet the SLO, and reports the highest rate that met it.
 from __future__ import annotations
 
 import argparse
+import multiprocessing
 import random
 import tempfile
 import threading
 import time
+import urllib.request
 from collections import Counter
 from collections.abc import Sequence
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import grpc
+from prometheus_client.parser import text_string_to_metric_families
 
 from bench.common import model_dir, table, write_results
+from bench.proc_cpu import CPUMeter
 from splitserve.client import stream
 from splitserve.engine.sampling_params import SamplingParams
 from splitserve.protos.v1 import gateway_pb2_grpc
@@ -41,6 +46,11 @@ CONFIGS = {
     # name: (prefill workers, decode workers, devices handed out decode-first)
     "1P+1D": (1, 1, ("cuda:1", "cuda:0")),
     "2 colocated": (0, 2, ("cuda:0", "cuda:1")),
+    # four GPUs
+    "1P+3D": (1, 3, ("cuda:1", "cuda:2", "cuda:3", "cuda:0")),
+    "2P+2D": (2, 2, ("cuda:2", "cuda:3", "cuda:0", "cuda:1")),
+    "3P+1D": (3, 1, ("cuda:3", "cuda:0", "cuda:1", "cuda:2")),
+    "4 colocated": (0, 4, ("cuda:0", "cuda:1", "cuda:2", "cuda:3")),
 }
 
 
@@ -108,32 +118,73 @@ def _one(stub: Any, prompt: list[int], max_tokens: int, record: Record, timeout_
 
 def run_load(
     address: str, requests: Sequence[tuple[list[int], int]], rate: float, seed: int,
-    timeout_s: float,
+    timeout_s: float, client_processes: int = 1, concurrency: int = 0,
 ) -> tuple[list[Record], float]:  # fmt: skip
     """Send `requests` at Poisson arrivals of `rate`/s (open loop); their records and the
-    arrival window's length."""
+    arrival window's length. With `client_processes` > 1 the requests are dealt round-robin to
+    that many client processes (one Python client is itself a ceiling near 10k tokens/s)."""
+    rng = random.Random(seed)
+    offsets, due = [], 0.0
+    for _ in requests:
+        due += rng.expovariate(rate)
+        offsets.append(due)
+    items = [(p, m, o) for (p, m), o in zip(requests, offsets, strict=True)]
+    start = time.monotonic() + 0.5
+    if client_processes <= 1:
+        raw = _client(address, items, start, timeout_s, concurrency)
+    else:
+        ctx = multiprocessing.get_context("spawn")
+        with ProcessPoolExecutor(client_processes, mp_context=ctx) as pool:
+            shares = [items[i::client_processes] for i in range(client_processes)]
+            lanes = concurrency // client_processes
+            futures = [pool.submit(_client, address, sh, start, timeout_s, lanes) for sh in shares]
+            parts = [f.result() for f in futures]
+        raw = [None] * len(items)  # type: ignore[list-item]
+        for i, part in enumerate(parts):
+            raw[i::client_processes] = part
+    records = [Record(sent=sent, token_times=times, status=st) for sent, times, st in raw]
+    return records, offsets[-1] if offsets else 0.0
+
+
+def _client(
+    address: str,
+    items: list[tuple[list[int], int, float]],
+    start: float,
+    timeout_s: float,
+    concurrency: int = 0,
+) -> list[tuple[float, list[float], str]]:
+    """One client process (or the caller): streams its requests at their arrival offsets
+    from `start` (a CLOCK_MONOTONIC time, the same in every process of the host), or, with
+    `concurrency`, keeps that many in flight (closed loop: a steady batch on the workers)."""
     channel = grpc.insecure_channel(
         address, options=[("grpc.max_receive_message_length", 16 << 20)]
     )
     stub = gateway_pb2_grpc.GatewayStub(channel)
-    rng = random.Random(seed)
-    records = [Record() for _ in requests]
+    records = [Record() for _ in items]
     threads = []
-    start = time.monotonic()
-    due = start
-    for (prompt, max_tokens), record in zip(requests, records, strict=True):
-        due += rng.expovariate(rate)
-        time.sleep(max(0.0, due - time.monotonic()))
+    if concurrency:
+        lanes = [list(range(i, len(items), concurrency)) for i in range(concurrency)]
+
+        def lane(indices: list[int]) -> None:
+            for k in indices:
+                _one(stub, items[k][0], items[k][1], records[k], timeout_s)
+
+        threads = [threading.Thread(target=lane, args=(ix,), daemon=True) for ix in lanes]
+        for thread in threads:
+            thread.start()
+    for (prompt, max_tokens, offset), record in zip(items, records, strict=True):
+        if concurrency:
+            break
+        time.sleep(max(0.0, start + offset - time.monotonic()))
         thread = threading.Thread(
             target=_one, args=(stub, prompt, max_tokens, record, timeout_s), daemon=True
         )
         thread.start()
         threads.append(thread)
-    window = time.monotonic() - start
     for thread in threads:
         thread.join(timeout_s + 30)
     channel.close()
-    return records, window
+    return [(r.sent, r.token_times, r.status) for r in records]
 
 
 def _pct(values: list[float], q: float) -> float:
@@ -174,15 +225,59 @@ def _row(config: str, workload: str, rate: float, s: dict[str, Any]) -> dict[str
         "TPOT p50 ms": round(s["tpot_p50_s"] * 1e3, 1),
         "ITL p99 ms": round(s["itl_p99_s"] * 1e3, 1),
         "out tok/s": round(s["output_tokens_per_s"]),
+        "gw cores": s.get("gateway_cores", "-"),
         "SLO %": round(100 * s["slo_attainment"], 1),
         "goodput req/s": round(s["goodput_req_per_s"], 2),
         "errors": ",".join(f"{k}:{v}" for k, v in s["errors"].items()) or "-",
     }  # fmt: skip
 
 
+STEP_SERIES = ("num_steps", "step_seconds", "num_step_seqs")
+
+
+def step_counters(stack: Stack) -> dict[str, dict[str, float]]:
+    """Each worker's serving-loop counters (its /metrics): steps, their seconds, sequences."""
+    out = {}
+    for name, port in stack.metrics_ports.items():
+        if name == "gateway" or name.startswith("prefill"):
+            continue
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as reply:
+            text = reply.read().decode()
+        values = {
+            s.name.removeprefix("splitserve:").removesuffix("_total"): s.value
+            for family in text_string_to_metric_families(text)
+            for s in family.samples
+        }
+        out[name] = {k: values.get(k, 0.0) for k in STEP_SERIES}
+    return out
+
+
+def serving_steps(before: dict, after: dict) -> dict[str, dict[str, float]]:
+    """Per decode worker over a run: steps, mean batch, mean serving step (its loop's wall
+    time per step: what the offline step is compared with)."""
+    out = {}
+    for name, a in after.items():
+        b = before.get(name, {k: 0.0 for k in STEP_SERIES})
+        steps = a["num_steps"] - b["num_steps"]
+        if steps <= 0:
+            continue
+        out[name] = {
+            "steps": int(steps),
+            "mean_batch": (a["num_step_seqs"] - b["num_step_seqs"]) / steps,
+            "mean_step_ms": 1e3 * (a["step_seconds"] - b["step_seconds"]) / steps,
+        }
+    return out
+
+
+def _cpu_table(cores: dict[str, float]) -> str:
+    """Cores per process (a worker's engine core is its child `name/<pid>`), busiest first."""
+    rows = [{"process": n, "cores": c} for n, c in sorted(cores.items(), key=lambda x: -x[1])]
+    return table(rows, ["process", "cores"]) if rows else ""
+
+
 def _stack(args: argparse.Namespace, model: Path, config: str) -> Stack:
     prefill, decode, devices = CONFIGS[config]
-    worker_args = ["--max-num-seqs", str(args.max_num_seqs)]
+    worker_args = ["--max-num-seqs", str(args.max_num_seqs), *args.worker_args]
     if not args.smoke:
         worker_args += ["--load-format", "dummy", "--max-model-len", str(args.max_model_len)]
     else:
@@ -196,6 +291,7 @@ def _stack(args: argparse.Namespace, model: Path, config: str) -> Stack:
             extra_worker_args=tuple(worker_args),
             extra_gateway_args=tuple(args.gateway_args),
             startup_timeout_s=900.0,
+            metrics=True,
         )
     )
 
@@ -203,6 +299,7 @@ def _stack(args: argparse.Namespace, model: Path, config: str) -> Stack:
 def bench_config(args: argparse.Namespace, model: Path, config: str, vocab: int) -> list[dict]:
     results = []
     stack = _stack(args, model, config)
+    config = f"{config} {args.label}" if args.label else config
     try:
         warm = Workload.parse(args.workloads[0]).requests(4, vocab, seed=99)
         run_load(stack.address, warm, rate=100.0, seed=0, timeout_s=args.timeout_s)
@@ -217,8 +314,25 @@ def bench_config(args: argparse.Namespace, model: Path, config: str, vocab: int)
                 rate = rates[i]
                 n = max(args.min_requests, int(rate * args.duration_s))
                 requests = workload.requests(n, vocab, seed=int(rate * 1000) + i)
-                records, window = run_load(stack.address, requests, rate, i, args.timeout_s)
+                meter = CPUMeter({name: stack.process(name).pid for name in stack.ports})
+                steps0 = step_counters(stack)
+                meter.start()
+                records, window = run_load(
+                    stack.address, requests, rate, i, args.timeout_s, args.client_processes,
+                    args.concurrency,
+                )  # fmt: skip
                 s = summarize(records, window)
+                s["cpu_cores"] = cores = meter.stop()
+                s["serving_steps"] = serving_steps(steps0, step_counters(stack))
+                for name, step in s["serving_steps"].items():
+                    print(f"{name}: {step['steps']} steps, mean batch {step['mean_batch']:.1f}, "
+                          f"mean serving step {step['mean_step_ms']:.2f} ms")  # fmt: skip
+                gateway_cores = sum(c for n, c in cores.items() if n.startswith("gateway"))
+                s["gateway_cores"] = round(gateway_cores, 3)
+                s["out_tok_per_gateway_core"] = (
+                    s["output_tokens_per_s"] / gateway_cores if gateway_cores else 0.0
+                )
+                print(_cpu_table(cores))
                 results.append({"config": config, "workload": workload_name, "rate": rate, **s})
                 print(table([_row(config, workload_name, rate, s)], list(_row("", "", 0, s))))
                 if args.sweep:
@@ -254,6 +368,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--max-model-len", type=int, default=8192)
     parser.add_argument("--gateway-args", nargs="*", default=[])
     parser.add_argument("--timeout-s", type=float, default=120.0)
+    parser.add_argument(
+        "--concurrency", type=int, default=0,
+        help="closed loop: keep this many requests in flight (the rate only sizes the run)",
+    )  # fmt: skip
+    parser.add_argument("--worker-args", nargs="*", default=[], help="more flags for every worker")
+    parser.add_argument("--label", default="", help="added to the configurations' names")
+    parser.add_argument(
+        "--client-processes", type=int, default=1,
+        help="load client processes (one Python client tops out near 10k tokens/s)",
+    )  # fmt: skip
     parser.add_argument("--smoke", action="store_true", help="CPU, tiny model, tiny load")
     parser.add_argument("--out", type=Path, default=Path("bench/results/serving.json"))
     args = parser.parse_args(argv)

@@ -73,10 +73,17 @@ class DecodeObservation:
             )
             span.end()
 
-    def on_output(self) -> None:
+    def on_output(self, num_tokens: int = 1) -> None:
+        """An output with `num_tokens` new tokens went out. NOTE: the inter-token latency is
+        per token, as if a coalesced message's tokens had come evenly spread over its gap."""
         now = time.monotonic()
-        if self._last_output is not None:
-            self._observer.requests.inter_token_latency.observe(now - self._last_output)
+        gaps = max(1, num_tokens)
+        if self._last_output is None:
+            gaps, gap = gaps - 1, 0.0  # NOTE: the rest came with the first token
+        else:
+            gap = (now - self._last_output) / gaps
+        for _ in range(gaps):
+            self._observer.requests.inter_token_latency.observe(gap)
         self._last_output = now
 
     def on_finished(self, finished: worker_pb2.DecodeFinished) -> None:

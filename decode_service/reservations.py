@@ -39,6 +39,8 @@ class LocalReservation:
     refusal: str | None = None  # why a push for it was refused (it can't complete then)
     # What every push must carry (KVDestination.capability); b"": none asked (in-process use)
     capability: bytes = b""
+    # The prompt (a front's own copy: its outputs are detokenized in its context)
+    prompt_token_ids: tuple[int, ...] = ()
     lock: threading.Lock = field(default_factory=threading.Lock)
     changed: threading.Condition = field(init=False)
     # Coroutines waiting in `wait_complete_async`: woken on their loops by `notify`.

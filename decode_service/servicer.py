@@ -65,8 +65,9 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         )
         try:
             async for out in outputs:
-                obs.on_output()
-                for delta in tracker.deltas(out):
+                deltas = tracker.deltas(out)
+                obs.on_output(max((len(d.token_ids) for d in deltas), default=0))
+                for delta in deltas:
                     yield worker_pb2.DecodeResponse(chunk=delta)
                 if out.finished:
                     finished = worker_pb2.DecodeFinished(
@@ -91,7 +92,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
     ) -> worker_pb2.WorkerStats:
         worker = self.worker
         return convert.stats_to_proto(
-            await worker.loop.call_async(lambda e: e.stats()),
+            await worker.stats(),
             worker.settings.worker_id,
             num_reservations=len(worker.reservations),
             kv_bytes_received=worker.num_bytes_received,

@@ -1,8 +1,9 @@
 """The decode worker's logic: reserve blocks, receive KV, admit into the batch, stream tokens.
 
 Its gRPC handlers run on the server's event loop: `reserve`, `decode` and `abort` are coroutines
-that wait for the engine (`call_async`, `subscribe_async`), for KV landing and for Redis (in a
-thread) without blocking the loop; `housekeeping` runs on the heartbeat thread.
+that wait for the engine core (`acall`, `subscribe_async`: the engine, its KV receivers and the
+blocks landing live in the core process, `decode_service/core.py`) and for Redis (in a thread)
+without blocking the loop; `housekeeping` runs on the heartbeat thread.
 
 Ownership in Redis follows each request: `reserve` (here, at Reserve) -> `begin_write` (the
 prefill worker, before its first push) -> `handoff` (here, at Decode) -> `release` (here, when
@@ -22,12 +23,13 @@ from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass
 
 from splitserve.decode_service.reservations import LocalReservation, ReservationBook
-from splitserve.engine.engine_loop import EngineLoop
 from splitserve.engine.errors import FailedPrecondition, NotFound, quoted
-from splitserve.engine.llm_engine import LLMEngine
 from splitserve.engine.outputs import RequestOutput, Resume, SampledToken
 from splitserve.engine.sampling_params import SamplingParams
+from splitserve.engine.stats import EngineStats
 from splitserve.kv_transfer.registry import BlockRecord, Registry, RegistryUnavailable
+from splitserve.runtime.engine_core.client import EngineCoreClient
+from splitserve.runtime.engine_core.protocol import first_tokens_to_wire, params_to_wire
 
 log = logging.getLogger(__name__)
 
@@ -41,17 +43,20 @@ class DecodeSettings:
     # can trail the prefill worker's answer).
     landing_timeout_s: float = 30.0
     kv_transports: tuple[str, ...] = ("grpc",)  # what this worker receives with, fastest first
+    # Tokens per message on a Decode stream at least (1: every step's; under load, steps that
+    # queued up while the stream was busy go out as one message either way).
+    stream_interval: int = 1
 
 
 class DecodeWorker:
     def __init__(
         self,
-        loop: EngineLoop,
+        core: EngineCoreClient,
         registry: Registry,
         settings: DecodeSettings,
         reservations: ReservationBook,
     ) -> None:
-        self.loop = loop
+        self.core = core
         self.registry = registry
         self.settings = settings
         self.reservations = reservations
@@ -69,11 +74,6 @@ class DecodeWorker:
         self._since = 0  # the registry's mark of its data's start, at the last `restore`
         self._prefix: dict[bytes, bool] = {}  # prefix-index changes not yet published
         self._prefix_held: set[bytes] = set()  # what the registry's prefix index should list
-
-    @property
-    def engine(self) -> LLMEngine:
-        """For read-only lookups (config, sizes); changes go through `loop.call`."""
-        return self.loop.engine
 
     async def reserve(
         self,
@@ -105,28 +105,33 @@ class DecodeWorker:
         params: SamplingParams,
         resume: Resume | None,
     ) -> LocalReservation:
-        res = await self.loop.call_async(
-            lambda e: e.reserve(request_id, prompt_token_ids, params, resume)
+        wire_resume = None if resume is None else [resume.sample_index, resume.output_token_ids]
+        block_ids, num_cached = await self.core.acall(
+            "reserve", request_id, prompt_token_ids, params_to_wire(params), wire_resume
         )
         try:
             record = await asyncio.to_thread(
                 self.registry.reserve,
                 request_id,
                 self.settings.worker_id,
-                list(res.block_ids),
+                list(block_ids),
                 self.settings.lease_s,
+            )
+            local = LocalReservation(
+                request_id=request_id,
+                fence=record.fence,
+                block_ids=tuple(block_ids),
+                num_cached_tokens=num_cached,
+                block_size=self.core.info["block_size"],
+                capability=secrets.token_bytes(16),  # handed only to the prefill worker chosen
+                prompt_token_ids=tuple(prompt_token_ids),
+            )
+            await self.core.acall(
+                "open_landing", request_id, record.fence, block_ids, num_cached, local.capability
             )
         except BaseException:
             await self._abort_engine_async(request_id)
             raise
-        local = LocalReservation(
-            request_id=request_id,
-            fence=record.fence,
-            block_ids=res.block_ids,
-            num_cached_tokens=res.num_cached_tokens,
-            block_size=self.engine.config.block_size,
-            capability=secrets.token_bytes(16),  # handed only to the prefill worker chosen
-        )
         self.reservations.add(local)
         return local
 
@@ -158,21 +163,28 @@ class DecodeWorker:
         res = self.reservations.get(request_id)
         if res is None:
             raise NotFound(f"no reservation for request {request_id!r}")
-        if first_tokens and not await res.wait_complete_async(self.settings.landing_timeout_s):
-            why = res.refusal or ("reclaimed" if res.dead else "timed out")
-            await self.abort(request_id)  # NOTE: never admitted with partial KV; nothing is kept
-            raise FailedPrecondition(
-                f"KV for request {request_id!r} is incomplete ({why}): {res.progress()} received"
+        num_bytes = num_blocks = 0
+        if first_tokens:
+            timeout_s = self.settings.landing_timeout_s
+            ok, why, progress, num_bytes, num_blocks = await self.core.acall(
+                "wait_landed", request_id, timeout_s, timeout_s=timeout_s + 30
             )
+            if not ok:
+                await self.abort(request_id)  # NOTE: never admitted with partial KV
+                raise FailedPrecondition(
+                    f"KV for request {request_id!r} is incomplete ({why}): {progress} received"
+                )
         self.reservations.pop(request_id)
-        self.num_bytes_received += res.num_bytes
-        self.num_blocks_received += len(res.received)
-        outputs = self.loop.subscribe_async(request_id, asyncio.get_running_loop())
+        self.num_bytes_received += num_bytes
+        self.num_blocks_received += num_blocks
+        outputs = self.core.subscribe_async(
+            request_id, list(res.prompt_token_ids), asyncio.get_running_loop()
+        )
         finished = False
         try:
             # NOTE: the ownership hand-off (Redis) and the admission (the engine's next turn)
             # run at once: the first token streams as soon as both are done.
-            handoff, admitted = await asyncio.gather(
+            results: list[object] = await asyncio.gather(
                 asyncio.to_thread(
                     self.registry.handoff,
                     request_id,
@@ -180,26 +192,38 @@ class DecodeWorker:
                     res.fence,
                     self.settings.lease_s,
                 ),
-                self.loop.call_async(lambda e: e.admit(request_id, params, first_tokens, priority)),
+                self.core.acall(
+                    "admit",
+                    request_id,
+                    params_to_wire(params),
+                    first_tokens_to_wire(first_tokens),
+                    priority,
+                ),
                 return_exceptions=True,  # NOTE: both settle before either's error is raised
             )
-            for result in (handoff, admitted):
+            for result in results:
                 if isinstance(result, BaseException):
                     raise result
-            assert not isinstance(admitted, BaseException)
             with self._active_lock:
                 self._active[request_id] = (res.fence, tuple(res.block_ids))
-            self.loop.publish(admitted)
             if on_admitted is not None:
                 on_admitted()
+            interval, sent = self.settings.stream_interval, 0
             while not finished:
                 item = await outputs.get()
+                # NOTE: outputs are cumulative: what queued up while this stream was busy goes
+                # out as one message (the newest holds every token).
+                while not outputs.empty() and not isinstance(item, BaseException):
+                    item = outputs.get_nowait()
                 if isinstance(item, BaseException):
                     raise item
                 finished = item.finished
-                yield item
+                num_tokens = sum(len(s.token_ids) for s in item.outputs)
+                if finished or num_tokens - sent >= interval:
+                    sent = num_tokens
+                    yield item
         finally:
-            self.loop.unsubscribe(request_id)
+            self.core.unsubscribe(request_id)
             # NOTE: shielded: a second cancel (the server stopping) must not leave it half done.
             await asyncio.shield(self._end(request_id, aborted=not finished))
 
@@ -216,27 +240,33 @@ class DecodeWorker:
         with contextlib.suppress(RegistryUnavailable):
             self.registry.release(request_id, fence)
 
+    async def stats(self) -> EngineStats:
+        return EngineStats(**await self.core.acall("stats"))
+
     async def abort(self, request_id: str) -> bool:
         """Cancel a reservation or a running request; True if there was one."""
         return await asyncio.shield(self._abort(request_id))
 
     async def _abort(self, request_id: str) -> bool:
-        # NOTE: in a thread: `pop` waits for a KV write into the reservation's blocks to end.
-        res = await asyncio.to_thread(self.reservations.pop, request_id)
+        res = self.reservations.pop(request_id)
         aborted = await self._abort_engine_async(request_id)
         if res is not None:
             await asyncio.to_thread(self._release, request_id, res.fence)
         return aborted or res is not None
 
     async def _abort_engine_async(self, request_id: str) -> bool:
-        if not self.loop.running:
+        """Abort in the engine core: its reservation closed there first (waiting for a KV
+        write into its blocks to end), then the engine frees the blocks."""
+        if not self.core.running:
             return False
-        return bool(await self.loop.call_async(lambda e: e.abort_request(request_id)))
+        aborted, _ = await self.core.acall("abort", request_id)
+        return bool(aborted)
 
     def _abort_engine(self, request_id: str) -> bool:
-        if not self.loop.running:
+        if not self.core.running:
             return False
-        return bool(self.loop.call(lambda e: e.abort_request(request_id)))
+        aborted, _ = self.core.call("abort", request_id)
+        return bool(aborted)
 
     def housekeeping(self) -> None:
         """Re-publish records Redis lost; reclaim reservations whose lease expired; renew leases
@@ -289,7 +319,7 @@ class DecodeWorker:
 
     def _publish_prefix_events(self) -> None:
         # NOTE: changes that could not be published (Redis unreachable) wait for the next turn.
-        for added, block_hash in self.loop.call(lambda e: e.take_prefix_events()):
+        for added, block_hash in self.core.call("take_prefix_events"):
             self._prefix[block_hash] = added  # only the last change of each hash matters
             (self._prefix_held.add if added else self._prefix_held.discard)(block_hash)
         added_hashes = [h for h, added in self._prefix.items() if added]

@@ -15,10 +15,12 @@ holds no thread and never blocks the loop.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import contextlib
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any, TypeVar
@@ -26,10 +28,12 @@ from typing import Any, TypeVar
 from splitserve.engine.errors import Unavailable
 from splitserve.engine.llm_engine import LLMEngine
 from splitserve.engine.outputs import RequestOutput
+from splitserve.engine.stats import EngineStats
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 StepHook = Callable[[LLMEngine], None]
+OutputSink = Callable[[list[RequestOutput]], None]
 
 
 class EngineStopped(Unavailable):
@@ -39,8 +43,19 @@ class EngineStopped(Unavailable):
 class EngineLoop:
     """Owns the engine thread. `call` and `subscribe` are safe from any thread."""
 
-    def __init__(self, engine: LLMEngine, idle_wait_s: float = 0.05) -> None:
+    def __init__(
+        self,
+        engine: LLMEngine,
+        idle_wait_s: float = 0.05,
+        sink: OutputSink | None = None,
+        on_failure: Callable[[BaseException], None] | None = None,
+    ) -> None:
+        """`sink` (if any) gets every published batch of outputs on the engine thread, after
+        the subscribers (an engine core sends them to its front); `on_failure` hears of the
+        exception that ended the loop."""
         self.engine = engine
+        self._sink = sink
+        self._on_failure = on_failure
         self._commands: queue.Queue[tuple[Callable[[LLMEngine], Any], Future[Any]]] = queue.Queue()
         # request id -> how to hand it an output (or the exception that ended the engine)
         self._subscribers: dict[str, Callable[[RequestOutput | BaseException], None]] = {}
@@ -50,6 +65,11 @@ class EngineLoop:
         self._idle_wait_s = idle_wait_s
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self.failure: BaseException | None = None
+        # Turns that stepped the engine: how many, their wall seconds (commands, step, outputs
+        # and hooks: the serving step), and the sequences they ran (EngineStats' step fields).
+        self.num_steps = 0
+        self.step_seconds = 0.0
+        self.num_step_seqs = 0
 
     def start(self) -> EngineLoop:
         self._thread.start()
@@ -65,11 +85,24 @@ class EngineLoop:
 
     def call(self, fn: Callable[[LLMEngine], T], timeout_s: float | None = 30.0) -> T:
         """Run `fn(engine)` on the engine thread; return its result or raise its exception."""
+        return self.submit(fn).result(timeout_s)
+
+    def stats(self) -> EngineStats:
+        """The engine's stats with this loop's step counters (on the engine thread)."""
+        return dataclasses.replace(
+            self.engine.stats(),
+            num_steps=self.num_steps,
+            step_seconds=self.step_seconds,
+            num_step_seqs=self.num_step_seqs,
+        )
+
+    def submit(self, fn: Callable[[LLMEngine], T]) -> Future[T]:
+        """Queue `fn(engine)` for the engine thread; its future completes there."""
         if not self.running:
             raise EngineStopped("the engine is not running") from self.failure
         future: Future[T] = Future()
         self._commands.put((fn, future))
-        return future.result(timeout_s)
+        return future
 
     async def call_async(self, fn: Callable[[LLMEngine], T], timeout_s: float | None = 30.0) -> T:
         """`call` for a coroutine: awaits the result without blocking the event loop (the engine
@@ -125,11 +158,16 @@ class EngineLoop:
                 self._run_commands(block=not self.engine.has_unfinished_requests())
                 self.engine.housekeeping()
                 if self.engine.has_unfinished_requests():
+                    started = time.perf_counter()
+                    num_seqs = self.engine.num_running_seqs()
                     self.publish(self.engine.step())
                     with self._lock:
                         hooks = list(self._hooks)
                     for hook in hooks:
                         hook(self.engine)
+                    self.step_seconds += time.perf_counter() - started
+                    self.num_steps += 1
+                    self.num_step_seqs += num_seqs
         except BaseException as exc:  # noqa: BLE001 - every waiter must hear about it
             log.exception("engine loop failed")
             self.failure = exc
@@ -139,6 +177,8 @@ class EngineLoop:
             for deliver in subscribers:
                 deliver(EngineStopped(f"engine failed: {exc!r}"))
             self.engine.kv_connector.fail_all(EngineStopped(f"engine failed: {exc!r}"))
+            if self._on_failure is not None:
+                self._on_failure(exc)
         finally:
             self._fail_pending_commands()
 
@@ -166,6 +206,8 @@ class EngineLoop:
                 deliver = self._subscribers.get(out.request_id)
                 if deliver is not None:
                     deliver(out)
+        if self._sink is not None and outputs:
+            self._sink(outputs)
 
     def _fail_pending_commands(self) -> None:
         while True:

@@ -19,6 +19,7 @@ from splitserve.engine.config import EngineConfig
 from splitserve.engine.errors import (
     AlreadyExists,
     Cancelled,
+    FailedPrecondition,
     InvalidRequest,
     NotFound,
     Overloaded,
@@ -26,12 +27,15 @@ from splitserve.engine.errors import (
 from splitserve.engine.grammar import Grammars
 from splitserve.engine.kv_cache import KVCache, size_kv_pool
 from splitserve.engine.kv_connector import KVConnector
+from splitserve.engine.lora.manager import LoRAConfig, LoRAManager
+from splitserve.engine.lora.request import LoRARequest, check_adapter_name
 from splitserve.engine.model_config import ModelConfig
 from splitserve.engine.model_runner import ModelRunner
 from splitserve.engine.output_processor import OutputProcessor, RequestState
 from splitserve.engine.outputs import RequestOutput, Resume, SampledToken
 from splitserve.engine.overlap import PLACEHOLDER, InFlight
 from splitserve.engine.parallel.follower import agree_on_kv_pool
+from splitserve.engine.parallel.kv_shards import ShardedKVConnector
 from splitserve.engine.parallel.launcher import Followers
 from splitserve.engine.parallel.sharding import check_divisible
 from splitserve.engine.platform import Platform
@@ -97,10 +101,18 @@ class LLMEngine:
         self.scheduler = Scheduler(
             self.config, self.block_manager, max_len, self.model_config.eos_token_ids
         )
-        self.kv_connector = KVConnector(self.kv_cache, self.block_manager, self.config.block_size)
+        self.kv_connector = (
+            KVConnector(self.kv_cache, self.block_manager, self.config.block_size)
+            if self.followers is None
+            else ShardedKVConnector(
+                self.kv_cache, self.block_manager, self.config.block_size, self.followers, mc
+            )
+        )
         self.runner = ModelRunner(self.model, self.kv_cache, self.config)
         if self.followers is not None:
             self.runner.step_plans = self.followers
+        self.lora = self._start_lora()
+        self.runner.lora = self.lora
         if self.platform.cuda_graphs:
             self.runner.capture_cuda_graphs()
         self.outputs = OutputProcessor(self.tokenizer, self.config.stream_text)
@@ -141,19 +153,22 @@ class LLMEngine:
         priority: int = 0,
         *,
         prefill_only: bool = False,
+        lora_request: LoRARequest | str | None = None,
     ) -> str:
         """Validate and queue a request; raise InvalidRequest on bad input before any work is done.
 
         A `prefill_only` request (prefill workers) stops after its first token; its blocks are
-        reported through `kv_connector` when the service `watch`es it.
+        reported through `kv_connector` when the service `watch`es it. `lora_request` names
+        the LoRA adapter it runs under (NotFound if not loaded and no path is given).
         """
         params = params or SamplingParams()
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         text, token_ids = self._tokenize(prompt)
+        lora = self._resolve_lora(lora_request)
         root = self._new_request(request_id, text, token_ids, params, priority)
-        root.prefill_only = prefill_only
-        for child in root.pending_children:
-            child.prefill_only = prefill_only
+        for member in (root, *root.pending_children):
+            member.prefill_only = prefill_only
+            member.lora_name, member.prefix_root = lora
         self.scheduler.add(root)
         return request_id
 
@@ -189,14 +204,16 @@ class LLMEngine:
 
     def reserve(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-        resume: Resume | None = None,
+        resume: Resume | None = None, lora_name: str | None = None,
     ) -> Reservation:  # fmt: skip
         """Decode side of disaggregation: hold blocks for a prompt whose KV will be pushed here
         (or, with `resume`, for a broken-off sample's prompt and tokens, computed here).
 
         Blocks this worker already caches for the prompt's prefix are reused; only the rest
         need to be sent. Raises InvalidRequest on bad input, CapacityError when full."""
+        lora = self._resolve_lora(lora_name)  # NOTE: a prefill under another adapter is refused
         seq = self._new_sequence(request_id, prompt_token_ids, params)
+        seq.lora_name, seq.prefix_root = lora
         if self._inflight is not None:
             # NOTE: blocks freed while a step was in flight may still take its KV writes;
             # remote writers fill a reservation outside the GPU stream's order.
@@ -204,7 +221,7 @@ class LLMEngine:
         if resume is not None:
             seq.resume(resume, self.model_config.vocab_size)
         bm = self.block_manager
-        hit = bm.find_prefix_hit(seq.token_ids)
+        hit = bm.find_prefix_hit(seq.token_ids, seq.prefix_root)
         if bm.allocate(seq.seq_id, seq.num_tokens, hit) is None:
             raise CapacityError(
                 f"no room for {seq.num_tokens} prompt tokens: "
@@ -242,9 +259,73 @@ class LLMEngine:
             self.scheduler.add(seq)
             return []
         seq.num_computed_tokens = seq.num_tokens
-        self.block_manager.cache_blocks(seq.seq_id, seq.token_ids, seq.num_computed_tokens)
+        self.block_manager.cache_blocks(
+            seq.seq_id, seq.token_ids, seq.num_computed_tokens, seq.prefix_root
+        )
         touched = self.scheduler.admit_prefilled(seq, first_tokens)
         return self._process_outputs(touched)
+
+    # -- LoRA adapters (engine/lora) -------------------------------------------------------------
+
+    def _start_lora(self) -> LoRAManager | None:
+        config = self.config
+        if not config.lora_enabled:
+            return None
+        lora_config = LoRAConfig(config.max_loras, config.max_lora_rank)
+        manager = LoRAManager(self.model_config, lora_config, config.dtype, self.platform.device)
+        manager.attach(self.model)
+        for name, path in config.lora_modules:
+            manager.load(name, path)
+        return manager
+
+    def _resolve_lora(self, request: LoRARequest | str | None) -> tuple[str | None, bytes | None]:
+        """(adapter name, prefix-cache root) of a request's adapter, loading it first if the
+        request names a path; (None, None) for the base model."""
+        if request is None:
+            return None, None
+        if isinstance(request, str):
+            request = LoRARequest(request)
+        if self.lora is None:
+            raise InvalidRequest(
+                f"LoRA adapter {request.lora_name!r} requested, but this engine serves no "
+                "adapters (start it with --enable-lora or --lora-modules)"
+            )
+        if request.lora_path is not None and request.lora_name not in self.lora.adapters:
+            self.lora.load(request.lora_name, request.lora_path)
+        return request.lora_name, self.lora.prefix_root(request.lora_name)
+
+    def add_lora(self, name: str, path: str) -> None:
+        """Load a PEFT adapter at run time (into host memory; it takes a device slot when a
+        step first uses it)."""
+        if self.lora is None:
+            raise InvalidRequest(
+                "this engine serves no LoRA adapters (start it with --enable-lora)"
+            )
+        self.lora.load(check_adapter_name(name), path)
+
+    def remove_lora(self, name: str) -> None:
+        """Unload an adapter. Refused (FailedPrecondition) while a request still uses it: no
+        request in flight fails because of an unload."""
+        if self.lora is None or name not in self.lora.adapters:
+            raise NotFound(f"LoRA adapter {name!r} is not loaded")
+        using = [
+            seq.request_id
+            for seq in itertools.chain(
+                self._reserved.values(),
+                (s for state in self.outputs.requests.values() for s in state.sequences),
+            )
+            if seq.lora_name == name and not seq.is_finished
+        ]
+        if using:
+            raise FailedPrecondition(
+                f"LoRA adapter {name!r} is in use by {len(set(using))} request(s); unload it "
+                "when they finish"
+            )
+        self.lora.unload(name)
+
+    def list_loras(self) -> list[str]:
+        """Names of the adapters this engine serves."""
+        return [] if self.lora is None else self.lora.names()
 
     def block_table(self, request_id: str) -> tuple[int, ...]:
         """Blocks of a request's first sequence (a reservation, or a running request)."""
@@ -319,6 +400,10 @@ class LLMEngine:
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
+
+    def num_running_seqs(self) -> int:
+        """Sequences in the running batch (the next step decodes or extends them)."""
+        return len(self.scheduler.running)
 
     def num_requests(self) -> int:
         """Requests known in any state: reserved, queued, running, or held for sending."""

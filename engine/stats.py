@@ -23,6 +23,10 @@ class EngineStats:
     prefix_cache_queries: int  # prompt tokens looked up
     prefix_cache_hits: int  # prompt tokens found
     block_size: int
+    # A serving loop's turns that stepped the engine: count, wall seconds, sequences run
+    num_steps: int = 0
+    step_seconds: float = 0.0
+    num_step_seqs: int = 0
     # Speculative decoding (engine/spec_decode/), named as vLLM's: verifications (one per
     # speculating sequence per step), draft tokens proposed, drafts accepted, and drafts
     # accepted at each position of a proposal.

@@ -125,16 +125,23 @@ class RequestObservation:
             self.span.set_attribute(genai.KV_BYTES, response.num_bytes_sent)
             self.span.set_attribute(genai.KV_NUM_BLOCKS, response.num_blocks_sent)
 
-    def on_chunk(self) -> None:
+    def on_chunk(self, num_tokens: int = 1) -> None:
+        """A message of `num_tokens` new tokens went out. NOTE: the inter-token latency is
+        per token, as if a coalesced message's tokens had come evenly spread over its gap."""
         now = time.monotonic()
         metrics = self._observer.requests
+        gaps = max(1, num_tokens)
         if self._last_output is None:
             ttft = now - self.started
             metrics.time_to_first_token.observe(ttft)
             if self.span.is_recording():
                 self.span.set_attribute(genai.TIME_TO_FIRST_TOKEN, ttft)
+            gaps -= 1  # NOTE: the first token's wait is the TTFT; the rest came with it
+            gap = 0.0
         else:
-            metrics.inter_token_latency.observe(now - self._last_output)
+            gap = (now - self._last_output) / gaps
+        for _ in range(gaps):
+            metrics.inter_token_latency.observe(gap)
         self._last_output = now
 
     def on_finished(self, finished: gateway_pb2.Finished) -> None:

@@ -146,11 +146,11 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                     claim.generated = num_generated
                     delta = coalescer.add(msg.chunk)
                     if delta is not None:
-                        obs.on_chunk()
+                        obs.on_chunk(len(delta.token_ids))
                         yield gateway_pb2.GenerateResponse(request_id=rid, chunk=delta)
                 else:
                     for delta in coalescer.flush():
-                        obs.on_chunk()
+                        obs.on_chunk(len(delta.token_ids))
                         yield gateway_pb2.GenerateResponse(request_id=rid, chunk=delta)
                     claim.finished = True
                     done = gateway_pb2.Finished(

@@ -11,18 +11,24 @@ import time
 from opentelemetry import trace
 from opentelemetry.trace import SpanKind
 
-from splitserve.kv_transfer.transport import KVSender, Peer, Push, PushResult, TransferError
+from splitserve.kv_transfer.transport import (
+    KVSender,
+    Peer,
+    Push,
+    PushObserver,
+    PushResult,
+    TransferError,
+)
 from splitserve.runtime import genai
-from splitserve.runtime.metrics import KVTransferMetrics
 from splitserve.runtime.tracing import Tracing, record_error
 
 
 class ObservedSender(KVSender):
-    def __init__(self, inner: KVSender, tracing: Tracing, metrics: KVTransferMetrics) -> None:
+    def __init__(self, inner: KVSender, tracing: Tracing, observe: PushObserver) -> None:
         self.inner = inner
         self.name = inner.name  # type: ignore[misc]
         self.tracing = tracing
-        self.metrics = metrics
+        self.observe = observe  # the transfer metrics (in the front, for an engine core)
 
     def endpoint(self) -> dict[str, bytes]:
         return self.inner.endpoint()
@@ -60,9 +66,9 @@ class ObservedSender(KVSender):
         try:
             result = self.inner.push(peer, push, timeout_s)
         except TransferError:
-            self.metrics.observe(0, 0.0, ok=False)
+            self.observe(0, 0.0, False)
             raise
-        self.metrics.observe(result.num_bytes, time.perf_counter() - start, ok=True)
+        self.observe(result.num_bytes, time.perf_counter() - start, True)
         return result
 
     def close(self) -> None:

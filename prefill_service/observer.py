@@ -21,7 +21,6 @@ from opentelemetry import context as otel_context
 from opentelemetry.context import Context
 from opentelemetry.trace import Span, SpanKind, set_span_in_context
 
-from splitserve.engine.llm_engine import LLMEngine
 from splitserve.engine.sampling_params import SamplingParams
 from splitserve.runtime import genai
 from splitserve.runtime.metrics import RequestMetrics
@@ -76,14 +75,12 @@ class PrefillObservation:
         finally:
             otel_context.detach(token)
 
-    def on_step(self, engine: LLMEngine) -> None:
-        """Engine-thread hook: a span for the tokens this step computed; queue/prefill time."""
+    def on_progress(self, computed: int) -> None:
+        """After an engine step that computed prompt tokens of this request (`computed` so
+        far): a span for that chunk; queue and prefill time."""
         if self._done:
             return
         now = time.time_ns()
-        computed = engine.num_computed_prompt_tokens(self.request_id)
-        if computed is None:
-            return
         if computed > self._num_computed:
             self._chunk(self._last_step_ns, now, self._num_computed, computed)
         self._num_computed = computed  # NOTE: drops to 0 on preemption; recompute is traced

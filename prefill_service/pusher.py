@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from splitserve.engine.kv_connector import KVConnector, ReadyBlocks
@@ -42,24 +42,32 @@ class Route:
     peer: Peer
 
 
-class Senders:
-    """This worker's transports (fastest first); picks one per decode worker."""
+@dataclass(frozen=True)
+class PeerRoute:
+    """The front's choice for one decode worker: which transport, and the peer it reaches."""
 
-    def __init__(self, senders: Mapping[str, KVSender], registry: Registry) -> None:
-        self.senders = dict(senders)
+    transport: str
+    peer: Peer
+
+
+class Senders:
+    """What this worker's transports are (names fastest first, and what receivers know them by:
+    the engine core started them); picks one per decode worker and remembers its peer."""
+
+    def __init__(
+        self, names: Sequence[str], endpoint: Mapping[str, bytes], registry: Registry
+    ) -> None:
+        self.names = tuple(names)
+        self._endpoint = dict(endpoint)
         self.registry = registry
         self._peers: dict[tuple[str, str], Peer] = {}
         self._lock = threading.Lock()
 
-    @property
-    def names(self) -> tuple[str, ...]:
-        return tuple(self.senders)
-
     def endpoint(self) -> dict[str, bytes]:
         """What receivers know this worker's senders by (its record in the registry)."""
-        return {k: v for sender in self.senders.values() for k, v in sender.endpoint().items()}
+        return dict(self._endpoint)
 
-    def route(self, destination: worker_pb2.KVDestination) -> Route:
+    def route(self, destination: worker_pb2.KVDestination) -> PeerRoute:
         theirs = list(destination.kv_transports) or ["grpc"]
         name = choose(self.names, theirs)
         if name is None:
@@ -84,17 +92,13 @@ class Senders:
             with self._lock:
                 self._peers[key] = peer
             log.info("KV to %s goes over %s", destination.worker_id, name)
-        return Route(self.senders[name], peer)
+        return PeerRoute(name, peer)
 
     def forget(self, worker_id: str) -> None:
         """Drop what is cached of a peer (it failed; it may have restarted)."""
         with self._lock:
             for key in [k for k in self._peers if k[0] == worker_id]:
                 del self._peers[key]
-
-    def close(self) -> None:
-        for sender in self.senders.values():
-            sender.close()
 
 
 class RequestPusher:

@@ -71,7 +71,7 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
     ) -> worker_pb2.WorkerStats:
         worker = self.worker
         return convert.stats_to_proto(
-            await worker.loop.call_async(lambda e: e.stats()),
+            await worker.stats(),
             worker.settings.worker_id,
             kv_bytes_sent=worker.num_bytes_sent,
         )

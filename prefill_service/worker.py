@@ -1,28 +1,29 @@
-"""The prefill worker's logic: take the write lease, prefill, push blocks, return first tokens.
+"""The prefill worker's logic: take the write lease, have the engine core prefill and push the
+blocks (`prefill_service/core.py`), return the first tokens.
 
-`prefill` blocks until every block is pushed: the servicer runs it on a thread of its own."""
+`prefill` blocks until every block is pushed: the servicer runs it on a thread of its own, which
+renews the Redis write lease meanwhile and tells the core when the caller went away."""
 
 from __future__ import annotations
 
 import contextlib
-import queue
 import time
 from collections.abc import Callable
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 
 from opentelemetry.context import Context
 
-from splitserve.engine.engine_loop import EngineLoop
-from splitserve.engine.errors import Cancelled
-from splitserve.engine.kv_connector import KVOutbox
-from splitserve.engine.llm_engine import LLMEngine
 from splitserve.engine.outputs import RequestOutput
 from splitserve.engine.sampling_params import SamplingParams
+from splitserve.engine.stats import EngineStats
 from splitserve.kv_transfer.registry import Registry, RegistryUnavailable
 from splitserve.kv_transfer.transport import TransferError
 from splitserve.prefill_service.observer import PrefillObservation, PrefillObserver
-from splitserve.prefill_service.pusher import RequestPusher, Senders
+from splitserve.prefill_service.pusher import Senders
 from splitserve.protos.v1 import worker_pb2
+from splitserve.runtime.engine_core.client import EngineCoreClient
+from splitserve.runtime.engine_core.protocol import output_from_entry, params_to_wire
 
 
 @dataclass(frozen=True)
@@ -42,18 +43,20 @@ class PrefillResult:
 class PrefillWorker:
     def __init__(
         self,
-        loop: EngineLoop,
+        core: EngineCoreClient,
         registry: Registry,
         senders: Senders,
         settings: PrefillSettings,
         observer: PrefillObserver,
     ) -> None:
-        self.loop = loop
+        self.core = core
         self.observer = observer
         self.registry = registry
         self.senders = senders
         self.settings = settings
         self.num_bytes_sent = 0
+        self._observations: dict[str, PrefillObservation] = {}
+        core.on_progress = self._on_progress
 
     def prefill(
         self,
@@ -93,82 +96,56 @@ class PrefillWorker:
         s = self.settings
         self.registry.begin_write(request_id, s.worker_id, destination.fence, s.lease_s)
         route = self.senders.route(destination)
-        connector = self.loop.engine.kv_connector
-        pusher = RequestPusher(request_id, destination, route, connector, s.send_timeout_s)
-        first_block = destination.num_cached_tokens // connector.block_size
-
-        def add(engine: LLMEngine) -> KVOutbox:
-            engine.add_request(prompt_token_ids, params, request_id, priority, prefill_only=True)
-            return engine.kv_connector.watch(request_id, first_block)
-
-        outputs = self.loop.subscribe(request_id)
-        self.loop.add_step_hook(obs.on_step)
-        finished = False
+        peer = route.peer
+        self._observations[request_id] = obs
         try:
-            outbox = self.loop.call(add)
+            future = self.core.submit(
+                "prefill",
+                request_id,
+                prompt_token_ids,
+                params_to_wire(params),
+                priority,
+                destination.SerializeToString(),
+                route.transport,
+                [peer.worker_id, peer.address, peer.endpoint],
+                self.observer.tracing.carrier(obs.span),
+                s.send_timeout_s,
+            )
             lease = _Lease(self.registry, request_id, destination.fence, s.lease_s)
-            output: RequestOutput | None = None
-            while output is None or not pusher.done:
-                if output is None:
-                    # NOTE: once every block is out, wait on the first token itself (published
-                    # just after the last batch), not on an outbox that has nothing more.
-                    output = _finished_output(outputs, 0.02 if pusher.done else 0.0)
-                    if pusher.done:
-                        if output is None and not is_active():
-                            raise Cancelled(f"prefill of {request_id!r} cancelled by the caller")
-                        lease.renew_if_due()
-                        continue
+            cancelled = False
+            while True:
                 try:
-                    batch = outbox.get(timeout_s=0.02)
-                except queue.Empty:
-                    if not is_active():
-                        raise Cancelled(
-                            f"prefill of {request_id!r} cancelled by the caller"
-                        ) from None
+                    entry, num_blocks, num_bytes = future.result(timeout=0.05)
+                    break
+                except FutureTimeout:
+                    if not cancelled and not is_active():
+                        cancelled = True  # NOTE: the core answers Cancelled once settled
+                        self.core.call("cancel", request_id)
                     lease.renew_if_due()
-                    continue
-                # NOTE: runs under the request's span, so the transport's kv.push joins it.
-                with obs.current():
-                    pusher.send(batch)
-            finished = True
-            self.num_bytes_sent += pusher.num_bytes
-            return PrefillResult(output, pusher.num_blocks, pusher.num_bytes)
         except TransferError:
             self.senders.forget(destination.worker_id)
             raise
         finally:
-            self.loop.remove_step_hook(obs.on_step)
-            self.loop.unsubscribe(request_id)
-            connector.unwatch(request_id)  # unpins whatever was not sent (even if stopped)
-            if self.loop.running:
-                # NOTE: settled before the caller hears back: blocks are free once it does.
-                self.loop.call(lambda e: _settle(e, request_id, aborted=not finished))
+            self._observations.pop(request_id, None)
+        self.num_bytes_sent += num_bytes
+        return PrefillResult(output_from_entry(entry, prompt_token_ids), num_blocks, num_bytes)
+
+    def _on_progress(self, progress: dict[str, int]) -> None:
+        for request_id, computed in progress.items():
+            obs = self._observations.get(request_id)
+            if obs is not None:
+                obs.on_progress(computed)
 
     async def abort(self, request_id: str) -> bool:
-        return bool(await self.loop.call_async(lambda e: e.abort_request(request_id)))
+        if not self.core.running:
+            return False
+        return bool(await self.core.acall("abort", request_id))
+
+    async def stats(self) -> EngineStats:
+        return EngineStats(**await self.core.acall("stats"))
 
     def close(self) -> None:
-        self.senders.close()
-
-
-def _settle(engine: LLMEngine, request_id: str, aborted: bool) -> None:
-    if aborted:
-        engine.abort_request(request_id)
-    engine.housekeeping()
-
-
-def _finished_output(outputs: queue.Queue, timeout_s: float = 0.0) -> RequestOutput | None:
-    """The request's final output if it comes within `timeout_s` (raises what ended the
-    engine)."""
-    while True:
-        try:
-            item = outputs.get(timeout=timeout_s) if timeout_s > 0 else outputs.get_nowait()
-        except queue.Empty:
-            return None
-        if isinstance(item, BaseException):
-            raise item
-        if item.finished:
-            return item
+        """The engine core closes the senders when it stops."""
 
 
 class _Lease:

@@ -9,12 +9,11 @@ left out of that scrape.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from splitserve.engine.engine_loop import EngineLoop
 from splitserve.engine.stats import EngineStats
 
 log = logging.getLogger(__name__)
@@ -31,14 +30,20 @@ COUNTERS = (
     ("spec_decode_num_drafts", "Speculative verifications (one per sequence per step)."),
     ("spec_decode_num_draft_tokens", "Draft tokens proposed."),
     ("spec_decode_num_accepted_tokens", "Draft tokens accepted."),
+    ("num_steps", "Engine steps of the serving loop."),
+    ("step_seconds", "Wall seconds of the serving loop's steps (commands, step, outputs)."),
+    ("num_step_seqs", "Sequences run, summed over steps (divided by steps: the mean batch)."),
 )
 
 
 class EngineCollector(Collector):
     """vLLM's engine gauges and counters for the engine behind `loop`."""
 
-    def __init__(self, loop: EngineLoop, model_name: str, timeout_s: float = 2.0) -> None:
-        self.loop = loop
+    def __init__(
+        self, stats: Callable[[float], EngineStats], model_name: str, timeout_s: float = 2.0
+    ) -> None:
+        """`stats(timeout_s)` reads the engine's (its core's) numbers."""
+        self.stats = stats
         self.model_name = model_name
         self.timeout_s = timeout_s
 
@@ -47,7 +52,7 @@ class EngineCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         try:
-            stats = self.loop.call(lambda e: e.stats(), timeout_s=self.timeout_s)
+            stats = self.stats(self.timeout_s)
         except Exception as exc:  # noqa: BLE001 - a scrape must never fail for this
             log.warning("engine metrics unavailable: %r", exc)
             return iter(())

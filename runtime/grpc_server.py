@@ -10,7 +10,7 @@ thin (protobuf -> domain -> engine -> protobuf).
 
 A waiting stream holds no thread: a server holds as many calls as its handlers admit. The rest
 of a service process stays synchronous; only the handlers run on the loop, and they must never
-block it (engine calls go through `EngineLoop.call_async`, blocking calls through threads).
+block it (engine calls go through `EngineCoreClient.acall`, blocking calls through threads).
 """
 
 from __future__ import annotations

@@ -87,9 +87,26 @@ class WorkerSettings:
     speculative_model: str = ""  # --speculative-method draft: the draft checkpoint's directory
     # --speculative-method draft without --speculative-model: the target's first k layers
     speculative_draft_layers: int = 0
+    # GPUs (one engine process each) the model is sharded over: --device's and the next N-1
+    tensor_parallel_size: int = 1
     # A decode worker's reservations (not yet decoding) per client the gateway acts for (0: no
     # limit), so that one client can't hold the whole KV pool
     max_reservations_per_caller: int = 0
+    # Where the engine loop runs: process (its own interpreter, docs/design.md "Processes") or
+    # thread (in the worker's process: for tests that reach inside it)
+    engine_core: str = "process"
+    # Tokens per Decode-stream message at least (1: every step's); steps that queued up while
+    # a stream was busy always go out as one message
+    stream_interval: int = 1
+
+    def __post_init__(self) -> None:
+        if self.engine_core not in ("process", "thread"):
+            raise ValueError(f"--engine-core must be process or thread, got {self.engine_core!r}")
+        if not 1 <= self.stream_interval <= 4096:
+            raise ValueError(
+                f"--stream-interval must be 1 to 4096 tokens per message, got "
+                f"{self.stream_interval}"
+            )
 
 
 @dataclass(frozen=True)

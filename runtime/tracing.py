@@ -39,6 +39,19 @@ class Tracing:
         self.tracer = tracer
         self._provider = provider
         self._propagator = TraceContextTextMapPropagator()
+        # How it was made (settings, service, instance), so that a worker's engine core
+        # process can make its own with the same resource; None: disabled or made by hand.
+        self.origin: tuple[TracingSettings, str, str] | None = None
+
+    def carrier(self, span: Span) -> dict[str, str]:
+        """`span`'s context as W3C headers, to hand to another process of this service."""
+        carrier: dict[str, str] = {}
+        if span.is_recording():
+            self._propagator.inject(carrier, trace.set_span_in_context(span))
+        return carrier
+
+    def from_carrier(self, carrier: dict[str, str]) -> Context | None:
+        return self._propagator.extract(carrier) if carrier else None
 
     @classmethod
     def disabled(cls) -> Tracing:
@@ -141,4 +154,6 @@ def make_tracing(settings: TracingSettings, service: str, instance_id: str) -> T
                 _exporter(name, settings), schedule_delay_millis=settings.schedule_delay_ms
             )
         )
-    return Tracing(provider.get_tracer(INSTRUMENTATION_NAME), provider)
+    tracing = Tracing(provider.get_tracer(INSTRUMENTATION_NAME), provider)
+    tracing.origin = (settings, service, instance_id)
+    return tracing

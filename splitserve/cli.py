@@ -115,10 +115,10 @@ def _serve(args: argparse.Namespace, env: Mapping[str, str]) -> int:
             )
         elif args.command == "prefill":
             worker = from_args(WorkerSettings, args)
-            running = services.start_prefill(service, worker, tracing, security)
+            running = services.start_prefill(service, worker, tracing, security, _core_died)
         else:
             worker = from_args(WorkerSettings, args)
-            running = services.start_decode(service, worker, kind, tracing, security)
+            running = services.start_decode(service, worker, kind, tracing, security, _core_died)
         starting[0] = False
         print(f"{kind} {service.worker_id} serving on {running.address}", flush=True)
         if running.http_port:
@@ -137,6 +137,13 @@ def _stop_with_parent() -> None:
     """SIGTERM ourselves once stdin closes: the supervising parent went away."""
     sys.stdin.read()
     os.kill(os.getpid(), signal.SIGTERM)
+
+
+def _core_died(exc: BaseException) -> None:
+    """A worker whose engine core process died is dead as a whole, as if its one process had
+    died: no drain, no goodbye (its leases lapse; the gateway moves its streams)."""
+    print(f"the engine core died ({exc}); the worker exits", file=sys.stderr, flush=True)
+    os._exit(70)
 
 
 def _up(args: argparse.Namespace) -> int:
@@ -175,7 +182,7 @@ def _generate(args: argparse.Namespace) -> int:
     params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens)
     with channel:
         try:
-            responses = stream(stub, args.prompt, params, timeout_s=args.timeout)
+            responses = stream(stub, args.prompt, params, timeout_s=args.timeout, chat=not args.raw)
             for msg in responses:
                 if msg.HasField("chunk"):
                     print(msg.chunk.text, end="", flush=True)
@@ -299,6 +306,12 @@ def build_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
     gen.add_argument("--max-tokens", type=int, default=64, help="tokens to generate at most")
     gen.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
     gen.add_argument("--timeout", type=float, default=120.0, help="seconds for the whole reply")
+    gen.add_argument(
+        "--raw",
+        action="store_true",
+        help="send the prompt as plain text to continue (default: as one user message, "
+        "through the model's chat template)",
+    )
     gen.set_defaults(func=_generate)
 
     tiny = sub.add_parser("make-tiny-model", help="write a tiny random-weight HF checkpoint")

@@ -3,40 +3,93 @@
 Each starts its gRPC server first (health NOT_SERVING; every method answers UNAVAILABLE
 "loading") and its /metrics endpoint, then loads what it serves, binds the real servicers, joins
 the registry and turns SERVING. `Running.drain` then `Running.stop` is the graceful way out.
+A worker's engine runs in its engine core (`splitserve/engine_core.py`), a process of its own.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 from splitserve.decode_service.observer import DecodeObserver
 from splitserve.decode_service.reservations import ReservationBook
 from splitserve.decode_service.servicer import DecodeServicer
 from splitserve.decode_service.worker import DecodeSettings, DecodeWorker
-from splitserve.engine.engine_loop import EngineLoop
-
-# NOTE: the gateway starts in a module of its own (gateway_service.py); found here too.
+from splitserve.engine.stats import EngineStats
+from splitserve.engine.tokenizer import load_tokenizer
+from splitserve.engine_core import CoreSpec, run_core
 from splitserve.gateway_service import GATEWAY_SERVICE as GATEWAY_SERVICE
 from splitserve.gateway_service import start_gateway as start_gateway
 from splitserve.gateway_service import start_http as start_http
 from splitserve.kv_transfer.presence import Presence
 from splitserve.kv_transfer.registry import Registry
-from splitserve.kv_transfer.transport import ReceiverBind
-from splitserve.kv_transports import start_receivers, start_senders
-from splitserve.prefill_service.observed_transport import ObservedSender
 from splitserve.prefill_service.observer import PrefillObserver
 from splitserve.prefill_service.pusher import Senders
 from splitserve.prefill_service.servicer import PrefillServicer
 from splitserve.prefill_service.worker import PrefillSettings, PrefillWorker
 from splitserve.protos.v1 import worker_pb2_grpc
+from splitserve.runtime.engine_core.client import CoreStartError, EngineCoreClient
 from splitserve.runtime.engine_metrics import EngineCollector
 from splitserve.runtime.metrics import KVTransferMetrics, RequestMetrics
 from splitserve.runtime.security import Security
-from splitserve.runtime.serving import Running, ServiceSpec, open_service
+from splitserve.runtime.serving import Opened, Running, ServiceSpec, open_service
 from splitserve.runtime.settings import ServiceSettings, WorkerSettings
 from splitserve.runtime.tracing import Tracing
-from splitserve.workers import build_engine, worker_info
+from splitserve.workers import worker_info
 
 PREFILL_SERVICE = "splitserve.v1.PrefillWorker"
 DECODE_SERVICE = "splitserve.v1.DecodeWorker"
+
+
+def _start_core(
+    role: str,
+    service: ServiceSettings,
+    worker: WorkerSettings,
+    tracing: Tracing,
+    security: Security,
+    tokenizer: object | None,
+) -> EngineCoreClient:
+    """The worker's engine core (`--engine-core process`: a process of its own), loaded."""
+    spec = CoreSpec(role, service, worker, security.cluster_secret, tracing.origin)
+    core = EngineCoreClient(
+        run_core,
+        spec,
+        tokenizer,  # type: ignore[arg-type]
+        own_process=worker.engine_core == "process",
+        name=f"{service.worker_id}-core",
+    )
+    try:
+        return core.start()
+    except CoreStartError as exc:
+        if exc.kind == "ValueError":  # NOTE: bad settings stay a clear error (exit code 2)
+            raise ValueError(str(exc)) from None
+        raise
+
+
+def _when_core_dies(
+    core: EngineCoreClient,
+    opened: Opened,
+    presence: Presence,
+    on_core_death: Callable[[BaseException], None] | None,
+) -> None:
+    """A worker whose engine core died is dead: it leaves the registry at once and stops
+    serving (its streams fail UNAVAILABLE and move), or `on_core_death` decides (the CLI
+    exits the process)."""
+
+    def died(exc: BaseException) -> None:
+        if on_core_death is not None:
+            on_core_death(exc)
+            return
+        presence.leave()
+        opened.server.stop(0)
+
+    core.on_death = died
+
+
+def _stats_of(core: EngineCoreClient) -> Callable[..., EngineStats]:
+    def stats(timeout_s: float = 30.0) -> EngineStats:
+        return EngineStats(**core.call("stats", timeout_s=timeout_s))
+
+    return stats
 
 
 def start_decode(
@@ -45,6 +98,7 @@ def start_decode(
     kind: str = "decode",
     tracing: Tracing | None = None,
     security: Security | None = None,
+    on_core_death: Callable[[BaseException], None] | None = None,
 ) -> Running:
     """A decode worker (kind "decode"), or a colocated one that also prefills ("colocated")."""
     tracing = tracing or Tracing.disabled()
@@ -59,75 +113,61 @@ def start_decode(
         interceptors=security.worker_interceptors(),
     )
     address, metrics = opened.address, opened.metrics
+    core: EngineCoreClient | None = None
     try:
-        engine = build_engine(service, worker, record_prefix_events=True)
-        loop = EngineLoop(engine).start()
+        core = _start_core(kind, service, worker, tracing, security, load_tokenizer(service.model))
+        limits = core.info
         registry = Registry(
             service.redis_url, retry_s=service.registry_retry_s, secret=security.cluster_secret
         )
         reservations = ReservationBook(per_caller=worker.max_reservations_per_caller)
-        tracer = tracing.tracer if tracing.enabled else None
-        received = KVTransferMetrics(metrics)
-        receivers, offered = (
-            ([], ())
-            if kind == "colocated"
-            else start_receivers(
-                worker.kv_transport,
-                engine.kv_connector,
-                reservations,
-                service.worker_id,
-                tracer,
-                received.observe,
-                ReceiverBind(
-                    service.host,
-                    worker.kv_port,
-                    service.public_host,
-                    security.cluster_secret,
-                    vouch=registry.kv_endpoint_values,  # the senders members published
-                ),
-            )
-        )
+        core.on_kv = KVTransferMetrics(metrics).observe
+        offered = tuple(limits["kv_transports"])
         decode = DecodeWorker(
-            loop,
+            core,
             registry,
             DecodeSettings(
-                service.worker_id, address, lease_s=worker.lease_s, kv_transports=offered
+                service.worker_id,
+                address,
+                lease_s=worker.lease_s,
+                kv_transports=offered,
+                stream_interval=worker.stream_interval,
             ),
             reservations,
         )
-        metrics.registry.register(EngineCollector(loop, metrics.model_name))
+        stats = _stats_of(core)
+        metrics.registry.register(EngineCollector(stats, metrics.model_name))
         requests = RequestMetrics(
             metrics, ("inter_token_latency", "e2e_request_latency"), outcomes=True
         )
         observer = DecodeObserver(tracing, requests, metrics.model_name)
         opened.gates[0].bind(DecodeServicer(decode, observer))
-        endpoint = {k: v for r in receivers for k, v in r.endpoint().items()}
         presence = Presence(
             registry,
-            lambda: worker_info(
-                kind, service.worker_id, address, loop.call(lambda e: e.stats()), offered, engine
-            ),
+            lambda: worker_info(kind, service.worker_id, address, stats(), offered, limits),
             ttl_s=worker.heartbeat_ttl_s,
             interval_s=worker.heartbeat_ttl_s / 6,
             on_tick=decode.housekeeping,
-            kv_endpoint=endpoint,
+            kv_endpoint=limits["kv_endpoint"],
             on_rejoin=decode.republish_prefix_index,
         ).start()
+        _when_core_dies(core, opened, presence, on_core_death)
     except BaseException:
+        if core is not None:
+            core.stop()
         opened.close()
         raise
     # NOTE: a reservation waits for its Decode call; draining must not end in between.
     opened.lifecycle.also_wait_for(lambda: len(decode.reservations))
     opened.lifecycle.set_serving()
+    engine_core = core
 
     def stop() -> None:
         opened.lifecycle.start_draining()
         presence.stop()
         decode.leave_prefix_index()
         opened.server.stop()
-        for receiver in receivers:
-            receiver.close()
-        loop.stop()
+        engine_core.stop()
         registry.close()
         metrics.close()
 
@@ -139,6 +179,7 @@ def start_prefill(
     worker: WorkerSettings,
     tracing: Tracing | None = None,
     security: Security | None = None,
+    on_core_death: Callable[[BaseException], None] | None = None,
 ) -> Running:
     tracing = tracing or Tracing.disabled()
     security = security or Security()
@@ -152,37 +193,28 @@ def start_prefill(
         interceptors=security.worker_interceptors(),
     )
     address, metrics = opened.address, opened.metrics
+    core: EngineCoreClient | None = None
     try:
-        engine = build_engine(service, worker)
-        loop = EngineLoop(engine).start()
+        core = _start_core("prefill", service, worker, tracing, security, None)
+        limits = core.info
+        core.on_kv = KVTransferMetrics(metrics).observe
         registry = Registry(
             service.redis_url, retry_s=service.registry_retry_s, secret=security.cluster_secret
         )
-        transfer_metrics = KVTransferMetrics(metrics)
-        senders = Senders(
-            {
-                name: ObservedSender(sender, tracing, transfer_metrics)
-                for name, sender in start_senders(
-                    worker.kv_transport,
-                    engine.kv_connector,
-                    service.worker_id,
-                    security.cluster_secret,
-                ).items()
-            },
-            registry,
-        )
+        senders = Senders(limits["kv_transports"], limits["kv_endpoint"], registry)
         requests = RequestMetrics(
             metrics, ("request_queue_time", "request_prefill_time"), outcomes=False
         )
         observer = PrefillObserver(tracing, requests, metrics.model_name)
         prefill = PrefillWorker(
-            loop,
+            core,
             registry,
             senders,
             PrefillSettings(service.worker_id, lease_s=worker.lease_s),
             observer,
         )
-        metrics.registry.register(EngineCollector(loop, metrics.model_name))
+        stats = _stats_of(core)
+        metrics.registry.register(EngineCollector(stats, metrics.model_name))
         servicer = PrefillServicer(prefill, tracing)
         opened.gates[0].bind(servicer)
         # NOTE: Prefill is refused until `set_serving`, after `start` wrote this record: a
@@ -190,29 +222,27 @@ def start_prefill(
         presence = Presence(
             registry,
             lambda: worker_info(
-                "prefill",
-                service.worker_id,
-                address,
-                loop.call(lambda e: e.stats()),
-                senders.names,
-                engine,
+                "prefill", service.worker_id, address, stats(), senders.names, limits
             ),
             ttl_s=worker.heartbeat_ttl_s,
             interval_s=worker.heartbeat_ttl_s / 6,
             kv_endpoint=senders.endpoint(),
         ).start()
+        _when_core_dies(core, opened, presence, on_core_death)
     except BaseException:
+        if core is not None:
+            core.stop()
         opened.close()
         raise
     opened.lifecycle.set_serving()
+    engine_core = core
 
     def stop() -> None:
         opened.lifecycle.start_draining()
         presence.stop()
         opened.server.stop()
         servicer.close()
-        prefill.close()
-        loop.stop()
+        engine_core.stop()
         registry.close()
         metrics.close()
 

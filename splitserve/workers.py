@@ -3,6 +3,9 @@ registry about themselves."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import Any
+
 from splitserve.engine.config import EngineConfig
 from splitserve.engine.llm_engine import LLMEngine
 from splitserve.engine.model_config import ModelConfig
@@ -35,6 +38,7 @@ def engine_config(
         quantization=None if worker.quantization == "auto" else worker.quantization,
         kv_cache_dtype=worker.kv_cache_dtype,
         speculative=speculative_config(worker),
+        tensor_parallel_size=worker.tensor_parallel_size,
         async_scheduling=_async_scheduling(worker.async_scheduling),
     )
 
@@ -86,10 +90,10 @@ def worker_info(
     address: str,
     stats: EngineStats,
     kv_transports: tuple[str, ...] = (),
-    engine: LLMEngine | None = None,
+    limits: Mapping[str, Any] | None = None,
 ) -> WorkerInfo:
     """What a worker's heartbeat tells the registry (its load and free blocks, and the limits
-    of its `engine` that a request must respect)."""
+    of its engine that a request must respect: `engine_limits`, from its core)."""
     return WorkerInfo(
         worker_id=worker_id,
         kind=kind,
@@ -99,7 +103,7 @@ def worker_info(
         num_total_blocks=stats.num_total_blocks,
         block_size=stats.block_size,
         kv_transports=kv_transports,
-        max_num_seqs=engine.config.max_num_seqs if engine else 0,
-        max_model_len=engine.max_model_len if engine else 0,
-        kv_dtype=str(engine.config.cache_dtype).removeprefix("torch.") if engine else "",
+        max_num_seqs=limits["max_num_seqs"] if limits else 0,
+        max_model_len=limits["max_model_len"] if limits else 0,
+        kv_dtype=limits["kv_dtype"] if limits else "",
     )

@@ -127,6 +127,45 @@ def test_decode_worker_killed_with_24_streams_in_flight_loses_none(tiny_models, 
         assert_nothing_leaks(stack)
 
 
+def _engine_core_pid(pid: int) -> int:
+    """The engine core process a worker process started (its spawned child)."""
+    with open(f"/proc/{pid}/task/{pid}/children") as f:
+        children = [int(c) for c in f.read().split()]
+    for child in children:
+        with open(f"/proc/{child}/cmdline", "rb") as f:
+            cmdline = f.read()
+        if b"spawn_main" in cmdline and b"resource_tracker" not in cmdline:
+            return child
+    raise AssertionError(f"process {pid} has no engine core among {children}")
+
+
+def test_decode_engine_core_killed_with_streams_in_flight_is_a_dead_worker(tiny_models, llm):
+    """SIGKILL of a decode worker's engine core process, not of the worker: the worker exits
+    as a whole, and its streams move and finish as they do when the worker is killed."""
+    prompts = random_prompts([20 + 3 * i for i in range(12)], 500, seed=75)
+    params = [_params(i) for i in range(12)]
+    expected = _offline(llm, prompts, params)
+    with (
+        running_stack(
+            tiny_models["llama"], prefill=1, decode=2, metrics=True,
+            extra_gateway_args=GATEWAY_ARGS,
+        ) as stack,
+        ThreadPoolExecutor(12) as pool,
+    ):  # fmt: skip
+        streams = Streams(stack, pool)
+        futures = [streams.start(f"core-{i}", p, params[i]) for i, p in enumerate(prompts)]
+        _wait_busy(stack, "decode-0", 3)
+        front = stack.process("decode-0")
+        os.kill(_engine_core_pid(front.pid), signal.SIGKILL)
+        results = [f.result(timeout=120) for f in futures]
+        for i, done in enumerate(results):
+            _check(done, prompts[i], params[i], expected[i])
+        assert front.wait(timeout=30) != 0  # the worker died with its core
+        assert _migrations(stack) >= 1
+        _wait_gone(stack, "decode-0")
+        assert_nothing_leaks(stack)
+
+
 def test_prefill_worker_killed_mid_transfer_every_request_completes(tiny_models, llm):
     prompts = random_prompts([700 + 40 * i for i in range(8)], 500, seed=72)
     params = [_params(i, max_tokens=8) for i in range(8)]

@@ -11,10 +11,11 @@ import pytest
 
 from splitserve.client import collect, stream
 from splitserve.engine import SamplingParams
+from splitserve.kv_transfer import transport
 from splitserve.kv_transfer.grpc_transport import GrpcKVSender
 from splitserve.kv_transfer.redis_server import RedisServer
 from splitserve.kv_transfer.registry import Registry
-from splitserve.kv_transfer.transport import PushResult
+from splitserve.kv_transfer.transport import PushResult, TransportKind
 from splitserve.protos.v1 import gateway_pb2_grpc, worker_pb2, worker_pb2_grpc
 from splitserve.runtime.settings import GatewaySettings, ServiceSettings, WorkerSettings
 from splitserve.services import start_decode, start_gateway, start_prefill
@@ -40,10 +41,29 @@ def _stats(address: str, stub_cls) -> worker_pb2.WorkerStats:
         return stub_cls(channel).GetStats(worker_pb2.GetStatsRequest(), timeout=10)
 
 
-def test_corrupted_payload_fails_the_request_cleanly_and_workers_keep_serving(tiny_models):
+def _corrupting_grpc() -> TransportKind:
+    kind = transport._grpc()
+    return TransportKind(
+        sender=lambda connector, worker_id, cluster_secret="": CorruptingSender(
+            connector, cluster_secret=cluster_secret
+        ),
+        receiver=kind.receiver,
+    )
+
+
+def test_corrupted_payload_fails_the_request_cleanly_and_workers_keep_serving(
+    tiny_models, monkeypatch
+):
     model = str(tiny_models["llama"])
+    # NOTE: the engine core runs in this process (a thread), so its gRPC sender is ours.
+    monkeypatch.setitem(transport.TRANSPORTS, "grpc", _corrupting_grpc)
+    monkeypatch.setattr(CorruptingSender, "enabled", True)
     worker = WorkerSettings(
-        num_kv_blocks=128, lease_s=3.0, heartbeat_ttl_s=1.5, kv_transport="grpc"
+        num_kv_blocks=128,
+        lease_s=3.0,
+        heartbeat_ttl_s=1.5,
+        kv_transport="grpc",
+        engine_core="thread",
     )
     with RedisServer() as redis:
         service = ServiceSettings(model=model, redis_url=redis.url)
@@ -51,8 +71,6 @@ def test_corrupted_payload_fails_the_request_cleanly_and_workers_keep_serving(ti
         prefill = start_prefill(replace(service, worker_id="p0"), worker)
         gateway = start_gateway(service, GatewaySettings())
         try:
-            corrupting = CorruptingSender(prefill.worker.loop.engine.kv_connector)
-            prefill.worker.senders.senders["grpc"] = corrupting
             params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
             with grpc.insecure_channel(gateway.address) as channel:
                 stub = gateway_pb2_grpc.GatewayStub(channel)
@@ -61,7 +79,7 @@ def test_corrupted_payload_fails_the_request_cleanly_and_workers_keep_serving(ti
                 assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
                 assert "checksum" in err.value.details()
 
-                corrupting.enabled = False
+                monkeypatch.setattr(CorruptingSender, "enabled", False)
                 done = collect(stream(stub, list(range(5, 60)), params, timeout_s=60))
                 assert len(done.token_ids[0]) == 8
             d = _stats(decode.address, worker_pb2_grpc.DecodeWorkerStub)

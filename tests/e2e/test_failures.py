@@ -65,6 +65,11 @@ def test_unclaimed_reservation_is_reclaimed_when_its_lease_expires(stack):
     assert stats(decode).num_reclaimed >= 1
 
 
+def _holds_blocks(worker) -> bool:
+    s = stats(worker)
+    return bool(s.num_running or s.num_free_blocks < s.num_total_blocks)
+
+
 def test_prefill_worker_killed_mid_request_strands_nothing(stack):
     stub = gateway(stack)
     prompt = random_prompts([1900], 500, seed=61)[0]
@@ -74,7 +79,8 @@ def test_prefill_worker_killed_mid_request_strands_nothing(stack):
         future = pool.submit(lambda: collect(stream(stub, prompt, params, timeout_s=90)))
         victim = None
         while victim is None and time.monotonic() - started < 30:
-            busy = [w for w in workers(stack) if w.kind == "prefill" and stats(w).num_running]
+            # NOTE: blocks held: the request is being prefilled or its KV pushed
+            busy = [w for w in workers(stack) if w.kind == "prefill" and _holds_blocks(w)]
             victim = busy[0] if busy else None
             time.sleep(0.02)
         assert victim is not None, "no prefill worker picked the request up"

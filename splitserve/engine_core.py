@@ -1,0 +1,89 @@
+"""A worker's engine core process: what it builds and serves (the wiring; the protocol is in
+`runtime/engine_core/`, each role's commands in `decode_service/core.py` and
+`prefill_service/core.py`)."""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+from dataclasses import dataclass, field
+
+from splitserve.decode_service.core import DecodeCoreHandler
+from splitserve.decode_service.reservations import ReservationBook
+from splitserve.engine.engine_loop import EngineLoop
+from splitserve.kv_transfer.registry import Registry
+from splitserve.kv_transfer.transport import KVReceiver, KVSender, ReceiverBind
+from splitserve.kv_transports import start_receivers, start_senders
+from splitserve.prefill_service.core import PrefillCoreHandler
+from splitserve.prefill_service.observed_transport import ObservedSender
+from splitserve.runtime.engine_core.server import CoreHandler, Emitter, serve
+from splitserve.runtime.settings import ServiceSettings, TracingSettings, WorkerSettings
+from splitserve.runtime.tracing import Tracing, make_tracing
+from splitserve.workers import build_engine
+
+
+@dataclass(frozen=True)
+class CoreSpec:
+    """What the core process needs to build itself (handed to it once, at spawn)."""
+
+    role: str  # decode | colocated | prefill
+    service: ServiceSettings
+    worker: WorkerSettings
+    cluster_secret: str = field(default="", repr=False)
+    tracing: tuple[TracingSettings, str, str] | None = None
+
+
+def run_core(spec: CoreSpec, command_address: str, event_address: str, own_process: bool) -> None:
+    """The core's entry point (`EngineCoreClient` starts it)."""
+    if own_process:
+        logging.basicConfig(
+            level=os.environ.get("SPLITSERVE_LOG_LEVEL", "WARNING").upper(),
+            format=f"%(asctime)s {spec.role}-core %(levelname)s %(name)s: %(message)s",
+        )
+    serve(functools.partial(_build, spec), command_address, event_address, own_process)
+
+
+def _build(spec: CoreSpec, emitter: Emitter) -> tuple[EngineLoop, CoreHandler]:
+    service, worker = spec.service, spec.worker
+    tracing = make_tracing(*spec.tracing) if spec.tracing is not None else Tracing.disabled()
+
+    def failed(exc: BaseException) -> None:
+        emitter.send(["failed", repr(exc)])
+
+    engine = build_engine(service, worker, record_prefix_events=spec.role != "prefill")
+    if spec.role == "prefill":
+        loop = EngineLoop(engine, on_failure=failed).start()
+        senders: dict[str, KVSender] = {
+            name: ObservedSender(sender, tracing, emitter.kv)
+            for name, sender in start_senders(
+                worker.kv_transport, engine.kv_connector, service.worker_id, spec.cluster_secret
+            ).items()
+        }
+        return loop, PrefillCoreHandler(loop, emitter, senders, tracing)
+    loop = EngineLoop(engine, sink=emitter.outputs, on_failure=failed).start()
+    book = ReservationBook()  # NOTE: per-caller limits are counted in the front
+    receivers: list[KVReceiver] = []
+    offered: tuple[str, ...] = ()
+    if spec.role != "colocated":
+        # NOTE: the receivers vet NIXL senders by what members published: a registry read on
+        # a new sender's first push, not on the token path.
+        registry = Registry(
+            service.redis_url, retry_s=service.registry_retry_s, secret=spec.cluster_secret
+        )
+        receivers, offered = start_receivers(  # type: ignore[assignment]
+            worker.kv_transport,
+            engine.kv_connector,
+            book,
+            service.worker_id,
+            tracing.tracer if tracing.enabled else None,
+            emitter.kv,
+            ReceiverBind(
+                service.host,
+                worker.kv_port,
+                service.public_host,
+                spec.cluster_secret,
+                vouch=registry.kv_endpoint_values,
+            ),
+        )
+    return loop, DecodeCoreHandler(loop, emitter, book, receivers, tuple(offered))
