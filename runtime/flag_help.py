@@ -44,6 +44,11 @@ _HELP = {
     "max_reservations_per_caller": "a decode worker's reservations per client (0: no limit)",
     "engine_core": "where the engine loop runs: process (its own) or thread (the worker's)",
     "stream_interval": "new tokens per stream message at least (1: as they come)",
+    "speculative_method": "speculative decoding: ngram or draft (empty: off)",
+    "num_speculative_tokens": "tokens proposed per sequence per step at most",
+    "speculative_model": "--speculative-method draft: the draft checkpoint's directory",
+    "speculative_draft_layers": "--speculative-method draft without --speculative-model: the "
+    "target's first k layers draft",
     # GatewaySettings
     "max_inflight": "requests in flight at once; more are refused (RESOURCE_EXHAUSTED / 429)",
     "max_inflight_per_key": "requests one API key may have in flight (0: no own limit)",
