@@ -47,6 +47,9 @@ class KVRegion:
     block_size: int
     num_kv_heads: int
     head_dim: int
+    # False when the pool's bytes are not the wire's (a tensor-parallel rank holds some heads;
+    # engine/parallel/kv_shards.py): only transports that copy through the connector serve it.
+    addressable: bool = True
 
     @property
     def base_address(self) -> int:

@@ -66,6 +66,11 @@ class NixlAgent:
         except ImportError as e:
             raise RuntimeError(f"NIXL transport unavailable: cannot import nixl_cu13 ({e})") from e
         self.region: KVRegion = connector.region()
+        if not self.region.addressable:
+            raise RuntimeError(
+                "NIXL writes into the registered pool, and this tensor-parallel pool holds only "
+                "some KV heads: use the gRPC transport"
+            )
         device = self.region.device
         self.mem_type = "VRAM" if device.type == "cuda" else "DRAM"
         self.device_id = (device.index or 0) if device.type == "cuda" else 0

@@ -41,6 +41,8 @@ _HELP = {
     "load_format": "safetensors (read the checkpoint) or dummy (random weights of its shape)",
     "quantization": "auto (the checkpoint as stored) or fp8 (quantize the weights at load)",
     "kv_cache_dtype": "auto (the model's dtype) or fp8; every worker must agree",
+    "tensor_parallel_size": "GPUs (one engine process each) the model is sharded over: "
+    "--device's and the next N-1 (gloo processes on the CPU)",
     "max_reservations_per_caller": "a decode worker's reservations per client (0: no limit)",
     "engine_core": "where the engine loop runs: process (its own) or thread (the worker's)",
     "stream_interval": "new tokens per stream message at least (1: as they come)",

@@ -80,6 +80,8 @@ class WorkerSettings:
     # FP8 weights: auto runs the checkpoint as stored; fp8 quantizes a 16/32-bit one at load
     quantization: str = "auto"
     kv_cache_dtype: str = "auto"  # auto (the model's dtype) | fp8: every worker must agree
+    # GPUs (one engine process each) the model is sharded over: --device's and the next N-1
+    tensor_parallel_size: int = 1
     # Speculative decoding (engine/spec_decode/): ngram | draft; empty: off. Prefill-only
     # requests never speculate, so it matters on decode (and colocated) workers.
     speculative_method: str = ""

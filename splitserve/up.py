@@ -55,6 +55,9 @@ class StackSettings:
     host: str = "127.0.0.1"
     redis_url: str | None = None
     extra_worker_args: tuple[str, ...] = ()
+    # After `extra_worker_args`, for one role only (a prefill degree unlike the decode one).
+    extra_prefill_args: tuple[str, ...] = ()
+    extra_decode_args: tuple[str, ...] = ()
     extra_gateway_args: tuple[str, ...] = ()
     startup_timeout_s: float = 180.0
     metrics: bool = False  # each service serves /metrics on a free port (`Stack.metrics_ports`)
@@ -227,11 +230,15 @@ def start_stack(
     ]  # fmt: skip
     decode_kind = ["--colocated"] if settings.prefill == 0 else []
     services = [
-        ("decode", f"decode-{i}", [*decode_kind, *settings.extra_worker_args])
+        (
+            "decode",
+            f"decode-{i}",
+            [*decode_kind, *settings.extra_worker_args, *settings.extra_decode_args],
+        )
         for i in range(settings.decode)
     ]
     services += [
-        ("prefill", f"prefill-{i}", list(settings.extra_worker_args))
+        ("prefill", f"prefill-{i}", [*settings.extra_worker_args, *settings.extra_prefill_args])
         for i in range(settings.prefill)
     ]
     services.append(("gateway", "gateway", list(settings.extra_gateway_args)))

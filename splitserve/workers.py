@@ -37,6 +37,7 @@ def engine_config(
         load_format=worker.load_format,
         quantization=None if worker.quantization == "auto" else worker.quantization,
         kv_cache_dtype=worker.kv_cache_dtype,
+        tensor_parallel_size=worker.tensor_parallel_size,
         speculative=speculative_config(worker),
         tensor_parallel_size=worker.tensor_parallel_size,
         async_scheduling=_async_scheduling(worker.async_scheduling),

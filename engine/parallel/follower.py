@@ -18,9 +18,10 @@ from splitserve.engine.kv_cache import KVCache, size_kv_pool
 from splitserve.engine.model_config import ModelConfig
 from splitserve.engine.model_runner import ModelRunner
 from splitserve.engine.parallel.group import TorchGroup
+from splitserve.engine.parallel.kv_shards import gather_blocks, scatter_blocks
 from splitserve.engine.parallel.launch_args import FollowerArgs
 from splitserve.engine.parallel.sharding import Shard, local_config
-from splitserve.engine.parallel.step_plan import StepPlanChannel
+from splitserve.engine.parallel.step_plan import StepPlan, StepPlanChannel
 from splitserve.engine.platform import Platform
 from splitserve.engine.weights import load_model
 
@@ -54,9 +55,15 @@ def main(args: FollowerArgs) -> None:
         kv_cache = KVCache.allocate(local_config(model_config, group.shard), config)
         runner = ModelRunner(model, kv_cache, config)
         channel = StepPlanChannel(group, platform.device)
+        num_kv_heads = model_config.num_kv_heads
         with torch.inference_mode():
             while (plan := channel.recv()) is not None:
-                runner.follow(plan)
+                if isinstance(plan, StepPlan):
+                    runner.follow(plan)
+                elif plan.write:
+                    scatter_blocks(group, kv_cache.pool, plan.block_ids, num_kv_heads)
+                else:
+                    gather_blocks(group, kv_cache.pool, plan.block_ids, num_kv_heads)
     except RuntimeError:
         # NOTE: rank 0 went away mid-collective; it reports its own failure.
         log.warning("tensor-parallel rank %d: group failed", rank, exc_info=True)

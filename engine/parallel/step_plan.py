@@ -8,7 +8,9 @@ from the scheduler's output, back to back. Two broadcasts per step (header, then
              | table_lens | block_tables (num_seqs x table_width, 0-padded) | logits_indices
 
 Followers run the same forward (the all-reduces inside it pair up with rank 0's) and the LM
-head's gather when rank 0 samples; only rank 0 samples.
+head's gather when rank 0 samples; only rank 0 samples. The same channel carries the KV
+transfers' block reads and writes (`KVBlocksOp`: header [op, num_blocks, 0…], payload the block
+ids), so that they are ordered with the steps (engine/parallel/kv_shards.py).
 """
 
 from __future__ import annotations
@@ -23,6 +25,8 @@ from splitserve.engine.parallel.group import ParallelGroup
 _HEADER = 6
 _OP_STOP = 0
 _OP_STEP = 1
+_OP_KV_READ = 2
+_OP_KV_WRITE = 3
 
 
 @dataclass
@@ -37,6 +41,14 @@ class StepPlan:
     seq_lens: list[int] = field(default_factory=list)
     tables: list[list[int]] = field(default_factory=list)
     logits_indices: list[int] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class KVBlocksOp:
+    """Read (gather every rank's heads of) or write (scatter heads into) these pool blocks."""
+
+    write: bool
+    block_ids: tuple[int, ...]
 
 
 class StepPlanSink(Protocol):
@@ -97,6 +109,10 @@ class StepPlanChannel:
         header, payload = encode(plan)
         self._send(header, payload)
 
+    def send_kv(self, op: KVBlocksOp) -> None:
+        code = _OP_KV_WRITE if op.write else _OP_KV_READ
+        self._send([code, len(op.block_ids)] + [0] * (_HEADER - 2), list(op.block_ids))
+
     def send_stop(self) -> None:
         self._send([_OP_STOP] + [0] * (_HEADER - 1), [])
 
@@ -105,12 +121,16 @@ class StepPlanChannel:
         if payload:
             self.group.broadcast(torch.tensor(payload, dtype=torch.int64, device=self.device))
 
-    def recv(self) -> StepPlan | None:
-        """The next plan, or None when rank 0 stops the group."""
+    def recv(self) -> StepPlan | KVBlocksOp | None:
+        """The next plan or KV op, or None when rank 0 stops the group."""
         header_t = self.group.broadcast(torch.zeros(_HEADER, dtype=torch.int64, device=self.device))
         header = header_t.tolist()
         if header[0] == _OP_STOP:
             return None
+        if header[0] in (_OP_KV_READ, _OP_KV_WRITE):
+            ids = torch.empty(header[1], dtype=torch.int64, device=self.device)
+            block_ids = tuple(self.group.broadcast(ids).tolist())
+            return KVBlocksOp(header[0] == _OP_KV_WRITE, block_ids)
         _, num_copies, num_tokens, num_seqs, width, num_logits = header
         size = 2 * num_copies + 3 * num_tokens + 3 * num_seqs + num_seqs * width + num_logits
         payload: list[int] = []

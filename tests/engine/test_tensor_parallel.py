@@ -4,12 +4,18 @@ and shutdown stops every rank."""
 
 from __future__ import annotations
 
+import math
 import os
 import signal
+import threading
+from collections.abc import Callable
 
 import pytest
+import torch
 
-from splitserve.engine import LLM, SamplingParams
+from splitserve.engine import LLM, LLMEngine, SamplingParams
+from splitserve.engine.config import EngineConfig
+from splitserve.engine.outputs import SampledToken
 from splitserve.engine.parallel.launcher import RankLost
 from splitserve.testing.tiny_model import make_tiny_model
 from tests.engine.hf_oracle import hf_greedy, random_prompts
@@ -82,3 +88,61 @@ def test_a_degree_that_does_not_divide_the_heads_is_refused_before_any_rank_star
     # The tiny Llama has 4 query heads and 2 KV heads: 3 ranks can't split them.
     with pytest.raises(ValueError, match="tensor_parallel_size 3 must divide"):
         LLM(tiny_models["llama"], tensor_parallel_size=3)
+
+
+def _on_engine_thread(engine: LLMEngine, fn: Callable[[], None]) -> None:
+    """Run `fn` (a transport's call) on another thread while this one turns the engine's loop,
+    as a worker's transport and engine threads do."""
+    worker = threading.Thread(target=fn)
+    worker.start()
+    while worker.is_alive():
+        engine.housekeeping()
+        worker.join(0.01)
+
+
+def _wire_blocks(engine: LLMEngine, num_blocks: int) -> torch.Tensor:
+    region = engine.kv_connector.region()
+    shape = (region.num_layers, 2, region.block_size, region.num_kv_heads, region.head_dim)
+    assert region.block_bytes == math.prod(shape) * region.tensor.element_size()
+    return torch.empty((num_blocks, *shape), dtype=region.dtype)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("prefill_tp", "decode_tp"), [(2, 1), (1, 2)])
+def test_kv_moves_between_degrees_and_decodes_like_hf(tiny_models, prefill_tp, decode_tp):
+    """The connector hands transports whole-head blocks whatever the degree: a prefill at TP=a
+    and a decode at TP=b exchange them and decode HF's tokens."""
+    model = tiny_models["llama"]
+    prefill = LLMEngine(model, EngineConfig(tensor_parallel_size=prefill_tp, num_kv_blocks=32))
+    decode = LLMEngine(model, EngineConfig(tensor_parallel_size=decode_tp, num_kv_blocks=32))
+    try:
+        prompt = random_prompts([45], prefill.model_config.vocab_size, seed=4)[0]
+        prefill.add_request(prompt, GREEDY, "r", prefill_only=True)
+        outbox = prefill.kv_connector.watch("r", 0)
+        first: list[SampledToken] = []
+        while prefill.has_unfinished_requests():
+            for out in prefill.step():
+                first = [SampledToken(t) for t in out.outputs[0].token_ids]
+        batch = outbox.get(timeout_s=0)
+        assert batch.is_last
+        data = _wire_blocks(prefill, len(batch.block_ids))
+        _on_engine_thread(
+            prefill, lambda: prefill.kv_connector.read_blocks(batch.block_ids, data, batch)
+        )
+        prefill.kv_connector.unwatch("r")
+        prefill.housekeeping()
+        reservation = decode.reserve("r", prompt, GREEDY)
+        _on_engine_thread(
+            decode, lambda: decode.kv_connector.write_blocks(reservation.block_ids, data)
+        )
+        outputs = decode.admit("r", GREEDY, first)
+        while decode.has_unfinished_requests():
+            outputs = decode.step()
+        assert outputs[-1].outputs[0].token_ids == hf_greedy(model, tuple(prompt), MAX_NEW)
+        for engine in (prefill, decode):
+            stats = engine.stats()
+            assert stats.num_free_blocks == stats.num_total_blocks
+            assert stats.num_pinned_blocks == 0
+    finally:
+        prefill.shutdown()
+        decode.shutdown()
