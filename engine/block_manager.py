@@ -90,15 +90,17 @@ class BlockManager:
     def has_seq(self, seq_id: SeqId) -> bool:
         return seq_id in self._tables
 
-    def find_prefix_hit(self, token_ids: Sequence[int]) -> PrefixHit | None:
+    def find_prefix_hit(
+        self, token_ids: Sequence[int], root: bytes | None = None
+    ) -> PrefixHit | None:
         """The longest run of cached full blocks at the start of `token_ids` (never the block
-        holding the last token: its logits are needed)."""
+        holding the last token: its logits are needed); `root` keys them by LoRA adapter."""
         if not self.pool.enable_caching:
             return None
         bs = self.block_size
         self.prefix_cache_queries += len(token_ids)
         ids: list[int] = []
-        hashes = prefix_block_hashes(token_ids, bs)
+        hashes = prefix_block_hashes(token_ids, bs, root)
         for i, block_hash in enumerate(hashes):
             block_id = self.pool.lookup(block_hash, token_ids[i * bs : (i + 1) * bs])
             if block_id is None:
@@ -198,15 +200,22 @@ class BlockManager:
         del self._num_tokens[seq_id]
         del self._hashes[seq_id]
 
-    def cache_blocks(self, seq_id: SeqId, token_ids: Sequence[int], num_computed: int) -> None:
-        """Hash and register every block of `seq_id` that is full and computed."""
+    def cache_blocks(
+        self,
+        seq_id: SeqId,
+        token_ids: Sequence[int],
+        num_computed: int,
+        root: bytes | None = None,
+    ) -> None:
+        """Hash and register every block of `seq_id` that is full and computed (chained from
+        `root`, the sequence's LoRA adapter's, as `find_prefix_hit` looks them up)."""
         if not self.pool.enable_caching:
             return
         bs = self.block_size
         hashes, table = self._hashes[seq_id], self._tables[seq_id]
         for i in range(len(hashes), num_computed // bs):
             chunk = token_ids[i * bs : (i + 1) * bs]
-            hashes.append(chain_hash(hashes[-1] if hashes else None, chunk))
+            hashes.append(chain_hash(hashes[-1] if hashes else root, chunk))
             self.pool.cache(table[i], hashes[-1], chunk)
 
     def trim(self, seq_id: SeqId, num_tokens: int) -> None:

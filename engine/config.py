@@ -76,6 +76,13 @@ class EngineConfig:
     # The KV cache's dtype: "auto" is the model's; "fp8" stores e4m3 (scale 1: values saturate
     # at +-448), half the bytes of bf16 per block, so twice the tokens in the same memory.
     kv_cache_dtype: str = "auto"
+    # LoRA (engine/lora/): adapters loaded at start as (name, PEFT directory) pairs; with
+    # `enable_lora` (implied by them) more load at run time. `max_loras` device slots (the
+    # most distinct adapters in one step), each of rank up to `max_lora_rank`.
+    enable_lora: bool = False
+    lora_modules: tuple[tuple[str, str], ...] = ()
+    max_loras: int = 4
+    max_lora_rank: int = 16
     # Stream outputs, text included, every step (services); off (offline `LLM`), `step` returns
     # a request's output once, when it finishes, and its text is decoded then.
     stream_text: bool = True
@@ -94,6 +101,7 @@ class EngineConfig:
     seed: int = 0
 
     def __post_init__(self) -> None:
+        _check_lora(self)
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a positive power of two, got {self.block_size}")
         if self.max_num_batched_tokens <= 0:
@@ -126,5 +134,26 @@ class EngineConfig:
         """What the KV pool holds (`kv_cache_dtype`)."""
         return torch.float8_e4m3fn if self.kv_cache_dtype == "fp8" else self.dtype
 
+    @property
+    def lora_enabled(self) -> bool:
+        return self.enable_lora or bool(self.lora_modules)
+
     def blocks_for(self, num_tokens: int) -> int:
         return math.ceil(num_tokens / self.block_size)
+
+
+MAX_LORA_RANK = 64
+
+
+def _check_lora(config: EngineConfig) -> None:
+    if not 1 <= config.max_lora_rank <= MAX_LORA_RANK:
+        raise ValueError(f"max_lora_rank must be in [1, {MAX_LORA_RANK}]")
+    if config.max_loras < 1:
+        raise ValueError("max_loras must be at least 1")
+    names = [name for name, _ in config.lora_modules]
+    if len(set(names)) != len(names) or not all(names):
+        raise ValueError(f"lora_modules needs distinct, non-empty names, got {names}")
+    if config.lora_enabled and config.quantization == "fp8":
+        raise ValueError("LoRA adapters are not supported with quantization 'fp8'")
+    if config.lora_enabled and getattr(config, "tensor_parallel_size", 1) > 1:
+        raise ValueError("LoRA adapters are not supported with tensor_parallel_size > 1")

@@ -13,6 +13,7 @@ runs the smallest bucket >= B, its extra rows padded:
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -123,7 +124,7 @@ class DecodeGraphs:
                     self.lora.context.batch = None
         torch.cuda.synchronize()
 
-    def _capture_one(self, args: tuple, pool: tuple) -> _Graph:
+    def _capture_one(self, args: tuple, pool: Any) -> _Graph:
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=pool):
             logits = self.model.compute_logits(self.model(*args))

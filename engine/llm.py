@@ -11,12 +11,14 @@ from tqdm import tqdm
 
 from splitserve.engine.config import EngineConfig
 from splitserve.engine.llm_engine import LLMEngine, Prompt
+from splitserve.engine.lora.request import LoRARequest
 from splitserve.engine.model_config import ModelConfig
 from splitserve.engine.outputs import RequestOutput
 from splitserve.engine.platform import resolve_device, resolve_dtype
 from splitserve.engine.sampling_params import SamplingParams
 
 _ENGINE_OPTIONS = {f.name for f in dataclasses.fields(EngineConfig)}
+LoRA = LoRARequest | str
 
 
 class LLM:
@@ -54,11 +56,15 @@ class LLM:
         *,
         use_tqdm: bool = True,
         priority: SequenceABC[int] | None = None,
+        lora_request: LoRA | SequenceABC[LoRA] | None = None,
     ) -> list[RequestOutput]:
         """One output per prompt, in prompt order. A prompt is a string or a list of token ids.
 
-        Every prompt is validated before any is queued, so a bad one raises ValueError and
-        nothing runs.
+        `lora_request` is the LoRA adapter (a `LoRARequest` or its name; None: the base model)
+        for every prompt, or a list with one per prompt, as in vLLM.
+
+        Every prompt is validated before any is queued, so a bad one raises ValueError (an
+        unknown adapter LookupError) and nothing runs.
         """
         batch = _as_batch(prompts)
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
@@ -68,12 +74,20 @@ class LLM:
         if len(params_list) != len(batch):
             raise ValueError(f"{len(batch)} prompts but {len(params_list)} sampling params")
         priorities = list(priority) if priority is not None else [0] * len(batch)
+        if lora_request is None or isinstance(lora_request, LoRARequest | str):
+            loras: list[LoRA | None] = [lora_request] * len(batch)
+        else:
+            loras = list(lora_request)
+        if len(loras) != len(batch):
+            raise ValueError(f"{len(batch)} prompts but {len(loras)} LoRA requests")
         engine = self.engine
         ids = []
         try:
-            for prompt, params, prio in zip(batch, params_list, priorities, strict=True):
-                ids.append(engine.add_request(prompt, params, priority=prio))
-        except ValueError:
+            for prompt, params, prio, lora in zip(
+                batch, params_list, priorities, loras, strict=True
+            ):
+                ids.append(engine.add_request(prompt, params, priority=prio, lora_request=lora))
+        except (ValueError, LookupError):
             for request_id in ids:
                 engine.abort_request(request_id)
             raise

@@ -129,8 +129,8 @@ class MLP(nn.Module):
             down = self.down_proj
             if lora is not None:  # LoRA goes between the GEMM and SwiGLU: no fused SwiGLU
                 gate_up = ops.linear(x, self.gate_up_weight, None, *self.gate_up_scales)
-                h = ops.silu_and_mul(lora.apply("gate_up", x, gate_up))  # type: ignore[arg-type]
-                return _lora_linear(ops, h, down, lora, "down_proj")
+                act = ops.silu_and_mul(lora.apply("gate_up", x, gate_up))  # type: ignore[arg-type]
+                return _lora_linear(ops, act, down, lora, "down_proj")
             h = ops.gate_up_silu(x, self.gate_up_weight, self.gate_up_scales, _scales(down))
             return _linear(ops, h, down)
         gate = _lora_linear(ops, x, self.gate_proj, lora, "gate_proj")

@@ -15,6 +15,7 @@ from splitserve.engine.attention import AttentionMetadata
 from splitserve.engine.config import EngineConfig
 from splitserve.engine.cuda_graphs import DecodeGraphs
 from splitserve.engine.kv_cache import KVCache
+from splitserve.engine.lora.manager import LoRAManager
 from splitserve.engine.model import CausalLM
 from splitserve.engine.outputs import SampledToken
 from splitserve.engine.overlap import PLACEHOLDER, InFlight
@@ -40,6 +41,8 @@ class ModelRunner:
         self.eos_token_ids = frozenset(model.cfg.eos_token_ids)
         self.sampler = Sampler()
         self.graphs: DecodeGraphs | None = None
+        # LoRA adapters (engine/lora), when the engine serves them.
+        self.lora: LoRAManager | None = None
         # Host buffers for overlapped steps' tokens, used in turn (engine/overlap.py).
         pin = self.device.type == "cuda"
         self._token_hosts = [
@@ -60,6 +63,7 @@ class ModelRunner:
             max_blocks_per_seq=-(-cfg.max_model_len // cfg.block_size),
             block_size=cfg.block_size,
             max_model_len=cfg.max_model_len,
+            lora=self.lora,
         )
         graphs.capture()
         self.graphs = graphs
@@ -74,7 +78,11 @@ class ModelRunner:
             self.step_plans.send(StepPlan(out.block_copies, **dataclasses.asdict(batch)))
         self.kv_cache.copy_blocks(out.block_copies)
         sampling = [s.seq for s in out.scheduled if s.samples]
-        forward = self._forward(batch)
+        lora_slots = self._begin_lora(out)
+        try:
+            forward = self._forward(batch, lora_slots)
+        finally:
+            self._end_lora()
         if forward is None or not sampling:
             return {}
         logits, argmax = forward
@@ -140,14 +148,18 @@ class ModelRunner:
         del fields["block_copies"]
         self._forward(_Batch(**fields))
 
-    def _forward(self, batch: _Batch) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    def _forward(
+        self, batch: _Batch, lora_slots: list[int] | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
         """The model on `batch`: (logits of the rows that sample, their argmax when a graph
-        computed it), or None when no row samples."""
+        computed it), or None when no row samples. `lora_slots`: each row's adapter slot (-1
+        for none) when a decode step has adapters (`_begin_lora`)."""
         graphs = self.graphs
         if graphs is not None and batch.is_decode and graphs.can_run(len(batch.query_lens)):
             logits, argmax = graphs.run(
-                batch.input_ids, batch.positions, batch.slots, batch.seq_lens, batch.tables
-            )
+                batch.input_ids, batch.positions, batch.slots, batch.seq_lens, batch.tables,
+                lora_slots=lora_slots,
+            )  # fmt: skip
             if len(batch.logits_indices) != len(batch.query_lens):
                 index = self._to_dev(batch.logits_indices)
                 logits, argmax = logits[index], argmax[index]
@@ -188,19 +200,24 @@ class ModelRunner:
                     moves.append((row, prev.rows[seq]))
                     batch.input_ids[row] = 0  # overwritten on the device
         graphs = self.graphs
-        if graphs is not None and graphs.can_run(len(seqs)):
-            carry = (prev.tokens, moves) if prev is not None else None
-            _, tokens = graphs.run(
-                batch.input_ids, batch.positions, batch.slots, batch.seq_lens, batch.tables, carry
-            )
-        else:
-            ids = self._to_dev(batch.input_ids)
-            if moves:
-                assert prev is not None
-                dst, src = zip(*moves, strict=True)
-                ids[self._to_dev(list(dst))] = prev.tokens[self._to_dev(list(src))]
-            hidden = self._forward_eager(batch, ids)
-            tokens = self.model.compute_logits(hidden).argmax(dim=-1)
+        lora_slots = self._begin_lora(out)
+        try:
+            if graphs is not None and graphs.can_run(len(seqs)):
+                carry = (prev.tokens, moves) if prev is not None else None
+                _, tokens = graphs.run(
+                    batch.input_ids, batch.positions, batch.slots, batch.seq_lens, batch.tables,
+                    carry, lora_slots=lora_slots,
+                )  # fmt: skip
+            else:
+                ids = self._to_dev(batch.input_ids)
+                if moves:
+                    assert prev is not None
+                    dst, src = zip(*moves, strict=True)
+                    ids[self._to_dev(list(dst))] = prev.tokens[self._to_dev(list(src))]
+                hidden = self._forward_eager(batch, ids)
+                tokens = self.model.compute_logits(hidden).argmax(dim=-1)
+        finally:
+            self._end_lora()
         host = self._token_hosts[self._launches % 2][: len(seqs)]
         self._launches += 1
         done = None
@@ -232,6 +249,22 @@ class ModelRunner:
             banned_token_ids=self._banned(seq),
             grammar=seq.grammar,
         )
+
+    def _begin_lora(self, out: SchedulerOutput) -> list[int] | None:
+        """Put this step's adapters in device slots and describe the batch to the model's LoRA
+        layers; returns each row's slot (-1: base model), or None when no row has an adapter
+        (the step then runs no LoRA at all)."""
+        if self.lora is None:
+            return None
+        names = [s.seq.lora_name for s in out.scheduled]
+        if not any(names):
+            return None
+        slots = self.lora.begin([s.num_new_tokens for s in out.scheduled], names)
+        return [-1 if slot is None else slot for slot in slots]
+
+    def _end_lora(self) -> None:
+        if self.lora is not None:
+            self.lora.end()
 
     def _to_dev(self, values: list, dtype: torch.dtype = torch.int64) -> torch.Tensor:
         return torch.tensor(values, dtype=dtype).to(self.device, non_blocking=True)

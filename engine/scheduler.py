@@ -116,11 +116,13 @@ class Scheduler:
             seq = self.waiting[0]
             if len(self.running) + 1 + len(seq.pending_children) > self.config.max_num_seqs:
                 break
+            if not self._adapter_fits(seq):
+                break  # its adapter waits for a device slot held by running sequences
             # A prefilled sequence (decode worker) arrives with blocks and computed tokens.
             hit = None
             num_computed = seq.num_computed_tokens
             if not bm.has_seq(seq.seq_id):
-                hit = bm.find_prefix_hit(seq.token_ids)
+                hit = bm.find_prefix_hit(seq.token_ids, seq.prefix_root)
                 num_computed = hit.num_tokens(bm.block_size) if hit else 0
             num_new = min(seq.num_tokens - num_computed, budget)
             alloc = bm.allocate(seq.seq_id, num_computed + num_new, hit)
@@ -143,6 +145,14 @@ class Scheduler:
             scheduled.append(self._scheduled(seq, num_new))
             budget -= num_new
         return SchedulerOutput(scheduled, tuple(copies), preempted)
+
+    def _adapter_fits(self, seq: Sequence) -> bool:
+        """Whether `seq`'s LoRA adapter can join the running ones: one step never holds more
+        distinct adapters than the device has slots (`max_loras`)."""
+        if seq.lora_name is None:
+            return True
+        running = {s.lora_name for s in self.running if s.lora_name is not None}
+        return seq.lora_name in running or len(running) < self.config.max_loras
 
     def _waiting_holder(self, exclude: Sequence) -> Sequence | None:
         """The lowest-ranked waiting sequence that holds blocks, other than `exclude`."""
@@ -185,7 +195,9 @@ class Scheduler:
                 seq.num_computed_tokens += item.num_new_tokens
             bs = self.block_manager.block_size
             if seq.num_computed_tokens // bs > before // bs:  # a block became full
-                self.block_manager.cache_blocks(seq.seq_id, seq.token_ids, seq.num_computed_tokens)
+                self.block_manager.cache_blocks(
+                    seq.seq_id, seq.token_ids, seq.num_computed_tokens, seq.prefix_root
+                )
             if item.samples and not item.num_spec_tokens:
                 touched.extend(self._append_samples(seq, sampled[seq.seq_id]))
         return touched
@@ -235,7 +247,7 @@ class Scheduler:
                 continue
             if computed % bm.block_size == 0 and bm.has_seq(seq.seq_id):
                 # NOTE: a full block holds computed tokens only, never the placeholder.
-                bm.cache_blocks(seq.seq_id, seq.token_ids, computed)
+                bm.cache_blocks(seq.seq_id, seq.token_ids, computed, seq.prefix_root)
             # NOTE: what `_append_samples` does, for a plain-greedy sequence (no fork, grammar
             # or logprobs): this runs for every sequence of every overlapped step.
             token = seq.output_token_ids[-1] = tokens[seq]

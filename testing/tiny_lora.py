@@ -22,7 +22,7 @@ def make_tiny_lora(
     *,
     seed: int,
     rank: int = 8,
-    alpha: float = 16.0,
+    alpha: int = 16,
     target_modules: tuple[str, ...] = ALL_TARGETS,
     use_rslora: bool = False,
 ) -> pathlib.Path:
@@ -43,5 +43,5 @@ def make_tiny_lora(
     )
     model = get_peft_model(base, config)
     out = pathlib.Path(out_dir)
-    model.save_pretrained(out)
+    model.save_pretrained(str(out))
     return out

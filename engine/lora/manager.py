@@ -19,10 +19,11 @@ from pathlib import Path
 
 import torch
 
-from splitserve.engine.errors import AlreadyExists, FailedPrecondition, NotFound
+from splitserve.engine.errors import AlreadyExists, FailedPrecondition, InvalidRequest, NotFound
 from splitserve.engine.lora.adapter import LoRAAdapter, load_adapter
 from splitserve.engine.lora.batch import LoRABatch, LoRAContext, LoRALayer
 from splitserve.engine.lora.weights import SlotLayout, module_views
+from splitserve.engine.model import CausalLM, DecoderLayer
 from splitserve.engine.model_config import ModelConfig
 from splitserve.engine.prefix_hash import adapter_root
 
@@ -59,11 +60,13 @@ class LoRAManager:
         self._free_slots = list(range(config.max_loras))
         self.num_swaps = 0
 
-    def attach(self, model: torch.nn.Module) -> None:
-        """Give each decoder layer's attention and MLP its `LoRALayer` (`lora` attribute)."""
-        triton = bool(getattr(model, "ops", None) and model.ops.triton)
-        for i, layer in enumerate(model.model.layers):  # type: ignore[union-attr]
-            hook = LoRALayer(self.context, module_views(self.layout, self.buffer, i), triton)
+    def attach(self, model: CausalLM) -> None:
+        """Give each decoder layer's attention and MLP its `LoRALayer` (`lora` attribute):
+        the Triton kernels when the model runs Triton ops, the torch reference otherwise."""
+        for i, layer in enumerate(model.model.layers):
+            assert isinstance(layer, DecoderLayer)
+            views = module_views(self.layout, self.buffer, i)
+            hook = LoRALayer(self.context, views, model.ops.triton)
             layer.self_attn.lora = hook
             layer.mlp.lora = hook
 
@@ -73,6 +76,16 @@ class LoRAManager:
         """Read an adapter into host memory. Loading the same weights under a name again is a
         no-op; other weights under a name in use are AlreadyExists."""
         adapter = load_adapter(name, path, self.model_config, self.config.max_lora_rank, self.dtype)
+        return self.add(adapter)
+
+    def add(self, adapter: LoRAAdapter) -> LoRAAdapter:
+        """Keep an adapter already read (checked against this model) in host memory."""
+        name = adapter.name
+        if adapter.rank > self.config.max_lora_rank:
+            raise InvalidRequest(
+                f"LoRA adapter {name!r}: rank {adapter.rank} is above --max-lora-rank "
+                f"{self.config.max_lora_rank}"
+            )
         known = self.adapters.get(name)
         if known is not None:
             if known.digest == adapter.digest:
@@ -92,6 +105,11 @@ class LoRAManager:
             raise NotFound(f"LoRA adapter {name!r} is not loaded")
         del self.adapters[name]
         del self._images[name]
+        self.evict(name)
+
+    def evict(self, name: str) -> None:
+        """Give up an adapter's device slot (it stays loaded; the next step that uses it swaps
+        it in again)."""
         slot = self._slots.pop(name, None)
         if slot is not None:
             self._free_slots.append(slot)
