@@ -8,7 +8,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class KVDestination(_message.Message):
-    __slots__ = ("worker_id", "address", "block_ids", "num_cached_tokens", "fence", "kv_transports", "capability")
+    __slots__ = ("worker_id", "address", "block_ids", "num_cached_tokens", "fence", "kv_transports", "capability", "adapter")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -16,6 +16,7 @@ class KVDestination(_message.Message):
     FENCE_FIELD_NUMBER: _ClassVar[int]
     KV_TRANSPORTS_FIELD_NUMBER: _ClassVar[int]
     CAPABILITY_FIELD_NUMBER: _ClassVar[int]
+    ADAPTER_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     address: str
     block_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -23,21 +24,24 @@ class KVDestination(_message.Message):
     fence: int
     kv_transports: _containers.RepeatedScalarFieldContainer[str]
     capability: bytes
-    def __init__(self, worker_id: _Optional[str] = ..., address: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_cached_tokens: _Optional[int] = ..., fence: _Optional[int] = ..., kv_transports: _Optional[_Iterable[str]] = ..., capability: _Optional[bytes] = ...) -> None: ...
+    adapter: str
+    def __init__(self, worker_id: _Optional[str] = ..., address: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_cached_tokens: _Optional[int] = ..., fence: _Optional[int] = ..., kv_transports: _Optional[_Iterable[str]] = ..., capability: _Optional[bytes] = ..., adapter: _Optional[str] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling", "destination", "priority")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "destination", "priority", "adapter")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     DESTINATION_FIELD_NUMBER: _ClassVar[int]
     PRIORITY_FIELD_NUMBER: _ClassVar[int]
+    ADAPTER_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _common_pb2.SamplingParams
     destination: KVDestination
     priority: int
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., destination: _Optional[_Union[KVDestination, _Mapping]] = ..., priority: _Optional[int] = ...) -> None: ...
+    adapter: str
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., destination: _Optional[_Union[KVDestination, _Mapping]] = ..., priority: _Optional[int] = ..., adapter: _Optional[str] = ...) -> None: ...
 
 class FirstToken(_message.Message):
     __slots__ = ("index", "token_id", "logprobs")
@@ -62,16 +66,18 @@ class PrefillResponse(_message.Message):
     def __init__(self, first_tokens: _Optional[_Iterable[_Union[FirstToken, _Mapping]]] = ..., num_blocks_sent: _Optional[int] = ..., num_bytes_sent: _Optional[int] = ..., num_cached_tokens: _Optional[int] = ...) -> None: ...
 
 class ReserveRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling", "resume")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "resume", "adapter")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     RESUME_FIELD_NUMBER: _ClassVar[int]
+    ADAPTER_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _common_pb2.SamplingParams
     resume: ResumeFrom
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., resume: _Optional[_Union[ResumeFrom, _Mapping]] = ...) -> None: ...
+    adapter: str
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., resume: _Optional[_Union[ResumeFrom, _Mapping]] = ..., adapter: _Optional[str] = ...) -> None: ...
 
 class ResumeFrom(_message.Message):
     __slots__ = ("sample_index", "output_token_ids", "num_text_chars")
