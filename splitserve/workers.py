@@ -37,7 +37,6 @@ def engine_config(
         load_format=worker.load_format,
         quantization=None if worker.quantization == "auto" else worker.quantization,
         kv_cache_dtype=worker.kv_cache_dtype,
-        tensor_parallel_size=worker.tensor_parallel_size,
         speculative=speculative_config(worker),
         tensor_parallel_size=worker.tensor_parallel_size,
         async_scheduling=_async_scheduling(worker.async_scheduling),
@@ -107,4 +106,5 @@ def worker_info(
         max_num_seqs=limits["max_num_seqs"] if limits else 0,
         max_model_len=limits["max_model_len"] if limits else 0,
         kv_dtype=limits["kv_dtype"] if limits else "",
+        adapters=tuple(stats.lora_adapters),
     )
