@@ -63,6 +63,8 @@ class _Sampling(BaseModel):
     ignore_eos: bool | None = None
     min_tokens: int | None = None
     stop_token_ids: list[int] | None = None
+    # splitserve's extension: tokens per streamed chunk (GenerateRequest.stream_interval)
+    stream_interval: int | None = None
     # structured outputs
     response_format: dict[str, Any] | None = None
     guided_json: Any = None
@@ -140,6 +142,7 @@ def completion_request(body: CompletionRequest) -> gateway_pb2.GenerateRequest:
     if body.echo and body.logprobs is not None:
         raise InvalidRequest("echo with logprobs is not supported (prompt logprobs aren't kept)")
     request = gateway_pb2.GenerateRequest(sampling=_sampling(body, body.max_tokens))
+    _set_stream_interval(body, request)
     prompt = body.prompt
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
         prompt = prompt[0]  # a batch of one
@@ -219,6 +222,7 @@ def chat_request(
     if prompt_ids is not None and max_tokens is None:  # a chat reply runs to the context's end
         max_tokens = max(1, max_model_len - len(prompt_ids))
     request = gateway_pb2.GenerateRequest(sampling=_sampling(body, max_tokens))
+    _set_stream_interval(body, request)
     if prompt_ids is not None:
         request.token_ids.ids.extend(prompt_ids)
     else:
@@ -284,6 +288,15 @@ def _text(message: ChatMessage) -> str:
             raise InvalidRequest(f"message content of type {part.type!r} is not supported")
         parts.append(part.text)
     return "".join(parts)
+
+
+def _set_stream_interval(body: _Sampling, request: gateway_pb2.GenerateRequest) -> None:
+    if body.stream_interval is not None:
+        if not 1 <= body.stream_interval <= 4096:  # NOTE: the gateway checks it again
+            raise InvalidRequest(
+                f"stream_interval must be 1 to 4096 tokens per message, got {body.stream_interval}"
+            )
+        request.stream_interval = body.stream_interval
 
 
 def _refuse(**unsupported: Any) -> None:

@@ -155,6 +155,7 @@ def _up(args: argparse.Namespace) -> int:
             model=args.model,
             prefill=args.prefill,
             decode=args.decode,
+            gateways=args.gateways,
             port=args.port,
             redis_url=args.redis_url,
             metrics=args.metrics,
@@ -229,6 +230,12 @@ def build_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
     )
     up.add_argument("--prefill", type=int, default=1, help="prefill workers (0: colocated)")
     up.add_argument("--decode", type=int, default=1, help="decode workers")
+    up.add_argument(
+        "--gateways",
+        type=int,
+        default=int(env.get("SPLITSERVE_GATEWAYS", "0")),
+        help="gateway processes sharing its port (0: sized to the host; docs/deploy.md)",
+    )
     up.add_argument("--port", type=int, default=0, help="gateway port (0: a free one)")
     up.add_argument(
         "--redis-url",

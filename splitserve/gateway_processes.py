@@ -37,6 +37,7 @@ import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from splitserve.runtime.grpc_server import BindError
 
@@ -46,12 +47,23 @@ MAX_DEFAULT_PROCESSES = 8
 
 
 def default_processes(cores: int | None = None) -> int:
-    """`--processes 0`: a quarter of the cores this process may use, 1 to 8 (docs/deploy.md:
-    one gateway process relays ~25-40k tokens/s on a core; the rest of the host's cores are
-    the workers')."""
+    """`--processes 0`: a quarter of the cores this process may use (its CPU affinity and
+    cgroup quota), 1 to 8: the rest of the host's cores are the workers' (docs/deploy.md)."""
     if cores is None:
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1
-    return max(1, min(MAX_DEFAULT_PROCESSES, (cores or 1) // 4))
+        cores = usable_cores()
+    return max(1, min(MAX_DEFAULT_PROCESSES, cores // 4))
+
+
+def usable_cores() -> int:
+    """The cores this process may run on: its affinity, capped by a cgroup v2 CPU quota."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    try:
+        quota, period = Path("/sys/fs/cgroup/cpu.max").read_text().split()[:2]
+        if quota != "max":
+            cores = min(cores or 1, max(1, math.ceil(int(quota) / int(period))))
+    except (OSError, ValueError):
+        pass
+    return cores or 1
 
 
 def inflight_share(max_inflight: int, processes: int) -> int:

@@ -59,6 +59,8 @@ class StackSettings:
     extra_prefill_args: tuple[str, ...] = ()
     extra_decode_args: tuple[str, ...] = ()
     extra_gateway_args: tuple[str, ...] = ()
+    # Gateway processes on its port (`splitserve gateway --processes`; 0: sized to the host)
+    gateways: int = 0
     startup_timeout_s: float = 180.0
     metrics: bool = False  # each service serves /metrics on a free port (`Stack.metrics_ports`)
     drain_timeout_s: float = 30.0
@@ -87,6 +89,8 @@ class StackSettings:
                 "(and --tls-cert-file/--tls-key-file), or --insecure to serve without a key"
             )
         check_port("--port", self.port)
+        if self.gateways < 0:
+            raise ValueError(f"--gateways must be >= 0 (0: sized to the host), got {self.gateways}")
 
 
 @dataclass
@@ -254,6 +258,8 @@ def start_stack(
                 args += ["--worker-id", name]
                 if settings.devices:
                     args += ["--device", settings.devices[i % len(settings.devices)]]
+            if kind == "gateway" and settings.gateways:
+                args += ["--processes", str(settings.gateways)]
             if kind == "gateway" and settings.http_port is not None:
                 http_port = settings.http_port or _new_port(settings.host, taken)
                 args += ["--http-port", str(http_port)]

@@ -6,6 +6,7 @@ hold across replicas."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -20,7 +21,8 @@ import pytest
 
 from splitserve.client import collect, stream
 from splitserve.engine import LLM, SamplingParams
-from splitserve.protos.v1 import common_pb2
+from splitserve.protos import convert
+from splitserve.protos.v1 import common_pb2, gateway_pb2
 from splitserve.up import Stack, free_port
 from tests.e2e.harness import assert_nothing_leaks, gateway, running_stack
 from tests.engine.hf_oracle import random_prompts
@@ -39,10 +41,9 @@ def model_dir(tiny_models) -> Path:
 
 @pytest.fixture(scope="module")
 def stack(model_dir) -> Iterator[Stack]:
-    """1 prefill + 1 decode worker behind `splitserve gateway --processes 2` (gRPC and HTTP)."""
-    with running_stack(
-        model_dir, prefill=1, decode=1, http_port=0, extra_gateway_args=("--processes", "2")
-    ) as s:
+    """1 prefill + 1 decode worker behind `up --gateways 2`: two gateway processes on one port
+    (gRPC and HTTP)."""
+    with running_stack(model_dir, prefill=1, decode=1, http_port=0, gateways=2) as s:
         yield s
 
 
@@ -145,3 +146,30 @@ def test_a_running_request_id_is_refused_by_another_gateway(stack, other):
     # Once it ended, the id is free again, on any gateway.
     done = collect(stream(_stub(other), [5] * 8, GREEDY, request_id="dup-id", timeout_s=60))
     assert done.finished.usage.completion_tokens == GREEDY.max_tokens
+
+
+def test_stream_interval_sends_four_tokens_a_chunk_over_grpc_and_http(stack, model_dir):
+    llm = LLM(model_dir)
+    want = llm.generate([[7] * 12], GREEDY, use_tqdm=False)[0].outputs[0]
+    request = gateway_pb2.GenerateRequest(
+        token_ids=gateway_pb2.TokenIds(ids=[7] * 12),
+        sampling=convert.sampling_to_proto(GREEDY),
+        stream_interval=4,
+    )
+    chunks = []
+    for msg in gateway(stack).Generate(request, timeout=60):
+        if msg.HasField("chunk"):
+            chunks.append(list(msg.chunk.token_ids))
+    assert [t for c in chunks for t in c] == want.token_ids
+    assert all(len(c) == 4 for c in chunks), chunks
+
+    body = {"model": model_dir.name, "prompt": [7] * 12, "max_tokens": GREEDY.max_tokens,
+            "temperature": 0, "ignore_eos": True, "stream": True, "stream_interval": 4}  # fmt: skip
+    events = []
+    with httpx.stream("POST", f"{stack.http_url}/completions", json=body, timeout=60) as reply:
+        for line in reply.iter_lines():
+            if line.startswith("data: {"):
+                events.append(json.loads(line[len("data: ") :]))
+    texts = [e["choices"][0]["text"] for e in events if e["choices"]]
+    assert "".join(texts) == want.text
+    assert len(texts) <= GREEDY.max_tokens // 4 + 1  # one event per 4 tokens (+ the last one)
