@@ -94,7 +94,8 @@ class TorchGroup(ParallelGroup):
             self._store.set(f"joined/{shard.rank}", "1")
         if device.type == "cuda":
             opts = dist.ProcessGroupNCCL.Options()
-            opts._timeout = timeout
+            if hasattr(opts, "_timeout"):  # NOTE: private in torch's binding
+                opts._timeout = timeout
             # NOTE: Any: torch's stubs type the backends' collectives loosely.
             self._pg: Any = dist.ProcessGroupNCCL(self._store, shard.rank, shard.size, opts)
         else:

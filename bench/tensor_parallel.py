@@ -1,0 +1,456 @@
+"""Tensor parallelism: TP=N against TP=1 in the same run, and a model too big for one GPU served.
+
+    python -m bench.tensor_parallel [--tp 2] [--shape llama-3-8b] [--prompt-lens 4096 16384]
+        [--batches 1 64] [--context 512] [--out F]
+    python -m bench.tensor_parallel --serve [--prefill-tp 2] [--decode-tp 2] [--layers N]
+    python -m bench.tensor_parallel --smoke          # tiny shape, CPU (gloo) or GPU
+
+Engine mode (the default), for each configuration (TP=1 with its CUDA graphs, TP=1 eager,
+TP=N; dummy bf16 weights of the shape, prefix caching off, EOS ignored):
+  - prefill: TTFT of one prompt of each length (one engine step: max_num_batched_tokens is the
+    longest prompt), median over `--reps` fresh random prompts;
+  - decode: median engine-step time while `batch` sequences of `--context` tokens decode;
+  - the floor of a decode step: this rank's weight bytes (all but the embedding) + KV bytes
+    over the copy bandwidth measured in the same run, plus the all-reduces of the step;
+  - collectives, measured in the same run in a group of N processes: NCCL's all-reduce bus
+    bandwidth on 256 MiB (bytes x 2(N-1)/N / time, as nccl-tests reports it) and the time of
+    the all-reduces one step issues (2 per layer + the embedding's, [tokens, hidden] each).
+
+Serve mode: a Llama-3-8B-width stack deep enough (`--layers`, default sized from the GPU's
+memory) that its bf16 weights don't fit one GPU, served through the gateway by a prefill
+worker at `--prefill-tp` and a decode worker at `--decode-tp` (dummy weights, gRPC KV
+transport); reports TTFT and tokens of a few requests. P and D each hold the model, so this
+needs prefill_tp + decode_tp GPUs (`--prefill 0` serves a colocated worker at `--decode-tp`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import multiprocessing as mp
+import socket
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from bench.common import SHAPES, device_name, model_dir, sync, table, write_results
+
+SMOKE_SHAPE = "tiny"
+BIG_ALL_REDUCE_BYTES = 256 << 20
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _tiny_dir(root: Path) -> Path:
+    from splitserve.testing.tiny_model import make_tiny_model
+
+    return make_tiny_model(root / SMOKE_SHAPE, "llama")
+
+
+# -- collectives ---------------------------------------------------------------------------
+
+
+def _time_all_reduce(group, x: torch.Tensor, reps: int) -> float:
+    for _ in range(3):
+        group.all_reduce(x)
+    sync()
+    start = time.perf_counter()
+    for _ in range(reps):
+        group.all_reduce(x)
+    sync()
+    return (time.perf_counter() - start) / reps
+
+
+def _collective_rank(rank: int, size: int, port: int, device: str, spec: dict, out) -> None:
+    from splitserve.engine.parallel.group import Rendezvous, TorchGroup
+    from splitserve.engine.parallel.sharding import Shard
+
+    dev = torch.device(f"cuda:{rank}" if device == "cuda" else "cpu")
+    if dev.type == "cuda":
+        torch.cuda.set_device(dev)
+    group = TorchGroup(Shard(rank, size), Rendezvous("127.0.0.1", port), dev)
+    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    elem = torch.empty((), dtype=dtype).element_size()
+    big = torch.ones(spec["big_bytes"] // elem, dtype=dtype, device=dev)
+    seconds = _time_all_reduce(group, big, spec["reps"])
+    result: dict[str, Any] = {
+        "all_reduce_bytes": spec["big_bytes"],
+        "all_reduce_ms": seconds * 1e3,
+        "bus_GB_per_s": spec["big_bytes"] * 2 * (size - 1) / size / seconds / 1e9,
+        "step": {},
+    }
+    for tokens in spec["tokens"]:
+        x = torch.ones(tokens, spec["hidden"], dtype=dtype, device=dev)
+        one = _time_all_reduce(group, x, spec["reps"])
+        result["step"][str(tokens)] = {
+            "one_all_reduce_us": one * 1e6,
+            "per_step_ms": one * spec["per_step"] * 1e3,
+            "bytes": x.numel() * elem,
+        }
+    group.close()
+    if rank == 0:
+        out.put(result)
+
+
+def measure_collectives(
+    size: int, device: str, hidden: int, layers: int, tokens: list[int], big_bytes: int, reps: int
+) -> dict:
+    """All-reduce bus bandwidth and per-step all-reduce time in a fresh group of `size`
+    processes (before any engine holds the GPUs)."""
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    spec = {
+        "hidden": hidden,
+        "tokens": tokens,
+        "big_bytes": big_bytes,
+        "reps": reps,
+        "per_step": 2 * layers + 1,
+    }
+    port = _free_port()
+    procs = [
+        ctx.Process(target=_collective_rank, args=(r, size, port, device, spec, out))
+        for r in range(size)
+    ]
+    for p in procs:
+        p.start()
+    result = out.get(timeout=600)
+    for p in procs:
+        p.join(60)
+    return result
+
+
+# -- engine --------------------------------------------------------------------------------
+
+
+def _random_prompt(length: int, vocab: int, gen: torch.Generator) -> list[int]:
+    return torch.randint(10, vocab, (length,), generator=gen).tolist()
+
+
+def ttft(engine, length: int, reps: int) -> float:
+    """Median seconds from add_request to the first token of a fresh `length`-token prompt."""
+    from splitserve.engine import SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+    gen = torch.Generator().manual_seed(length)
+    vocab = engine.model_config.vocab_size
+    engine.add_request(_random_prompt(min(length, 64), vocab, gen), params)  # warm-up
+    while engine.has_unfinished_requests():
+        engine.step()
+    times = []
+    for _ in range(reps):
+        prompt = _random_prompt(length, vocab, gen)
+        sync()
+        start = time.perf_counter()
+        engine.add_request(prompt, params)
+        while engine.has_unfinished_requests():
+            engine.step()
+        sync()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def decode_step(engine, batch: int, context: int, steps: int) -> float:
+    """Median seconds of an engine step while `batch` sequences of `context` tokens decode."""
+    from splitserve.engine import SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=steps + 8, ignore_eos=True)
+    gen = torch.Generator().manual_seed(batch)
+    for _ in range(batch):
+        engine.add_request(_random_prompt(context, engine.model_config.vocab_size, gen), params)
+    while engine.scheduler.waiting or any(
+        s.num_computed_tokens < s.num_tokens - 1 for s in engine.scheduler.running
+    ):
+        engine.step()
+    for _ in range(2):
+        engine.step()
+    times = []
+    for _ in range(steps):
+        sync()
+        start = time.perf_counter()
+        engine.step()
+        sync()
+        times.append(time.perf_counter() - start)
+    for seq in list(engine.scheduler.running):
+        engine.abort_request(seq.request_id)
+    engine.housekeeping()
+    return statistics.median(times)
+
+
+def rank_weight_bytes(engine) -> int:
+    """Bytes of rank 0's parameters a decode step reads (all but the embedding table)."""
+    return sum(
+        p.numel() * p.element_size()
+        for name, p in engine.model.named_parameters()
+        if "embed_tokens" not in name
+    )
+
+
+def run_engine_config(path: Path, name: str, tp: int, graphs: bool, args, on_gpu: bool) -> dict:
+    from splitserve.engine import LLMEngine
+    from splitserve.engine.config import EngineConfig
+
+    longest = max(args.prompt_lens)
+    config = EngineConfig(
+        dtype=torch.bfloat16 if on_gpu else torch.float32,
+        device="cuda:0" if on_gpu else "cpu",
+        load_format="dummy",
+        tensor_parallel_size=tp,
+        enable_cuda_graphs=graphs,
+        enable_prefix_caching=False,
+        max_model_len=max(longest, args.context + args.steps + 16) + 16,
+        max_num_batched_tokens=max(longest, max(args.batches)),
+        max_num_seqs=max(args.batches),
+        num_kv_blocks=args.num_kv_blocks,
+    )
+    engine = LLMEngine(path, config)
+    try:
+        row: dict[str, Any] = {
+            "config": name,
+            "tp": tp,
+            "cuda_graphs": engine.runner.graphs is not None,
+        }
+        for length in args.prompt_lens:
+            row[f"ttft_{length}_ms"] = ttft(engine, length, args.reps) * 1e3
+        for batch in args.batches:
+            row[f"step_b{batch}_ms"] = decode_step(engine, batch, args.context, args.steps) * 1e3
+        local = engine.model.cfg
+        row["weight_bytes_rank0"] = rank_weight_bytes(engine)
+        elem = engine.kv_cache.pool.element_size()
+        row["kv_bytes_per_token_rank0"] = (
+            2 * local.num_layers * local.num_kv_heads * (local.head_dim * elem)
+        )
+        return row
+    finally:
+        engine.shutdown()
+        del engine
+        if on_gpu:
+            torch.cuda.empty_cache()
+
+
+def engine_mode(args) -> dict:
+    on_gpu = torch.cuda.is_available() and not args.cpu
+    if on_gpu:
+        assert torch.cuda.device_count() >= args.tp, f"--tp {args.tp} needs {args.tp} GPUs"
+    with tempfile.TemporaryDirectory() as tmp:
+        path = _tiny_dir(Path(tmp)) if args.smoke else model_dir(args.shape, Path(tmp))
+        cfg = json.loads((path / "config.json").read_text())
+        hidden, layers = cfg["hidden_size"], cfg["num_hidden_layers"]
+        collectives = measure_collectives(
+            args.tp,
+            "cuda" if on_gpu else "cpu",
+            hidden,
+            layers,
+            sorted({*args.prompt_lens, *args.batches}),
+            args.big_bytes,
+            args.reps_collective,
+        )
+        bandwidth = None
+        if on_gpu:
+            from bench.kernels import copy_bandwidth
+
+            bandwidth = copy_bandwidth(2 << 30, torch.device("cuda"))["GB_per_s"] * 1e9
+        configs = [("TP=1", 1, True)]
+        if on_gpu:
+            configs.append(("TP=1 eager", 1, False))
+        configs.append((f"TP={args.tp}", args.tp, True))
+        rows = [run_engine_config(path, n, tp, g, args, on_gpu) for n, tp, g in configs]
+    base, tp_row = rows[0], rows[-1]
+    for row in rows:
+        for length in args.prompt_lens:
+            key = f"ttft_{length}_ms"
+            row[f"ttft_{length}_speedup"] = base[key] / row[key]
+        for batch in args.batches:
+            key = f"step_b{batch}_ms"
+            row[f"step_b{batch}_speedup"] = base[key] / row[key]
+            if bandwidth is not None:
+                read = (
+                    row["weight_bytes_rank0"]
+                    + batch * args.context * row["kv_bytes_per_token_rank0"]
+                )
+                floor = read / bandwidth
+                if row["tp"] > 1:
+                    floor += collectives["step"][str(batch)]["per_step_ms"] / 1e3
+                row[f"step_b{batch}_floor_ms"] = floor * 1e3
+                row[f"step_b{batch}_vs_floor"] = row[key] / (floor * 1e3)
+    return {
+        "benchmark": "tensor_parallel",
+        "device": device_name(),
+        "num_devices": torch.cuda.device_count() if on_gpu else 0,
+        "shape": SMOKE_SHAPE if args.smoke else args.shape,
+        "dtype": "bfloat16" if on_gpu else "float32",
+        "weights": "dummy",
+        "ignore_eos": True,
+        "tp": args.tp,
+        "context": args.context,
+        "copy_GB_per_s": None if bandwidth is None else bandwidth / 1e9,
+        "collectives": collectives,
+        "rows": rows,
+        "summary": {
+            **{f"ttft_{n}_speedup": tp_row[f"ttft_{n}_speedup"] for n in args.prompt_lens},
+            **{f"step_b{b}_speedup": tp_row[f"step_b{b}_speedup"] for b in args.batches},
+        },
+    }
+
+
+# -- serve ---------------------------------------------------------------------------------
+
+
+def layers_that_need_two_gpus(shape: dict, gpu_bytes: int) -> int:
+    """Layers of `shape`'s width whose bf16 weights exceed one GPU by 15%."""
+    h, inter = shape["hidden_size"], shape["intermediate_size"]
+    kv = shape["num_key_value_heads"] * (h // shape["num_attention_heads"])
+    per_layer = 2 * (2 * h * h + 2 * h * kv + 3 * h * inter)
+    embeddings = 2 * 2 * shape["vocab_size"] * h
+    return math.ceil((1.15 * gpu_bytes - embeddings) / per_layer)
+
+
+def serve_mode(args) -> dict:
+    import grpc
+
+    from splitserve.client import stream
+    from splitserve.engine import SamplingParams
+    from splitserve.protos.v1 import gateway_pb2_grpc
+    from splitserve.up import StackSettings, start_stack
+
+    on_gpu = torch.cuda.is_available() and not args.cpu
+    with tempfile.TemporaryDirectory() as tmp:
+        if args.smoke:
+            path = _tiny_dir(Path(tmp))
+            layers = json.loads((path / "config.json").read_text())["num_hidden_layers"]
+        else:
+            path = model_dir(args.shape, Path(tmp))
+            cfg = json.loads((path / "config.json").read_text())
+            gpu_bytes = torch.cuda.get_device_properties(0).total_memory if on_gpu else 0
+            layers = args.layers or layers_that_need_two_gpus(SHAPES[args.shape], gpu_bytes)
+            cfg["num_hidden_layers"] = layers
+            (path / "config.json").write_text(json.dumps(cfg))
+        max_len = args.serve_prompt_len + args.serve_tokens + 64
+        worker = ["--load-format", "dummy", "--kv-transport", "grpc"]
+        worker += ["--max-model-len", str(max_len)]
+        if not on_gpu:
+            worker += ["--device", "cpu"]
+        devices: tuple[str, ...] = ()
+        if on_gpu:  # decode workers are handed devices first, then prefill ones
+            devices = ("cuda:0", f"cuda:{args.decode_tp}") if args.prefill else ("cuda:0",)
+        settings = StackSettings(
+            model=str(path),
+            prefill=args.prefill,
+            decode=1,
+            extra_worker_args=tuple(worker),
+            extra_prefill_args=("--tensor-parallel-size", str(args.prefill_tp)),
+            extra_decode_args=("--tensor-parallel-size", str(args.decode_tp)),
+            devices=devices,
+            startup_timeout_s=1800.0,
+        )
+        stack = start_stack(settings)
+        try:
+            stub = gateway_pb2_grpc.GatewayStub(grpc.insecure_channel(stack.address))
+            params = SamplingParams(temperature=0, max_tokens=args.serve_tokens, ignore_eos=True)
+            gen = torch.Generator().manual_seed(0)
+            rows = []
+            for i in range(args.serve_requests):
+                prompt = _random_prompt(args.serve_prompt_len, 1000, gen)
+                start = time.perf_counter()
+                first = None
+                tokens = 0
+                for msg in stream(stub, prompt, params, timeout_s=600):
+                    if msg.HasField("chunk"):
+                        first = first or time.perf_counter()
+                        tokens += len(msg.chunk.token_ids)
+                end = time.perf_counter()
+                assert first is not None and tokens == args.serve_tokens, (i, tokens)
+                rows.append(
+                    {
+                        "request": i,
+                        "ttft_ms": (first - start) * 1e3,
+                        "tokens": tokens,
+                        "e2e_ms": (end - start) * 1e3,
+                    }
+                )
+        finally:
+            stack.stop()
+    return {
+        "benchmark": "tensor_parallel_serve",
+        "device": device_name(),
+        "shape": SMOKE_SHAPE if args.smoke else f"{args.shape} width, {layers} layers",
+        "weights": "dummy",
+        "layers": layers,
+        "prefill": args.prefill,
+        "prefill_tp": args.prefill_tp,
+        "decode_tp": args.decode_tp,
+        "ignore_eos": True,
+        "rows": rows,
+    }
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tp", type=int, default=2)
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="llama-3-8b")
+    parser.add_argument("--prompt-lens", type=int, nargs="+", default=[4096, 16384])
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 64])
+    parser.add_argument("--context", type=int, default=512)
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--reps-collective", type=int, default=50)
+    parser.add_argument("--big-bytes", type=int, default=BIG_ALL_REDUCE_BYTES)
+    parser.add_argument("--num-kv-blocks", type=int, default=None)
+    parser.add_argument("--cpu", action="store_true", help="run on the CPU (gloo)")
+    parser.add_argument("--smoke", action="store_true", help="tiny shape, few steps")
+    parser.add_argument("--serve", action="store_true", help="serve a too-big model instead")
+    parser.add_argument("--prefill", type=int, default=1, help="serve: prefill workers (0, 1)")
+    parser.add_argument("--prefill-tp", type=int, default=2)
+    parser.add_argument("--decode-tp", type=int, default=2)
+    parser.add_argument("--layers", type=int, default=None, help="serve: the stack's depth")
+    parser.add_argument("--serve-requests", type=int, default=4)
+    parser.add_argument("--serve-prompt-len", type=int, default=1024)
+    parser.add_argument("--serve-tokens", type=int, default=32)
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args(argv)
+    if args.smoke:
+        args.prompt_lens, args.batches, args.context = [48, 96], [1, 4], 32
+        args.steps, args.reps, args.reps_collective = 4, 2, 5
+        args.big_bytes, args.num_kv_blocks = 1 << 20, 64
+        args.serve_requests, args.serve_prompt_len, args.serve_tokens = 2, 40, 8
+    result = serve_mode(args) if args.serve else engine_mode(args)
+    out = args.out or f"bench/results/tensor_parallel{'_serve' if args.serve else ''}.json"
+    write_results(out, result)
+    if args.serve:
+        print(
+            f"{result['device']}: {result['shape']}, P TP={args.prefill_tp} x{args.prefill}, "
+            f"D TP={args.decode_tp}"
+        )
+        print(table(result["rows"], ["request", "ttft_ms", "tokens", "e2e_ms"]))
+        return result
+    coll = result["collectives"]
+    print(f"{result['device']} x{args.tp}, {result['shape']}, {result['dtype']}, dummy weights")
+    print(
+        f"all-reduce {coll['all_reduce_bytes'] >> 20} MiB: {coll['all_reduce_ms']:.3f} ms, "
+        f"bus {coll['bus_GB_per_s']:.1f} GB/s; copy {result['copy_GB_per_s']} GB/s"
+    )
+    print(
+        table(
+            [{"tokens": k, **v} for k, v in coll["step"].items()],
+            ["tokens", "bytes", "one_all_reduce_us", "per_step_ms"],
+        )
+    )
+    columns = ["config", "cuda_graphs"]
+    columns += [f"ttft_{n}_{s}" for n in args.prompt_lens for s in ("ms", "speedup")]
+    columns += [f"step_b{b}_{s}" for b in args.batches for s in ("ms", "speedup")]
+    if result["copy_GB_per_s"] is not None:
+        columns += [f"step_b{b}_{s}" for b in args.batches for s in ("floor_ms", "vs_floor")]
+    print(table(result["rows"], columns))
+    return result
+
+
+if __name__ == "__main__":
+    main()
