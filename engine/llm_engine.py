@@ -536,6 +536,7 @@ class LLMEngine:
             prefix_cache_queries=bm.prefix_cache_queries,
             prefix_cache_hits=bm.prefix_cache_hits,
             block_size=self.config.block_size,
+            lora_adapters=tuple(self.list_loras()),
             **(self.speculator.stats() if self.speculator is not None else {}),
         )
 

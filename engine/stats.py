@@ -34,6 +34,8 @@ class EngineStats:
     spec_decode_num_draft_tokens: int = 0
     spec_decode_num_accepted_tokens: int = 0
     spec_decode_num_accepted_tokens_per_pos: tuple[int, ...] = ()
+    # The LoRA adapters this engine serves (engine/lora), advertised in the registry.
+    lora_adapters: tuple[str, ...] = ()
 
     @property
     def kv_cache_usage_perc(self) -> float:
