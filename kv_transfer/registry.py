@@ -180,6 +180,7 @@ class Registry(PrefixIndex, KVEndpoints):
         key = self._worker_key(info.kind, info.worker_id)
         plain = {f.name: str(getattr(info, f.name)).encode() for f in fields(info)}
         plain["kv_transports"] = ",".join(info.kv_transports).encode()
+        plain["adapters"] = json.dumps(list(info.adapters)).encode()  # names may hold commas
         mapping: dict[Any, bytes] = self._seal.seal(key, plain)
         pipe = self._client.pipeline(transaction=True)
         pipe.exists(key)

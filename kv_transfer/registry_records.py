@@ -3,6 +3,7 @@ errors of its steps (see `registry.py` for the life cycle)."""
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from typing import Any
 
@@ -56,6 +57,7 @@ class WorkerInfo:
     max_num_seqs: int = 0  # sequences it runs at once: a request's n can't exceed it
     max_model_len: int = 0  # prompt plus generated tokens of one sequence
     kv_dtype: str = ""  # what its KV blocks hold (wire dtype name; "": not a KV-holding worker)
+    adapters: tuple[str, ...] = ()  # the LoRA adapters it serves, by name
 
     def __post_init__(self) -> None:
         if not self.worker_id or not self.address:
@@ -99,6 +101,7 @@ def worker_from_fields(raw: dict[str, str]) -> WorkerInfo:
         max_num_seqs=int(raw.get("max_num_seqs", 0)),
         max_model_len=int(raw.get("max_model_len", 0)),
         kv_dtype=raw.get("kv_dtype", ""),
+        adapters=tuple(json.loads(raw.get("adapters") or "[]")),
     )
 
 
