@@ -1,0 +1,105 @@
+"""Serve mode of bench/tensor_parallel.py (`--serve`): a model too big for one GPU, through
+the gateway, with a prefill worker at `--prefill-tp` and a decode worker at `--decode-tp`."""
+
+from __future__ import annotations
+
+import json
+import math
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from bench.common import SHAPES, device_name, model_dir
+from bench.tensor_parallel import SMOKE_SHAPE, _random_prompt, _tiny_dir
+
+
+def layers_that_need_two_gpus(shape: dict, gpu_bytes: int) -> int:
+    """Layers of `shape`'s width whose bf16 weights exceed one GPU by 15%."""
+    h, inter = shape["hidden_size"], shape["intermediate_size"]
+    kv = shape["num_key_value_heads"] * (h // shape["num_attention_heads"])
+    per_layer = 2 * (2 * h * h + 2 * h * kv + 3 * h * inter)
+    embeddings = 2 * 2 * shape["vocab_size"] * h
+    return math.ceil((1.15 * gpu_bytes - embeddings) / per_layer)
+
+
+def serve_mode(args) -> dict:
+    import grpc
+
+    from splitserve.client import stream
+    from splitserve.engine import SamplingParams
+    from splitserve.protos.v1 import gateway_pb2_grpc
+    from splitserve.up import StackSettings, start_stack
+
+    on_gpu = torch.cuda.is_available() and not args.cpu
+    with tempfile.TemporaryDirectory() as tmp:
+        if args.smoke:
+            path = _tiny_dir(Path(tmp))
+            cfg = json.loads((path / "config.json").read_text())
+            layers = cfg["num_hidden_layers"]
+        else:
+            path = model_dir(args.shape, Path(tmp))
+            cfg = json.loads((path / "config.json").read_text())
+            gpu_bytes = torch.cuda.get_device_properties(0).total_memory if on_gpu else 0
+            layers = args.layers or layers_that_need_two_gpus(SHAPES[args.shape], gpu_bytes)
+            cfg["num_hidden_layers"] = layers
+            (path / "config.json").write_text(json.dumps(cfg))
+        vocab = cfg["vocab_size"]
+        max_len = args.serve_prompt_len + args.serve_tokens + 64
+        worker = ["--load-format", "dummy", "--kv-transport", "grpc"]
+        worker += ["--max-model-len", str(max_len)]
+        if not on_gpu:
+            worker += ["--device", "cpu"]
+        devices: tuple[str, ...] = ()
+        if on_gpu:  # decode workers are handed devices first, then prefill ones
+            devices = ("cuda:0", f"cuda:{args.decode_tp}") if args.prefill else ("cuda:0",)
+        settings = StackSettings(
+            model=str(path),
+            prefill=args.prefill,
+            decode=1,
+            extra_worker_args=tuple(worker),
+            extra_prefill_args=("--tensor-parallel-size", str(args.prefill_tp)),
+            extra_decode_args=("--tensor-parallel-size", str(args.decode_tp)),
+            devices=devices,
+            startup_timeout_s=1800.0,
+        )
+        stack = start_stack(settings)
+        try:
+            stub = gateway_pb2_grpc.GatewayStub(grpc.insecure_channel(stack.address))
+            params = SamplingParams(temperature=0, max_tokens=args.serve_tokens, ignore_eos=True)
+            gen = torch.Generator().manual_seed(0)
+            rows = []
+            for i in range(args.serve_requests):
+                prompt = _random_prompt(args.serve_prompt_len, vocab, gen)
+                start = time.perf_counter()
+                first = None
+                tokens = 0
+                for msg in stream(stub, prompt, params, timeout_s=600):
+                    if msg.HasField("chunk"):
+                        first = first or time.perf_counter()
+                        tokens += len(msg.chunk.token_ids)
+                end = time.perf_counter()
+                assert first is not None and tokens == args.serve_tokens, (i, tokens)
+                rows.append(
+                    {
+                        "request": i,
+                        "ttft_ms": (first - start) * 1e3,
+                        "tokens": tokens,
+                        "e2e_ms": (end - start) * 1e3,
+                    }
+                )
+        finally:
+            stack.stop()
+    return {
+        "benchmark": "tensor_parallel_serve",
+        "device": device_name(),
+        "shape": SMOKE_SHAPE if args.smoke else f"{args.shape} width, {layers} layers",
+        "weights": "dummy",
+        "layers": layers,
+        "prefill": args.prefill,
+        "prefill_tp": args.prefill_tp,
+        "decode_tp": args.decode_tp,
+        "ignore_eos": True,
+        "rows": rows,
+    }
