@@ -41,6 +41,7 @@ from splitserve.gateway.router import NoWorkerError, RoutingPolicy
 from splitserve.gateway.stubs import Stubs
 from splitserve.gateway.validation import Job
 from splitserve.kv_transfer.registry import Registry, WorkerInfo
+from splitserve.kv_transfer.registry_records import can_transfer
 from splitserve.protos import convert
 from splitserve.protos.v1 import common_pb2, worker_pb2
 
@@ -241,7 +242,11 @@ class Orchestrator:
 
             async def candidates() -> list[WorkerInfo]:
                 live = await asyncio.to_thread(self.registry.live_workers, "prefill")
-                return [w for w in self._matching(live) if w.worker_id not in gone]
+                return [
+                    w
+                    for w in self._matching(live)
+                    if w.worker_id not in gone and can_transfer(w, route.decode)
+                ]
 
             # NOTE: the gateway queue comes first: no reservation (and no lease) while waiting.
             prefill = await self.budget.acquire(

@@ -58,6 +58,10 @@ class WorkerInfo:
     max_model_len: int = 0  # prompt plus generated tokens of one sequence
     kv_dtype: str = ""  # what its KV blocks hold (wire dtype name; "": not a KV-holding worker)
     adapters: tuple[str, ...] = ()  # the LoRA adapters it serves, by name
+    # Its tensor-parallel degree (ranks, one GPU each). KV moves between workers as whole-head
+    # blocks whatever the degrees (engine/parallel/kv_shards.py); a worker at TP > 1 offers
+    # only transports that copy through its connector (gRPC), which `can_transfer` accounts for.
+    tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         if not self.worker_id or not self.address:
@@ -71,6 +75,7 @@ class WorkerInfo:
             "block_size",
             "max_num_seqs",
             "max_model_len",
+            "tensor_parallel_size",
         ):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
@@ -102,7 +107,15 @@ def worker_from_fields(raw: dict[str, str]) -> WorkerInfo:
         max_model_len=int(raw.get("max_model_len", 0)),
         kv_dtype=raw.get("kv_dtype", ""),
         adapters=tuple(json.loads(raw.get("adapters") or "[]")),
+        tensor_parallel_size=int(raw.get("tensor_parallel_size", 1)),
     )
+
+
+def can_transfer(prefill: WorkerInfo, decode: WorkerInfo) -> bool:
+    """Whether `prefill` can push KV to `decode`: a KV transport in common (a worker that
+    advertises none speaks gRPC, as the prefill side assumes)."""
+    theirs = set(decode.kv_transports or ("grpc",))
+    return bool(theirs & set(prefill.kv_transports or ("grpc",)))
 
 
 def check_compatible(info: WorkerInfo, other: WorkerInfo) -> None:

@@ -106,5 +106,6 @@ def worker_info(
         max_num_seqs=limits["max_num_seqs"] if limits else 0,
         max_model_len=limits["max_model_len"] if limits else 0,
         kv_dtype=limits["kv_dtype"] if limits else "",
+        tensor_parallel_size=limits.get("tensor_parallel_size", 1) if limits else 1,
         adapters=tuple(stats.lora_adapters),
     )

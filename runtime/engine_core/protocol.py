@@ -173,4 +173,5 @@ def engine_limits(engine: LLMEngine) -> dict[str, Any]:
         "max_num_seqs": config.max_num_seqs,
         "max_model_len": engine.max_model_len,
         "kv_dtype": str(config.cache_dtype).removeprefix("torch."),
+        "tensor_parallel_size": config.tensor_parallel_size,
     }
