@@ -42,6 +42,7 @@ from splitserve.protos.v1 import gateway_pb2_grpc
 from splitserve.up import Stack, StackSettings, start_stack
 
 SLO_TTFT_S, SLO_TPOT_S, SLO_ATTAINMENT = 1.0, 0.040, 0.9
+CHANNELS_PER_CLIENT = 8  # connections each client process opens (requests round-robin)
 CONFIGS = {
     # name: (prefill workers, decode workers, devices handed out decode-first)
     "1P+1D": (1, 1, ("cuda:1", "cuda:0")),
@@ -156,10 +157,19 @@ def _client(
     """One client process (or the caller): streams its requests at their arrival offsets
     from `start` (a CLOCK_MONOTONIC time, the same in every process of the host), or, with
     `concurrency`, keeps that many in flight (closed loop: a steady batch on the workers)."""
-    channel = grpc.insecure_channel(
-        address, options=[("grpc.max_receive_message_length", 16 << 20)]
-    )
-    stub = gateway_pb2_grpc.GatewayStub(channel)
+    # NOTE: connections of their own (no shared subchannel): a gateway's processes share its
+    # port per connection (SO_REUSEPORT), so one connection would reach one process only.
+    channels = [
+        grpc.insecure_channel(
+            address,
+            options=[
+                ("grpc.max_receive_message_length", 16 << 20),
+                ("grpc.use_local_subchannel_pool", 1),
+            ],
+        )
+        for _ in range(CHANNELS_PER_CLIENT)
+    ]
+    stubs = [gateway_pb2_grpc.GatewayStub(channel) for channel in channels]
     records = [Record() for _ in items]
     threads = []
     if concurrency:
@@ -167,7 +177,7 @@ def _client(
 
         def lane(indices: list[int]) -> None:
             for k in indices:
-                _one(stub, items[k][0], items[k][1], records[k], timeout_s)
+                _one(stubs[k % len(stubs)], items[k][0], items[k][1], records[k], timeout_s)
 
         threads = [threading.Thread(target=lane, args=(ix,), daemon=True) for ix in lanes]
         for thread in threads:
@@ -176,6 +186,7 @@ def _client(
         if concurrency:
             break
         time.sleep(max(0.0, start + offset - time.monotonic()))
+        stub = stubs[len(threads) % len(stubs)]
         thread = threading.Thread(
             target=_one, args=(stub, prompt, max_tokens, record, timeout_s), daemon=True
         )
@@ -183,7 +194,8 @@ def _client(
         threads.append(thread)
     for thread in threads:
         thread.join(timeout_s + 30)
-    channel.close()
+    for channel in channels:
+        channel.close()
     return [(r.sent, r.token_times, r.status) for r in records]
 
 

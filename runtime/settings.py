@@ -80,8 +80,6 @@ class WorkerSettings:
     # FP8 weights: auto runs the checkpoint as stored; fp8 quantizes a 16/32-bit one at load
     quantization: str = "auto"
     kv_cache_dtype: str = "auto"  # auto (the model's dtype) | fp8: every worker must agree
-    # GPUs (one engine process each) the model is sharded over: --device's and the next N-1
-    tensor_parallel_size: int = 1
     # Speculative decoding (engine/spec_decode/): ngram | draft; empty: off. Prefill-only
     # requests never speculate, so it matters on decode (and colocated) workers.
     speculative_method: str = ""
@@ -89,6 +87,12 @@ class WorkerSettings:
     speculative_model: str = ""  # --speculative-method draft: the draft checkpoint's directory
     # --speculative-method draft without --speculative-model: the target's first k layers
     speculative_draft_layers: int = 0
+    # LoRA adapters (engine/lora): --lora-modules name=DIR entries (comma or space separated)
+    # load at start; --enable-lora alone serves adapters loaded at run time
+    enable_lora: bool = False
+    lora_modules: str = ""
+    max_loras: int = 4
+    max_lora_rank: int = 16
     # GPUs (one engine process each) the model is sharded over: --device's and the next N-1
     tensor_parallel_size: int = 1
     # A decode worker's reservations (not yet decoding) per client the gateway acts for (0: no
@@ -113,7 +117,8 @@ class WorkerSettings:
 
 @dataclass(frozen=True)
 class GatewaySettings:
-    max_inflight: int = 256
+    # Requests in flight at once, over all of the gateway's processes (each takes its share)
+    max_inflight: int = 4096
     # Requests one API key may have in flight at once (0: only --max-inflight bounds them)
     max_inflight_per_key: int = 0
     # Tokens one API key may ask for per minute (prompt + n * max_tokens, the unused part given
