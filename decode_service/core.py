@@ -63,13 +63,18 @@ class DecodeCoreHandler(CoreHandler):
         return self.loop.submit(lambda e: dataclasses.asdict(self.loop.stats()))
 
     def reserve(
-        self, request_id: str, prompt: list[int], params: bytes, resume: list[Any] | None
+        self,
+        request_id: str,
+        prompt: list[int],
+        params: bytes,
+        resume: list[Any] | None,
+        adapter: str | None = None,
     ) -> Any:
         sampling = params_from_wire(params)
         resumed = None if resume is None else Resume(resume[0], tuple(resume[1]))
 
         def run(e: LLMEngine) -> list[Any]:
-            res = e.reserve(request_id, list(prompt), sampling, resumed)
+            res = e.reserve(request_id, list(prompt), sampling, resumed, lora_name=adapter)
             return [list(res.block_ids), res.num_cached_tokens]
 
         return self.loop.submit(run)

@@ -34,6 +34,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
                 params,
                 resume,
                 caller=caller_of(context.invocation_metadata()),
+                adapter=request.adapter or None,
             )
             settings = self.worker.settings
             destination = worker_pb2.KVDestination(
@@ -44,6 +45,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
                 fence=res.fence,
                 kv_transports=settings.kv_transports,
                 capability=res.capability,
+                adapter=request.adapter,
             )
             self.observer.reserved(span, destination)
         return worker_pb2.ReserveResponse(destination=destination)

@@ -82,6 +82,7 @@ class DecodeWorker:
         params: SamplingParams,
         resume: Resume | None = None,
         caller: str = "",
+        adapter: str | None = None,
     ) -> LocalReservation:
         """Hold blocks for the prompt (and a resumed sample's tokens) and record the reservation
         (with a lease) in Redis. `caller` (the client the gateway acts for) may hold at most
@@ -90,7 +91,9 @@ class DecodeWorker:
         NOTE: runs to its end even if the caller goes away meanwhile (blocks held by the engine
         must be recorded or given back), and then gives them back."""
         self.reservations.claim(request_id, caller)  # NOTE: at once, before any await
-        task = asyncio.ensure_future(self._reserve(request_id, prompt_token_ids, params, resume))
+        task = asyncio.ensure_future(
+            self._reserve(request_id, prompt_token_ids, params, resume, adapter)
+        )
         task.add_done_callback(lambda t: self._unclaim_failed(t, request_id))
         try:
             return await asyncio.shield(task)
@@ -104,10 +107,11 @@ class DecodeWorker:
         prompt_token_ids: list[int],
         params: SamplingParams,
         resume: Resume | None,
+        adapter: str | None = None,
     ) -> LocalReservation:
         wire_resume = None if resume is None else [resume.sample_index, resume.output_token_ids]
         block_ids, num_cached = await self.core.acall(
-            "reserve", request_id, prompt_token_ids, params_to_wire(params), wire_resume
+            "reserve", request_id, prompt_token_ids, params_to_wire(params), wire_resume, adapter
         )
         try:
             record = await asyncio.to_thread(

@@ -17,7 +17,7 @@ import threading
 import time
 from dataclasses import dataclass
 
-from splitserve.engine.errors import InvalidRequest, quoted
+from splitserve.engine.errors import InvalidRequest, NotFound, quoted
 from splitserve.gateway.validation import Job
 from splitserve.kv_transfer.registry import WORKER_KINDS, Registry
 from splitserve.protos.v1 import gateway_pb2
@@ -35,6 +35,8 @@ class RequestLimits:
     # The smallest any live worker advertises (None: none advertises one).
     worker_max_num_seqs: int | None = None
     worker_max_model_len: int | None = None
+    # The LoRA adapters some live worker serves.
+    adapters: frozenset[str] = frozenset()
 
 
 def check_request(request: gateway_pb2.GenerateRequest, limits: RequestLimits) -> None:
@@ -83,6 +85,12 @@ def check_request(request: gateway_pb2.GenerateRequest, limits: RequestLimits) -
         )
 
 
+def check_adapter(adapter: str | None, limits: RequestLimits) -> None:
+    """NotFound, naming it, for an adapter no live worker serves."""
+    if adapter is not None and adapter not in limits.adapters:
+        raise NotFound(f"LoRA adapter {quoted(adapter)} is not served by any live worker")
+
+
 def check_job(job: Job, limits: RequestLimits) -> None:
     """The bounds on the validated request (its prompt tokenized) that the workers set."""
     max_model_len = limits.worker_max_model_len
@@ -108,11 +116,14 @@ class AdvertisedLimits:
         self._read_at = float("-inf")
         self._lock = threading.Lock()
 
-    def current(self) -> RequestLimits:
-        if time.monotonic() - self._read_at < self.refresh_s:
+    def current(self, fresh: bool = False) -> RequestLimits:
+        """The bounds, read again if older than `refresh_s` (or if `fresh`: say, an adapter
+        not seen yet, perhaps just loaded)."""
+        if not fresh and time.monotonic() - self._read_at < self.refresh_s:
             return self._limits
-        # NOTE: one reader at a time; the others go on with the bounds they have.
-        if not self._lock.acquire(blocking=False):
+        # NOTE: one reader at a time; the others go on with the bounds they have (unless they
+        # asked for fresh ones: they wait for the reader).
+        if not self._lock.acquire(blocking=fresh):
             return self._limits
         try:
             self._read_at = time.monotonic()
@@ -129,5 +140,6 @@ class AdvertisedLimits:
             self._limits,
             worker_max_num_seqs=min(seqs) if seqs else None,
             worker_max_model_len=min(lens) if lens else None,
+            adapters=frozenset(a for w in workers for a in w.adapters),
         )
         return self._limits

@@ -154,10 +154,16 @@ class Orchestrator:
         workers = [
             w
             for kind in ("decode", "colocated")
-            for w in self._matching(self.registry.live_workers(kind))
+            for w in self._matching(self.registry.live_workers(kind), job.adapter)
             if w.worker_id not in exclude
         ]
-        hashes = prefix_block_hashes(job.prompt_token_ids, self.settings.block_size)
+        # NOTE: a LoRA request's blocks are keyed by its adapter's weights, which the gateway
+        # does not know: no prefix bonus (its affinity is the adapter itself).
+        hashes = (
+            prefix_block_hashes(job.prompt_token_ids, self.settings.block_size)
+            if job.adapter is None
+            else []
+        )
         prefix = self.registry.prefix_match(hashes) if hashes else {}
         with self._lock:
             inflight = dict(self._inflight)
@@ -182,6 +188,7 @@ class Orchestrator:
             prompt_token_ids=job.prompt_token_ids,
             sampling=convert.sampling_to_proto(job.params),
             resume=resume,
+            adapter=job.adapter or "",
         )
         timeout_s = self.settings.failover.rpc_timeout_s
         wait, longest = self.settings.reserve_backoff_s
@@ -244,7 +251,7 @@ class Orchestrator:
                 live = await asyncio.to_thread(self.registry.live_workers, "prefill")
                 return [
                     w
-                    for w in self._matching(live)
+                    for w in self._matching(live, job.adapter)
                     if w.worker_id not in gone and can_transfer(w, route.decode)
                 ]
 
@@ -296,6 +303,7 @@ class Orchestrator:
                     sampling=sampling,
                     destination=dest,
                     priority=job.priority,
+                    adapter=job.adapter or "",
                 ),
                 timeout=_remaining(deadline),
                 metadata=call.metadata,
@@ -312,8 +320,11 @@ class Orchestrator:
             obs.prefilled(response)
             return list(response.first_tokens)
 
-    def _matching(self, workers: list[WorkerInfo]) -> list[WorkerInfo]:
-        """Workers whose KV block size is the gateway's; the others are logged and skipped."""
+    def _matching(self, workers: list[WorkerInfo], adapter: str | None = None) -> list[WorkerInfo]:
+        """Workers whose KV block size is the gateway's (the others are logged and skipped)
+        and that serve `adapter`, if the request names one (LoRA affinity)."""
+        if adapter is not None:
+            workers = [w for w in workers if adapter in w.adapters]
         block_size = self.settings.block_size
         odd = [w for w in workers if w.block_size and w.block_size != block_size]
         for w in odd:

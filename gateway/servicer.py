@@ -17,7 +17,7 @@ from splitserve.engine.errors import Overloaded
 from splitserve.engine.model_config import ModelConfig
 from splitserve.gateway.coalesce import Coalescer, check_stream_interval
 from splitserve.gateway.key_limits import PerKeyInflight, PerKeyTokenRate
-from splitserve.gateway.limits import AdvertisedLimits, check_job, check_request
+from splitserve.gateway.limits import AdvertisedLimits, check_adapter, check_job, check_request
 from splitserve.gateway.observability import GatewayObserver
 from splitserve.gateway.orchestrator import Orchestrator
 from splitserve.gateway.replicas import SharedRequests
@@ -68,6 +68,8 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         check_request(request, limits)
         job = validate_request(request, self.tokenizer, self.model.config, self.model.max_model_len)
         check_job(job, limits)
+        if job.adapter is not None and job.adapter not in limits.adapters:
+            check_adapter(job.adapter, self.limits.current(fresh=True))
         return job
 
     def _interval(self, request: gateway_pb2.GenerateRequest) -> int:

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from jinja2 import TemplateError
 
 from splitserve.engine.errors import InvalidRequest
+from splitserve.engine.lora.request import check_adapter_name
 from splitserve.engine.model_config import ModelConfig
 from splitserve.engine.sampling_params import SamplingParams
 from splitserve.protos import convert
@@ -22,6 +23,7 @@ class Job:
     prompt_token_ids: list[int]
     params: SamplingParams
     priority: int
+    adapter: str | None = None  # the LoRA adapter it runs under (None: the base model)
 
 
 def validate_request(
@@ -56,7 +58,8 @@ def validate_request(
             f"model's context of {max_model_len} tokens"
         )
     request_id = request.request_id or f"gen-{uuid.uuid4().hex}"
-    return Job(request_id, prompt, params, request.priority)
+    adapter = check_adapter_name(request.adapter) if request.adapter else None
+    return Job(request_id, prompt, params, request.priority, adapter)
 
 
 def render_chat(tokenizer, messages: Iterable[gateway_pb2.ChatMessage]) -> list[int]:

@@ -115,7 +115,14 @@ class PrefillCoreHandler(CoreHandler):
             self._computed[request_id] = 0
 
         def add(engine: LLMEngine) -> KVOutbox:
-            engine.add_request(list(prompt), sampling, request_id, priority, prefill_only=True)
+            engine.add_request(
+                list(prompt),
+                sampling,
+                request_id,
+                priority,
+                prefill_only=True,
+                lora_request=dest.adapter or None,  # the servicer checked it is the request's
+            )
             return engine.kv_connector.watch(request_id, first_block)
 
         parent = self.tracing.from_carrier(carrier)

@@ -17,6 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 
 from splitserve.engine.aio import settled
+from splitserve.engine.errors import FailedPrecondition, quoted
 from splitserve.prefill_service.worker import PrefillResult, PrefillWorker
 from splitserve.protos import convert
 from splitserve.protos.v1 import common_pb2, worker_pb2, worker_pb2_grpc
@@ -36,6 +37,13 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
     async def Prefill(
         self, request: worker_pb2.PrefillRequest, context: grpc.aio.ServicerContext
     ) -> worker_pb2.PrefillResponse:
+        if request.adapter != request.destination.adapter:
+            mine, theirs = request.adapter or "(base)", request.destination.adapter or "(base)"
+            raise FailedPrecondition(
+                f"the request runs under LoRA adapter {quoted(mine)} but its decode worker "
+                f"reserved under {quoted(theirs)}: KV computed under one adapter is never sent "
+                "for another"
+            )
         cancelled = threading.Event()
         prefill = functools.partial(
             self.worker.prefill,

@@ -51,6 +51,11 @@ _HELP = {
     "speculative_model": "--speculative-method draft: the draft checkpoint's directory",
     "speculative_draft_layers": "--speculative-method draft without --speculative-model: the "
     "target's first k layers draft",
+    "enable_lora": "serve LoRA adapters (implied by --lora-modules): loadable at run time",
+    "lora_modules": "PEFT adapters loaded at start: name=DIR entries, separated by commas or "
+    "spaces",
+    "max_loras": "LoRA adapters on the device at once (the most distinct adapters in one step)",
+    "max_lora_rank": "the largest LoRA rank served (1 to 64)",
     # GatewaySettings
     "max_inflight": "requests in flight at once; more are refused (RESOURCE_EXHAUSTED / 429)",
     "max_inflight_per_key": "requests one API key may have in flight (0: no own limit)",

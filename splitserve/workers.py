@@ -40,7 +40,20 @@ def engine_config(
         speculative=speculative_config(worker),
         tensor_parallel_size=worker.tensor_parallel_size,
         async_scheduling=_async_scheduling(worker.async_scheduling),
+        enable_lora=worker.enable_lora,
+        lora_modules=lora_modules(worker.lora_modules),
+        max_loras=worker.max_loras,
+        max_lora_rank=worker.max_lora_rank,
     )
+
+
+def lora_modules(text: str) -> tuple[tuple[str, str], ...]:
+    """`--lora-modules`: name=DIR entries separated by commas or whitespace."""
+    entries = [e for e in text.replace(",", " ").split() if e]
+    bad = [e for e in entries if "=" not in e or not e.split("=", 1)[0] or not e.split("=", 1)[1]]
+    if bad:
+        raise ValueError(f"--lora-modules takes name=DIR entries, got {bad[:3]}")
+    return tuple((e.split("=", 1)[0], e.split("=", 1)[1]) for e in entries)
 
 
 def speculative_config(worker: WorkerSettings) -> SpeculativeConfig | None:
