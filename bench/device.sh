@@ -89,7 +89,10 @@ for step in "$@"; do
         --workloads 512/512@48 --worker-args=--engine-core=thread \
         --gateway-args=--processes=1 --out "$OUT/serving4_before.json"
       run serving4_after 40 python3 -m bench.serving "${load[@]}" --label after \
-        --workloads 512/512@48,64,80,96 --out "$OUT/serving4_after.json" ;;
+        --workloads 512/512@48,96,128 --out "$OUT/serving4_after.json" ;;
+    relay)
+      run relay 30 python3 -m bench.relay --processes 1,8 --intervals 1,4 --streams 512 \
+        --clients 8 --fake-processes 4 --seconds 8 --out "$OUT/relay.json" ;;
     serving-step)
       # One decode worker at a steady batch (closed loop, 512/512) against the offline step.
       for c in 128 256; do
