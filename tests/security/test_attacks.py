@@ -96,7 +96,17 @@ def test_the_http_api_checks_the_same_keys(stack, model_dir):
     reply = httpx.post(url, json=body, headers={"Authorization": f"Bearer {ALICE}"}, timeout=60)
     assert reply.status_code == 200, reply.text
     assert reply.json()["usage"]["completion_tokens"] == 4
-    assert httpx.get(stack.http_url.removesuffix("/v1") + "/health").status_code == 200
+    root = stack.http_url.removesuffix("/v1")
+    assert httpx.get(root + "/health").status_code == 200
+    assert httpx.get(root + "/version").status_code == 200  # open, like /health
+    alice = {"Authorization": f"Bearer {ALICE}"}
+    for method, path, payload in (
+        ("POST", "/tokenize", {"prompt": "hello"}),
+        ("POST", "/detokenize", {"tokens": [1, 2]}),
+        ("GET", "/metrics", None),
+    ):
+        assert httpx.request(method, root + path, json=payload).status_code == 401, path
+        assert httpx.request(method, root + path, json=payload, headers=alice).status_code == 200
 
 
 def test_a_strangers_abort_does_not_touch_the_victims_request(stack, oracle):
