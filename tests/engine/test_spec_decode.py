@@ -66,6 +66,7 @@ def test_ngram_greedy_matches_hf_and_plain(tiny_models):
     _assert_speculated_and_clean(llm)
 
 
+@pytest.mark.slow
 def test_ngram_with_chunked_prefill_and_prefix_hits_matches_hf(tiny_models):
     model_dir = tiny_models["qwen2"]
     llm = LLM(model_dir, speculative=NGRAM, max_num_batched_tokens=24)
@@ -79,6 +80,7 @@ def test_ngram_with_chunked_prefill_and_prefix_hits_matches_hf(tiny_models):
     _assert_speculated_and_clean(llm)
 
 
+@pytest.mark.slow
 def test_ngram_under_preemption_matches_hf(tiny_models):
     model_dir = tiny_models["llama"]
     # 12 blocks of 16 slots can't hold five sequences of ~40-90 tokens at once.
@@ -104,6 +106,7 @@ def _outputs(llm: LLM, prompts, params):
     ]
 
 
+@pytest.mark.slow
 def test_stops_inside_an_accepted_run_drop_the_tokens_after_them(llm_pair):
     plain, spec = llm_pair
     prompts = repeated_prompts(plain.engine.model_config.vocab_size, seed=11)
@@ -131,6 +134,7 @@ def test_stops_inside_an_accepted_run_drop_the_tokens_after_them(llm_pair):
     spec.engine.check_integrity()
 
 
+@pytest.mark.slow
 def test_mixed_batch_of_speculating_and_plain_requests(llm_pair):
     plain, spec = llm_pair
     prompts = repeated_prompts(plain.engine.model_config.vocab_size, seed=13)

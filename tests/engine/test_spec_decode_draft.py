@@ -64,3 +64,28 @@ def test_truncated_draft_under_preemption_matches_hf(tiny_models):
     assert llm.engine.scheduler.num_preemptions > 0
     assert llm.engine.stats().spec_decode_num_drafts > 0
     _assert_clean(llm)
+
+
+def test_draft_on_a_decode_engine_computes_the_prompt_kv_after_admission(tiny_models):
+    from splitserve.engine import LLMEngine
+    from splitserve.engine.config import EngineConfig
+    from tests.engine.test_kv_connector import _prefill_elsewhere
+
+    model_dir = tiny_models["llama"]
+    prefill = LLMEngine(model_dir, EngineConfig())
+    # The draft is the target itself: every draft is accepted only if its prompt KV, which the
+    # prefill worker never sent, was computed here after admission.
+    spec = SpeculativeConfig("draft", 3, model=str(model_dir))
+    decode = LLMEngine(model_dir, EngineConfig(speculative=spec))
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    prompt = random_prompts([45], prefill.model_config.vocab_size, seed=35)[0]
+    first, data = _prefill_elsewhere(prefill, prompt, "r")
+    decode.kv_connector.write_blocks(decode.reserve("r", prompt, params).block_ids, data)
+    outputs = decode.admit("r", params, first)
+    while decode.has_unfinished_requests():
+        outputs = decode.step()
+    assert outputs[-1].outputs[0].token_ids == hf_greedy(model_dir, tuple(prompt), 8)
+    stats = decode.stats()
+    assert stats.spec_decode_num_draft_tokens > 0
+    assert stats.spec_decode_num_accepted_tokens == stats.spec_decode_num_draft_tokens
+    assert stats.num_free_blocks == stats.num_total_blocks
