@@ -22,7 +22,7 @@ import asyncio
 import contextlib
 import logging
 import socket
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping
 from contextlib import AbstractContextManager
 from typing import Any, TypeVar
 
@@ -135,14 +135,17 @@ class EventStream(StreamingResponse):
 def create_app(generate: Callable[[gateway_pb2.GenerateRequest, HttpCall], Any], info: Any,
                tokenizer: Any, is_serving: Callable[[], bool],
                authorize: Authorize | None = None, tool_call_parser: str = "auto",
-               metrics_registry: Any = None) -> FastAPI:  # fmt: skip
+               metrics_registry: Any = None,
+               adapters: Callable[[], Iterable[str]] | None = None) -> FastAPI:  # fmt: skip
     """The app. `generate(request, call)` is the Gateway servicer's Generate (through its
     lifecycle gate); `info` the served model (`ModelInfo`). `authorize(headers)`, when given,
     checks a request's credentials before anything else (raising a domain error, e.g.
     UNAUTHENTICATED, answered as such) and returns the context to serve it in (the caller's
     identity); `/health` and `/version` stay open. `tool_call_parser` reads tool calls out of
     the model's text (`auto`: picked from the chat template); `metrics_registry` is the
-    Prometheus registry `GET /metrics` serves (None: the process's default one)."""
+    Prometheus registry `GET /metrics` serves (None: the process's default one);
+    `adapters()` the LoRA adapters live workers serve (blocking: called in a thread), which a
+    request's `model` may name and /v1/models lists, each with the base model as its parent."""
     app = FastAPI(title="splitserve", docs_url=None, redoc_url=None, openapi_url=None)
     parser_kind = resolve_parser(tool_call_parser, template_text(tokenizer))
 
@@ -182,7 +185,9 @@ def create_app(generate: Callable[[gateway_pb2.GenerateRequest, HttpCall], Any],
             "owned_by": "splitserve",
             "max_model_len": info.max_model_len,
         }
-        return JSONResponse({"object": "list", "data": [card]})
+        names = sorted(await asyncio.to_thread(adapters)) if adapters is not None else []
+        loras = [{**card, "id": name, "root": name, "parent": info.name} for name in names]
+        return JSONResponse({"object": "list", "data": [card, *loras]})
 
     async def serve(request: Request, body: Any, chat: bool) -> Response:
         try:
@@ -195,8 +200,14 @@ def create_app(generate: Callable[[gateway_pb2.GenerateRequest, HttpCall], Any],
     async def to_proto(body: Any, chat: bool) -> tuple[gateway_pb2.GenerateRequest, Any]:
         """The GenerateRequest, and the chat's tool plan; a chat with tools is rendered here
         (in a thread: a long conversation would stall every other stream)."""
+        proto, plan = await _base_proto(body, chat)
         if body.model not in (None, "", info.name):
-            raise NotFound(f"the model {body.model!r} does not exist; this serves {info.name!r}")
+            # NOTE: another name is a LoRA adapter's (as in vLLM); the gateway answers NOT_FOUND
+            # (404), naming it, when no live worker serves one of that name.
+            proto.adapter = body.model
+        return proto, plan
+
+    async def _base_proto(body: Any, chat: bool) -> tuple[gateway_pb2.GenerateRequest, Any]:
         if not chat:
             return completion_request(body), None
         plan = tool_plan(body)

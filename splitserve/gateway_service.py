@@ -6,6 +6,7 @@ one per process (`gateway_processes.py`)."""
 from __future__ import annotations
 
 import uuid
+from collections.abc import Callable, Iterable
 
 import redis
 
@@ -115,6 +116,7 @@ def start_gateway(
         http = start_http(
             opened, tokenizer, info, service.host, gateway.http_port, security.http_authorize(),
             gateway.tool_call_parser, reuse_port=reuse_port,
+            adapters=lambda: servicer.limits.current().adapters,
         )  # fmt: skip
     except BaseException:
         opened.close()
@@ -150,6 +152,7 @@ def start_http(
     authorize: Authorize | None = None,
     tool_call_parser: str = "auto",
     reuse_port: bool = False,
+    adapters: Callable[[], Iterable[str]] | None = None,
 ) -> HttpFrontDoor | None:
     """The OpenAI-compatible HTTP API beside the gRPC one (None when `port` is 0): it calls
     the same Gateway servicer, through the same lifecycle gate, on the same event loop, and
@@ -166,6 +169,7 @@ def start_http(
         authorize,
         tool_call_parser,
         opened.metrics.registry,
+        adapters,
     )
     http = HttpFrontDoor(app, host, port, reuse_port=reuse_port)
     http.start(opened.server)

@@ -8,10 +8,11 @@ from __future__ import annotations
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
+import httpx
 import pytest
 
 from splitserve.client import collect
-from splitserve.engine import SamplingParams
+from splitserve.engine import LLM, SamplingParams
 from splitserve.protos import convert
 from splitserve.protos.v1 import gateway_pb2
 from splitserve.testing.tiny_lora import make_tiny_lora
@@ -50,7 +51,9 @@ def adapters(model_dir, tmp_path_factory):
 def stack(model_dir, adapters):
     modules = ",".join(f"{name}={path}" for name, path in adapters.items())
     args = ("--lora-modules", modules, "--max-loras", "2")
-    with running_stack(model_dir, prefill=1, decode=1, kv_transport="grpc", worker_args=args) as s:
+    with running_stack(
+        model_dir, prefill=1, decode=1, kv_transport="grpc", worker_args=args, http_port=0
+    ) as s:
         yield s
 
 
@@ -91,4 +94,25 @@ def test_unknown_adapter_is_not_found_with_its_name(stack):
         collect(gateway(stack).Generate(_request([5, 6, 7], "no-such-adapter"), timeout=30))
     assert err.value.code() == grpc.StatusCode.NOT_FOUND
     assert "no-such-adapter" in err.value.details()
+    assert_nothing_leaks(stack)
+
+
+def test_openai_model_field_names_an_adapter_and_models_lists_them(stack, model_dir, adapters):
+    listed = httpx.get(f"{stack.http_url}/models", timeout=30).json()["data"]
+    base = listed[0]["id"]
+    assert [m["id"] for m in listed] == [base, *NAMES]
+    assert all(m["parent"] == base for m in listed[1:])
+    prompt = random_prompts([21], 500, seed=43)[0]
+    body = {"prompt": prompt, "max_tokens": MAX_NEW, "temperature": 0, "ignore_eos": True}
+    reply = httpx.post(f"{stack.http_url}/completions", json={**body, "model": "attn"}, timeout=60)
+    assert reply.status_code == 200, reply.text
+    text = reply.json()["choices"][0]["text"]
+    offline = LLM(model_dir, lora_modules=(("attn", str(adapters["attn"])),))
+    out = offline.generate([prompt], GREEDY, use_tqdm=False, lora_request="attn")[0].outputs[0]
+    assert out.token_ids == peft_greedy(model_dir, adapters["attn"], prompt, MAX_NEW)
+    assert text == out.text
+    unknown = httpx.post(
+        f"{stack.http_url}/completions", json={**body, "model": "nope"}, timeout=60
+    )
+    assert unknown.status_code == 404 and "nope" in unknown.json()["error"]["message"]
     assert_nothing_leaks(stack)
