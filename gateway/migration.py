@@ -73,7 +73,11 @@ class FailoverSettings:
 
 
 class Suspects:
-    """Workers that missed a deadline lately; routing avoids them while another is live."""
+    """Workers that missed a deadline lately; routing avoids them while another is live.
+
+    NOTE: per gateway process, not shared with other replicas: each notices a silent worker
+    itself (one missed deadline each), and a shared list would put a Redis call on every
+    routing decision."""
 
     def __init__(self, hold_s: float) -> None:
         self.hold_s = hold_s
