@@ -18,6 +18,7 @@ import logging
 import socket
 import subprocess
 import sys
+import weakref
 from pathlib import Path
 
 import torch
@@ -75,6 +76,9 @@ class Followers:
             cmd = [sys.executable, "-m", "splitserve.engine.parallel.follower", args.to_json()]
             procs.append(subprocess.Popen(cmd))
         followers = cls(procs)
+        # NOTE: an engine dropped without `shutdown` (or the interpreter exiting) still takes
+        # its ranks down: they hold GPUs.
+        weakref.finalize(followers, _kill, list(procs))
         device = torch.device(config.device)
         try:
             group = TorchGroup(Shard(0, size), rendezvous, device, followers.check)
@@ -129,6 +133,11 @@ class Followers:
 
     def kill(self) -> None:
         self._stopped = True
-        for proc in self.procs:
+        _kill(self.procs)
+
+
+def _kill(procs: list[subprocess.Popen[bytes]]) -> None:
+    for proc in procs:
+        if proc.poll() is None:
             proc.kill()
             proc.wait(_JOIN_TIMEOUT_S)

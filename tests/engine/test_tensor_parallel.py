@@ -20,9 +20,9 @@ from splitserve.engine.parallel.launcher import RankLost
 from splitserve.testing.tiny_model import make_tiny_model
 from tests.engine.hf_oracle import hf_greedy, random_prompts
 
-MAX_NEW = 12
+MAX_NEW = 8
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
-LENGTHS = [1, 7, 17, 40, 97]
+LENGTHS = [1, 17, 97]
 
 
 def _tokens(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
@@ -46,7 +46,7 @@ def test_tp2_greedy_tokens_equal_tp1_and_hf(tiny_models, replicated_kv_model, ar
     try:
         vocab = tp2.engine.model_config.vocab_size
         prompts = random_prompts(LENGTHS, vocab)
-        prompts.append(prompts[-1][:80] + [5, 6, 7])
+        prompts.append(prompts[-1][:80] + [5, 6, 7])  # 5 blocks of it cached
         got = _tokens(tp2, prompts)
         tp2.engine.check_integrity()
         assert tp2.engine.kv_usage().num_used_blocks == 0
