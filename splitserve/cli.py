@@ -46,7 +46,16 @@ def _offline(args: argparse.Namespace) -> int:
 
     llm = LLM(resolve_model_arg(args.model), dtype=args.dtype)
     params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens)
-    for out in llm.generate(args.prompts, params, use_tqdm=len(args.prompts) > 1):
+    prompts = list(args.prompts)
+    tokenizer = llm.engine.tokenizer
+    if not args.raw and tokenizer.chat_template:  # each prompt as one user message
+        prompts = [
+            tokenizer.apply_chat_template(
+                [{"role": "user", "content": p}], add_generation_prompt=True, tokenize=False
+            )
+            for p in prompts
+        ]
+    for out in llm.generate(prompts, params, use_tqdm=len(prompts) > 1):
         print(out.outputs[0].text)
     return 0
 
@@ -344,6 +353,12 @@ def build_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
     offline.add_argument("--dtype", default="float32", help="float32, bfloat16 or float16")
     offline.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
     offline.add_argument("--max-tokens", type=int, default=32, help="tokens per prompt at most")
+    offline.add_argument(
+        "--raw",
+        action="store_true",
+        help="generate from the prompts as plain text (default: each as one user message, "
+        "through the model's chat template when it has one)",
+    )
     offline.set_defaults(func=_offline)
     return parser
 

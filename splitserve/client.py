@@ -29,11 +29,16 @@ def stream(
     params: SamplingParams | None = None,
     request_id: str = "",
     timeout_s: float | None = None,
+    chat: bool = False,
 ) -> Iterator[gateway_pb2.GenerateResponse]:
+    """Send one request; `chat` sends a text prompt as one user message, which the gateway
+    renders with the model's chat template (what an instruction-tuned model answers)."""
     request = gateway_pb2.GenerateRequest(
         request_id=request_id, sampling=convert.sampling_to_proto(params or SamplingParams())
     )
-    if isinstance(prompt, str):
+    if isinstance(prompt, str) and chat:
+        request.messages.messages.add(role="user", content=prompt)
+    elif isinstance(prompt, str):
         request.text = prompt
     else:
         request.token_ids.ids.extend(prompt)

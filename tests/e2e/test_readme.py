@@ -1,11 +1,13 @@
 """The README's serving command and examples, run as a user would: `splitserve up` as a real
-process on the embedded default model, the README's Python client, `splitserve generate`, and
-a clean shutdown on Ctrl-C."""
+process on the default model (SmolLM2-135M-Instruct, already in the cache the `smollm2` fixture
+filled, as on a second start), the README's Python client, `splitserve generate` printing the
+README's answer, and a clean shutdown on Ctrl-C."""
 
 from __future__ import annotations
 
 import os
 import re
+import shlex
 import signal
 import subprocess
 import sys
@@ -28,11 +30,11 @@ def _readme_block(marker: str, lang: str) -> str:
     return match.group(1)
 
 
-def test_up_serves_readme_client_and_generate_then_stops_cleanly(tmp_path):
+def test_up_serves_readme_client_and_generate_then_stops_cleanly(smollm2):
     up_command = _readme_block("up-command", "bash").strip()
     assert up_command.endswith("splitserve up --port 50051")
     port, http_port = free_port("127.0.0.1"), free_port("127.0.0.1")
-    env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path / "cache"), "PYTHONUNBUFFERED": "1"}
+    env = {**os.environ, **smollm2.env(), "PYTHONUNBUFFERED": "1"}
     proc = subprocess.Popen(
         [sys.executable, "-m", "splitserve.cli", "up", "--port", str(port)]
         + ["--http-port", str(http_port)],
@@ -59,7 +61,7 @@ def test_up_serves_readme_client_and_generate_then_stops_cleanly(tmp_path):
             assert line, f"splitserve up exited early: {''.join(lines)}"
             lines.append(line)
         assert f"127.0.0.1:{port}" in banner
-        assert (tmp_path / "cache" / "splitserve" / "tiny-llama" / "config.json").is_file()
+        assert "(model " in banner and "SmolLM2-135M-Instruct," in banner, banner
 
         client = _readme_block("client-example", "python").replace(
             "127.0.0.1:50051", f"127.0.0.1:{port}"
@@ -70,24 +72,19 @@ def test_up_serves_readme_client_and_generate_then_stops_cleanly(tmp_path):
         assert ran.returncode == 0, ran.stderr
         assert "completion_tokens: 32" in ran.stdout
 
+        command = shlex.split(_readme_block("generate-example", "bash").strip())
+        assert command[:2] == ["splitserve", "generate"]
+        command[command.index("--address") + 1] = f"127.0.0.1:{port}"
         gen = subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "splitserve.cli",
-                "generate",
-                "Hello",
-                "--address",
-                f"127.0.0.1:{port}",
-                "--max-tokens",
-                "8",
-            ],
+            [sys.executable, "-m", "splitserve.cli", *command[1:]],
             capture_output=True,
             text=True,
             timeout=120,
         )
         assert gen.returncode == 0, gen.stderr
-        assert "generated" in gen.stderr
+        answer, counts = _readme_block("generate-output", "text").strip().splitlines()
+        assert gen.stdout.strip() == answer  # the README shows the real answer …
+        assert gen.stderr.strip() == counts  # … and what it printed on stderr
 
         http = _readme_block("http-example", "python").replace(
             "127.0.0.1:8000", f"127.0.0.1:{http_port}"
