@@ -6,7 +6,7 @@
     python -m bench.tensor_parallel --smoke          # tiny shape, CPU (gloo) or GPU
 
 Engine mode (the default), for each configuration (TP=1 with its CUDA graphs, TP=1 eager,
-TP=N; dummy bf16 weights of the shape, prefix caching off, EOS ignored):
+TP=N; dummy bf16 weights of the shape, prefix caching off, no overlapped steps, EOS ignored):
   - prefill: TTFT of one prompt of each length (one engine step: max_num_batched_tokens is the
     longest prompt), median over `--reps` fresh random prompts;
   - decode: median engine-step time while `batch` sequences of `--context` tokens decode;
@@ -26,6 +26,7 @@ needs prefill_tp + decode_tp GPUs (`--prefill 0` serves a colocated worker at `-
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import multiprocessing as mp
 import socket
@@ -204,6 +205,9 @@ def run_engine_config(path: Path, name: str, tp: int, graphs: bool, args, on_gpu
         load_format="dummy",
         tensor_parallel_size=tp,
         enable_cuda_graphs=graphs,
+        # NOTE: TP > 1 can't overlap steps (engine/overlap.py), so no configuration does: the
+        # rows differ in degree and graphs only.
+        async_scheduling=False,
         enable_prefix_caching=False,
         max_model_len=max(longest, args.context + args.steps + 16) + 16,
         max_num_batched_tokens=max(longest, max(args.batches)),
@@ -231,6 +235,7 @@ def run_engine_config(path: Path, name: str, tp: int, graphs: bool, args, on_gpu
     finally:
         engine.shutdown()
         del engine
+        gc.collect()  # NOTE: the next configuration needs this one's GPU memory back
         if on_gpu:
             torch.cuda.empty_cache()
 
@@ -288,6 +293,7 @@ def engine_mode(args) -> dict:
         "dtype": "bfloat16" if on_gpu else "float32",
         "weights": "dummy",
         "ignore_eos": True,
+        "async_scheduling": False,
         "tp": args.tp,
         "context": args.context,
         "copy_GB_per_s": None if bandwidth is None else bandwidth / 1e9,
