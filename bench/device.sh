@@ -89,7 +89,7 @@ for step in "$@"; do
         --workloads 512/512@48 --worker-args=--engine-core=thread \
         --gateway-args=--processes=1 --out "$OUT/serving4_before.json"
       run serving4_after 40 python3 -m bench.serving "${load[@]}" --label after \
-        --workloads 512/512@48,96,128 --out "$OUT/serving4_after.json" ;;
+        --workloads 512/512@48,64 --out "$OUT/serving4_after.json" ;;
     relay)
       run relay 30 python3 -m bench.relay --processes 1,8 --intervals 1,4 --streams 512 \
         --clients 8 --fake-processes 4 --seconds 8 --out "$OUT/relay.json" ;;
@@ -97,7 +97,7 @@ for step in "$@"; do
       # One decode worker at a steady batch (closed loop, 512/512) against the offline step.
       for c in 128 256; do
         run "serving_step_$c" 20 python3 -m bench.serving --configs 1P+1D --label "c$c" \
-          --workloads 512/512@$((c / 4)) --duration-s 20 --concurrency "$c" \
+          --workloads 512/512@$((c / 4)) --duration-s 12 --concurrency "$c" \
           --client-processes 8 --timeout-s 300 --out "$OUT/serving_step_$c.json"
       done
       run roofline_768 12 python3 -m bench.decode_roofline --batches 128 256 --context 768 \

@@ -60,11 +60,12 @@ class OutputAssembler:
                 CompletionOutput(
                     index=index,
                     text=s.detok.text if s.detok is not None else "",
-                    # NOTE: shared, not copied: readers only read, and only the newest tail
-                    token_ids=s.token_ids,
+                    # NOTE: copies: this thread extends the lists while a stream reads its last
+                    # output on another (a shared list loses or repeats tokens in a delta)
+                    token_ids=list(s.token_ids),
                     finish_reason=s.finish_reason,
                     stop_reason=s.stop_reason,
-                    logprobs=s.logprobs,
+                    logprobs=None if s.logprobs is None else list(s.logprobs),
                 )
                 for index, s in sorted(self._samples.items())
             ],
