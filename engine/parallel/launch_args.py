@@ -1,10 +1,16 @@
-"""What a follower rank is started with, as JSON on its command line (no pickle)."""
+"""What a follower rank is started with, as JSON on its command line (no pickle).
+
+Only the engine's plain settings travel: what rank 0 alone uses (speculation: its proposer runs
+on rank 0, and the target's verification step reaches followers as any step does) is left at
+its default.
+"""
 
 from __future__ import annotations
 
 import dataclasses
 import json
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -20,7 +26,11 @@ class FollowerArgs:
     rendezvous: Rendezvous
 
     def to_json(self) -> str:
-        config = dataclasses.asdict(self.config)
+        config = {
+            f.name: getattr(self.config, f.name)
+            for f in dataclasses.fields(self.config)
+            if not dataclasses.is_dataclass(getattr(self.config, f.name))
+        }
         config["dtype"] = str(self.config.dtype).removeprefix("torch.")
         return json.dumps(
             {
@@ -36,9 +46,15 @@ class FollowerArgs:
         raw = json.loads(text)
         config = dict(raw["config"])
         dtype: torch.dtype = parse_dtype(config.pop("dtype"))
+        config = {k: _tuples(v) for k, v in config.items()}
         return cls(
             raw["model_dir"],
             EngineConfig(dtype=dtype, **config),
             int(raw["rank"]),
             Rendezvous(**raw["rendezvous"]),
         )
+
+
+def _tuples(value: Any) -> Any:
+    """JSON arrays back to the tuples the frozen config holds."""
+    return tuple(_tuples(v) for v in value) if isinstance(value, list) else value

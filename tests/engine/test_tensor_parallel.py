@@ -146,3 +146,20 @@ def test_kv_moves_between_degrees_and_decodes_like_hf(tiny_models, prefill_tp, d
     finally:
         prefill.shutdown()
         decode.shutdown()
+
+
+@pytest.mark.slow
+def test_ngram_speculation_at_tp2_verifies_drafts_and_gives_hf_tokens(tiny_models):
+    """Proposals are made on rank 0; their verification is a step like any other."""
+    from splitserve.engine.spec_decode.config import SpeculativeConfig
+
+    model = tiny_models["llama"]
+    spec = SpeculativeConfig(method="ngram", num_speculative_tokens=3)
+    llm = LLM(model, tensor_parallel_size=2, num_kv_blocks=64, speculative=spec)
+    try:
+        prompts = [*random_prompts([5, 40], 500), [7, 8, 9, 10] * 10]
+        got = _tokens(llm, prompts)
+        assert llm.engine.stats().spec_decode_num_accepted_tokens > 0
+    finally:
+        llm.engine.shutdown()
+    assert got == [hf_greedy(model, tuple(p), MAX_NEW) for p in prompts]
