@@ -17,6 +17,7 @@ from splitserve.engine.engine_loop import EngineLoop
 from splitserve.engine.llm_engine import LLMEngine
 from splitserve.engine.outputs import Resume
 from splitserve.kv_transfer.transport import KVReceiver
+from splitserve.runtime.engine_core.adapters import adapter_commands
 from splitserve.runtime.engine_core.protocol import (
     engine_limits,
     first_tokens_from_wire,
@@ -48,6 +49,7 @@ class DecodeCoreHandler(CoreHandler):
         return {
             "stats": Command(self.stats),
             "reserve": Command(self.reserve),
+            **adapter_commands(self.loop),
             "open_landing": Command(self.open_landing),
             "wait_landed": Command(self.wait_landed, waits=True),
             "admit": Command(self.admit),

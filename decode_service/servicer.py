@@ -10,6 +10,7 @@ import grpc
 
 from splitserve.decode_service.observer import DecodeObserver
 from splitserve.decode_service.worker import DecodeWorker
+from splitserve.engine.lora.request import check_adapter_name
 from splitserve.kv_transfer.cluster import caller_of
 from splitserve.protos import convert
 from splitserve.protos.v1 import common_pb2, worker_pb2, worker_pb2_grpc
@@ -88,6 +89,17 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         self, request: common_pb2.AbortRequest, context: grpc.aio.ServicerContext
     ) -> common_pb2.AbortResponse:
         return common_pb2.AbortResponse(aborted=await self.worker.abort(request.request_id))
+
+    async def LoadAdapter(
+        self, request: worker_pb2.LoadAdapterRequest, context: grpc.aio.ServicerContext
+    ) -> worker_pb2.AdapterList:
+        names = await self.worker.load_adapter(check_adapter_name(request.name), request.path)
+        return worker_pb2.AdapterList(adapters=names)
+
+    async def UnloadAdapter(
+        self, request: worker_pb2.UnloadAdapterRequest, context: grpc.aio.ServicerContext
+    ) -> worker_pb2.AdapterList:
+        return worker_pb2.AdapterList(adapters=await self.worker.unload_adapter(request.name))
 
     async def GetStats(
         self, request: worker_pb2.GetStatsRequest, context: grpc.aio.ServicerContext

@@ -247,6 +247,14 @@ class DecodeWorker:
     async def stats(self) -> EngineStats:
         return EngineStats(**await self.core.acall("stats"))
 
+    async def load_adapter(self, name: str, path: str) -> list[str]:
+        """Load a LoRA adapter into the engine; the adapters it then serves."""
+        return list(await self.core.acall("load_adapter", name, path))
+
+    async def unload_adapter(self, name: str) -> list[str]:
+        """Unload one (refused while a request uses it); the adapters it then serves."""
+        return list(await self.core.acall("unload_adapter", name))
+
     async def abort(self, request_id: str) -> bool:
         """Cancel a reservation or a running request; True if there was one."""
         return await asyncio.shield(self._abort(request_id))

@@ -30,9 +30,9 @@ import grpc
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 
-from splitserve.engine.errors import NotFound
+from splitserve.engine.errors import InvalidRequest, NotFound
 from splitserve.gateway.http_extras import add_extra_routes
 from splitserve.gateway.http_models import (
     ChatCompletionRequest,
@@ -136,7 +136,8 @@ def create_app(generate: Callable[[gateway_pb2.GenerateRequest, HttpCall], Any],
                tokenizer: Any, is_serving: Callable[[], bool],
                authorize: Authorize | None = None, tool_call_parser: str = "auto",
                metrics_registry: Any = None,
-               adapters: Callable[[], Iterable[str]] | None = None) -> FastAPI:  # fmt: skip
+               adapters: Callable[[], Iterable[str]] | None = None,
+               lora_admin: Any = None) -> FastAPI:  # fmt: skip
     """The app. `generate(request, call)` is the Gateway servicer's Generate (through its
     lifecycle gate); `info` the served model (`ModelInfo`). `authorize(headers)`, when given,
     checks a request's credentials before anything else (raising a domain error, e.g.
@@ -145,7 +146,9 @@ def create_app(generate: Callable[[gateway_pb2.GenerateRequest, HttpCall], Any],
     the model's text (`auto`: picked from the chat template); `metrics_registry` is the
     Prometheus registry `GET /metrics` serves (None: the process's default one);
     `adapters()` the LoRA adapters live workers serve (blocking: called in a thread), which a
-    request's `model` may name and /v1/models lists, each with the base model as its parent."""
+    request's `model` may name and /v1/models lists, each with the base model as its parent;
+    `lora_admin` (`lora_admin.AdapterAdmin`) serves vLLM's /v1/load_lora_adapter and
+    /v1/unload_lora_adapter (`{"lora_name", "lora_path"}`; 200 and a line of text)."""
     app = FastAPI(title="splitserve", docs_url=None, redoc_url=None, openapi_url=None)
     parser_kind = resolve_parser(tool_call_parser, template_text(tokenizer))
 
@@ -188,6 +191,32 @@ def create_app(generate: Callable[[gateway_pb2.GenerateRequest, HttpCall], Any],
         names = sorted(await asyncio.to_thread(adapters)) if adapters is not None else []
         loras = [{**card, "id": name, "root": name, "parent": info.name} for name in names]
         return JSONResponse({"object": "list", "data": [card, *loras]})
+
+    async def lora(request: Request, load: bool) -> Response:
+        try:
+            with identity(request):
+                body = await request.json()
+                if not isinstance(body, dict):
+                    raise InvalidRequest("the body must be a JSON object")
+                name = body.get("lora_name")
+                if load:
+                    await lora_admin.load(name, str(body.get("lora_path") or ""))
+                else:
+                    await lora_admin.unload(name)
+        except Exception as exc:  # noqa: BLE001 - answered in OpenAI's shape
+            return error(exc)
+        done = "added" if load else "removed"
+        return PlainTextResponse(f"Success: LoRA adapter '{name}' {done} successfully.")
+
+    if lora_admin is not None:
+
+        @app.post("/v1/load_lora_adapter")
+        async def load_lora_adapter(request: Request) -> Response:
+            return await lora(request, load=True)
+
+        @app.post("/v1/unload_lora_adapter")
+        async def unload_lora_adapter(request: Request) -> Response:
+            return await lora(request, load=False)
 
     async def serve(request: Request, body: Any, chat: bool) -> Response:
         try:

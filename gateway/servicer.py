@@ -18,6 +18,7 @@ from splitserve.engine.model_config import ModelConfig
 from splitserve.gateway.coalesce import Coalescer, check_stream_interval
 from splitserve.gateway.key_limits import PerKeyInflight, PerKeyTokenRate
 from splitserve.gateway.limits import AdvertisedLimits, check_adapter, check_job, check_request
+from splitserve.gateway.lora_admin import AdapterAdmin
 from splitserve.gateway.observability import GatewayObserver
 from splitserve.gateway.orchestrator import Orchestrator
 from splitserve.gateway.replicas import SharedRequests
@@ -58,6 +59,8 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         # The request ids of every gateway replica, in Redis (None: this one alone)
         self.shared = shared
         self.limits = AdvertisedLimits(orchestrator.registry)
+        # Run-time LoRA loads and unloads on every live worker
+        self.adapters = AdapterAdmin(orchestrator.registry, orchestrator.stubs)
         self.per_key = PerKeyInflight(max_inflight_per_key)
         self.token_rate = PerKeyTokenRate(max_tokens_per_minute_per_key)
         # Tokens per client message when a request does not say (--stream-interval)
@@ -191,6 +194,18 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         if not here and self.shared is not None:  # NOTE: it may run on another replica
             aborted = await asyncio.to_thread(self.shared.abort_elsewhere, rid, owner)
         return common_pb2.AbortResponse(aborted=aborted)
+
+    async def LoadLoRAAdapter(
+        self, request: gateway_pb2.LoadLoRAAdapterRequest, context: grpc.aio.ServicerContext
+    ) -> gateway_pb2.LoRAAdapterReply:
+        ids = await self.adapters.load(request.lora_name, request.lora_path)
+        return gateway_pb2.LoRAAdapterReply(worker_ids=ids)
+
+    async def UnloadLoRAAdapter(
+        self, request: gateway_pb2.UnloadLoRAAdapterRequest, context: grpc.aio.ServicerContext
+    ) -> gateway_pb2.LoRAAdapterReply:
+        ids = await self.adapters.unload(request.lora_name)
+        return gateway_pb2.LoRAAdapterReply(worker_ids=ids)
 
     async def GetModelInfo(
         self, request: gateway_pb2.GetModelInfoRequest, context: grpc.aio.ServicerContext

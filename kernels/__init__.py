@@ -20,6 +20,7 @@ Every module holds one kernel (or one kernel pair) with three layers:
 | `fp8_quant` | `quantize_rows`, `quantize_rows_ref` (FP8 activations, per token or static) |
 | `fp8_skinny` | `skinny_fp8_gemm`, `skinny_fp8_gemm_ref`, `pick_config`, `split_for` |
 | `argmax` | `argmax_rows`, `argmax_rows_ref` |
+| `lora` | `lora_shrink`, `lora_expand` (batched LoRA by segment; reference in `lora_ref`) |
 
 `pdl` is shared launch plumbing, not a kernel: on Hopper and newer every kernel here except the
 prefill attention is launched with programmatic dependent launch (see its docstring).

@@ -24,6 +24,7 @@ from splitserve.engine.outputs import RequestOutput
 from splitserve.kv_transfer.transport import KVSender, Peer
 from splitserve.prefill_service.pusher import RequestPusher, Route
 from splitserve.protos.v1 import worker_pb2
+from splitserve.runtime.engine_core.adapters import adapter_commands
 from splitserve.runtime.engine_core.protocol import engine_limits, params_from_wire
 from splitserve.runtime.engine_core.server import Command, CoreHandler, Emitter
 from splitserve.runtime.tracing import Tracing
@@ -57,6 +58,7 @@ class PrefillCoreHandler(CoreHandler):
             ),
             "prefill": Command(self.prefill, waits=True),
             "cancel": Command(self.cancel),
+            **adapter_commands(self.loop),
             "abort": Command(self.abort),
         }
 

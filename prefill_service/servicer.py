@@ -18,6 +18,7 @@ import grpc
 
 from splitserve.engine.aio import settled
 from splitserve.engine.errors import FailedPrecondition, quoted
+from splitserve.engine.lora.request import check_adapter_name
 from splitserve.prefill_service.worker import PrefillResult, PrefillWorker
 from splitserve.protos import convert
 from splitserve.protos.v1 import common_pb2, worker_pb2, worker_pb2_grpc
@@ -73,6 +74,17 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
         self, request: common_pb2.AbortRequest, context: grpc.aio.ServicerContext
     ) -> common_pb2.AbortResponse:
         return common_pb2.AbortResponse(aborted=await self.worker.abort(request.request_id))
+
+    async def LoadAdapter(
+        self, request: worker_pb2.LoadAdapterRequest, context: grpc.aio.ServicerContext
+    ) -> worker_pb2.AdapterList:
+        names = await self.worker.load_adapter(check_adapter_name(request.name), request.path)
+        return worker_pb2.AdapterList(adapters=names)
+
+    async def UnloadAdapter(
+        self, request: worker_pb2.UnloadAdapterRequest, context: grpc.aio.ServicerContext
+    ) -> worker_pb2.AdapterList:
+        return worker_pb2.AdapterList(adapters=await self.worker.unload_adapter(request.name))
 
     async def GetStats(
         self, request: worker_pb2.GetStatsRequest, context: grpc.aio.ServicerContext

@@ -144,6 +144,14 @@ class PrefillWorker:
     async def stats(self) -> EngineStats:
         return EngineStats(**await self.core.acall("stats"))
 
+    async def load_adapter(self, name: str, path: str) -> list[str]:
+        """Load a LoRA adapter into the engine; the adapters it then serves."""
+        return list(await self.core.acall("load_adapter", name, path))
+
+    async def unload_adapter(self, name: str) -> list[str]:
+        """Unload one (refused while a request uses it); the adapters it then serves."""
+        return list(await self.core.acall("unload_adapter", name))
+
     def close(self) -> None:
         """The engine core closes the senders when it stops."""
 

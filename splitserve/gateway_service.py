@@ -117,6 +117,7 @@ def start_gateway(
             opened, tokenizer, info, service.host, gateway.http_port, security.http_authorize(),
             gateway.tool_call_parser, reuse_port=reuse_port,
             adapters=lambda: servicer.limits.current().adapters,
+            lora_admin=servicer.adapters,
         )  # fmt: skip
     except BaseException:
         opened.close()
@@ -153,6 +154,7 @@ def start_http(
     tool_call_parser: str = "auto",
     reuse_port: bool = False,
     adapters: Callable[[], Iterable[str]] | None = None,
+    lora_admin: object = None,
 ) -> HttpFrontDoor | None:
     """The OpenAI-compatible HTTP API beside the gRPC one (None when `port` is 0): it calls
     the same Gateway servicer, through the same lifecycle gate, on the same event loop, and
@@ -170,6 +172,7 @@ def start_http(
         tool_call_parser,
         opened.metrics.registry,
         adapters,
+        lora_admin,
     )
     http = HttpFrontDoor(app, host, port, reuse_port=reuse_port)
     http.start(opened.server)

@@ -51,6 +51,16 @@ class GatewayStub:
                 request_serializer=splitserve_dot_protos_dot_v1_dot_gateway__pb2.GetModelInfoRequest.SerializeToString,
                 response_deserializer=splitserve_dot_protos_dot_v1_dot_gateway__pb2.GetModelInfoResponse.FromString,
                 _registered_method=True)
+        self.LoadLoRAAdapter = channel.unary_unary(
+                '/splitserve.v1.Gateway/LoadLoRAAdapter',
+                request_serializer=splitserve_dot_protos_dot_v1_dot_gateway__pb2.LoadLoRAAdapterRequest.SerializeToString,
+                response_deserializer=splitserve_dot_protos_dot_v1_dot_gateway__pb2.LoRAAdapterReply.FromString,
+                _registered_method=True)
+        self.UnloadLoRAAdapter = channel.unary_unary(
+                '/splitserve.v1.Gateway/UnloadLoRAAdapter',
+                request_serializer=splitserve_dot_protos_dot_v1_dot_gateway__pb2.UnloadLoRAAdapterRequest.SerializeToString,
+                response_deserializer=splitserve_dot_protos_dot_v1_dot_gateway__pb2.LoRAAdapterReply.FromString,
+                _registered_method=True)
 
 
 class GatewayServicer:
@@ -83,6 +93,23 @@ class GatewayServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def LoadLoRAAdapter(self, request, context):
+        """Load a LoRA adapter on every live worker (each reads it from `lora_path` on its own host);
+        returns once their registry records list it, so the next request finds it. Requests in
+        flight go on. An error on any worker is returned with its worker's id.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UnloadLoRAAdapter(self, request, context):
+        """Unload a LoRA adapter from every live worker. Refused (FAILED_PRECONDITION) by a worker on
+        which a request still uses it: unload once they finish.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_GatewayServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -100,6 +127,16 @@ def add_GatewayServicer_to_server(servicer, server):
                     servicer.GetModelInfo,
                     request_deserializer=splitserve_dot_protos_dot_v1_dot_gateway__pb2.GetModelInfoRequest.FromString,
                     response_serializer=splitserve_dot_protos_dot_v1_dot_gateway__pb2.GetModelInfoResponse.SerializeToString,
+            ),
+            'LoadLoRAAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.LoadLoRAAdapter,
+                    request_deserializer=splitserve_dot_protos_dot_v1_dot_gateway__pb2.LoadLoRAAdapterRequest.FromString,
+                    response_serializer=splitserve_dot_protos_dot_v1_dot_gateway__pb2.LoRAAdapterReply.SerializeToString,
+            ),
+            'UnloadLoRAAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.UnloadLoRAAdapter,
+                    request_deserializer=splitserve_dot_protos_dot_v1_dot_gateway__pb2.UnloadLoRAAdapterRequest.FromString,
+                    response_serializer=splitserve_dot_protos_dot_v1_dot_gateway__pb2.LoRAAdapterReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -184,6 +221,60 @@ class Gateway:
             '/splitserve.v1.Gateway/GetModelInfo',
             splitserve_dot_protos_dot_v1_dot_gateway__pb2.GetModelInfoRequest.SerializeToString,
             splitserve_dot_protos_dot_v1_dot_gateway__pb2.GetModelInfoResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LoadLoRAAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/splitserve.v1.Gateway/LoadLoRAAdapter',
+            splitserve_dot_protos_dot_v1_dot_gateway__pb2.LoadLoRAAdapterRequest.SerializeToString,
+            splitserve_dot_protos_dot_v1_dot_gateway__pb2.LoRAAdapterReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UnloadLoRAAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/splitserve.v1.Gateway/UnloadLoRAAdapter',
+            splitserve_dot_protos_dot_v1_dot_gateway__pb2.UnloadLoRAAdapterRequest.SerializeToString,
+            splitserve_dot_protos_dot_v1_dot_gateway__pb2.LoRAAdapterReply.FromString,
             options,
             channel_credentials,
             insecure,

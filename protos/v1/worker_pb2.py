@@ -25,39 +25,45 @@ _sym_db = _symbol_database.Default()
 from splitserve.protos.v1 import common_pb2 as splitserve_dot_protos_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n!splitserve/protos/v1/worker.proto\x12\rsplitserve.v1\x1a!splitserve/protos/v1/common.proto\"\xac\x01\n\rKVDestination\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x11\n\tblock_ids\x18\x03 \x03(\r\x12\x19\n\x11num_cached_tokens\x18\x04 \x01(\r\x12\r\n\x05\x66\x65nce\x18\x05 \x01(\x04\x12\x15\n\rkv_transports\x18\x06 \x03(\t\x12\x12\n\ncapability\x18\x07 \x01(\x0c\x12\x0f\n\x07\x61\x64\x61pter\x18\x08 \x01(\t\"\xc5\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12/\n\x08sampling\x18\x03 \x01(\x0b\x32\x1d.splitserve.v1.SamplingParams\x12\x31\n\x0b\x64\x65stination\x18\x04 \x01(\x0b\x32\x1c.splitserve.v1.KVDestination\x12\x10\n\x08priority\x18\x05 \x01(\x05\x12\x0f\n\x07\x61\x64\x61pter\x18\x06 \x01(\t\"]\n\nFirstToken\x12\r\n\x05index\x18\x01 \x01(\r\x12\x10\n\x08token_id\x18\x02 \x01(\r\x12.\n\x08logprobs\x18\x03 \x01(\x0b\x32\x1c.splitserve.v1.TokenLogprobs\"\x8e\x01\n\x0fPrefillResponse\x12/\n\x0c\x66irst_tokens\x18\x01 \x03(\x0b\x32\x19.splitserve.v1.FirstToken\x12\x17\n\x0fnum_blocks_sent\x18\x02 \x01(\r\x12\x16\n\x0enum_bytes_sent\x18\x03 \x01(\x04\x12\x19\n\x11num_cached_tokens\x18\x04 \x01(\r\"\xab\x01\n\x0eReserveRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12/\n\x08sampling\x18\x03 \x01(\x0b\x32\x1d.splitserve.v1.SamplingParams\x12)\n\x06resume\x18\x04 \x01(\x0b\x32\x19.splitserve.v1.ResumeFrom\x12\x0f\n\x07\x61\x64\x61pter\x18\x05 \x01(\t\"T\n\nResumeFrom\x12\x14\n\x0csample_index\x18\x01 \x01(\r\x12\x18\n\x10output_token_ids\x18\x02 \x03(\r\x12\x16\n\x0enum_text_chars\x18\x03 \x01(\r\"D\n\x0fReserveResponse\x12\x31\n\x0b\x64\x65stination\x18\x01 \x01(\x0b\x32\x1c.splitserve.v1.KVDestination\"\xc2\x01\n\rDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12/\n\x08sampling\x18\x02 \x01(\x0b\x32\x1d.splitserve.v1.SamplingParams\x12/\n\x0c\x66irst_tokens\x18\x03 \x03(\x0b\x32\x19.splitserve.v1.FirstToken\x12\x10\n\x08priority\x18\x04 \x01(\x05\x12)\n\x06resume\x18\x05 \x01(\x0b\x32\x19.splitserve.v1.ResumeFrom\"x\n\x0e\x44\x65\x63odeResponse\x12+\n\x05\x63hunk\x18\x01 \x01(\x0b\x32\x1a.splitserve.v1.SampleDeltaH\x00\x12\x31\n\x08\x66inished\x18\x02 \x01(\x0b\x32\x1d.splitserve.v1.DecodeFinishedH\x00\x42\x06\n\x04kind\"c\n\x0e\x44\x65\x63odeFinished\x12,\n\x07samples\x18\x01 \x03(\x0b\x32\x1b.splitserve.v1.SampleFinish\x12#\n\x05usage\x18\x02 \x01(\x0b\x32\x14.splitserve.v1.Usage\"\x11\n\x0fGetStatsRequest\"\xfd\x02\n\x0bWorkerStats\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x18\n\x10num_total_blocks\x18\x02 \x01(\r\x12\x17\n\x0fnum_free_blocks\x18\x03 \x01(\r\x12\x19\n\x11num_cached_blocks\x18\x04 \x01(\r\x12\x13\n\x0bnum_running\x18\x05 \x01(\r\x12\x13\n\x0bnum_waiting\x18\x06 \x01(\r\x12\x18\n\x10num_reservations\x18\x07 \x01(\r\x12\x19\n\x11kv_bytes_received\x18\x08 \x01(\x04\x12\x1a\n\x12kv_blocks_received\x18\t \x01(\x04\x12\x15\n\rkv_bytes_sent\x18\n \x01(\x04\x12\x1f\n\x17prefix_cache_hit_tokens\x18\x0b \x01(\x04\x12\x15\n\rnum_reclaimed\x18\x0c \x01(\x04\x12\x14\n\x0cnum_requests\x18\r \x01(\r\x12\x19\n\x11num_pinned_blocks\x18\x0e \x01(\r\x12\x12\n\nblock_size\x18\x0f \x01(\r2\xe5\x01\n\rPrefillWorker\x12H\n\x07Prefill\x12\x1d.splitserve.v1.PrefillRequest\x1a\x1e.splitserve.v1.PrefillResponse\x12\x42\n\x05\x41\x62ort\x12\x1b.splitserve.v1.AbortRequest\x1a\x1c.splitserve.v1.AbortResponse\x12\x46\n\x08GetStats\x12\x1e.splitserve.v1.GetStatsRequest\x1a\x1a.splitserve.v1.WorkerStats2\xad\x02\n\x0c\x44\x65\x63odeWorker\x12H\n\x07Reserve\x12\x1d.splitserve.v1.ReserveRequest\x1a\x1e.splitserve.v1.ReserveResponse\x12G\n\x06\x44\x65\x63ode\x12\x1c.splitserve.v1.DecodeRequest\x1a\x1d.splitserve.v1.DecodeResponse0\x01\x12\x42\n\x05\x41\x62ort\x12\x1b.splitserve.v1.AbortRequest\x1a\x1c.splitserve.v1.AbortResponse\x12\x46\n\x08GetStats\x12\x1e.splitserve.v1.GetStatsRequest\x1a\x1a.splitserve.v1.WorkerStatsb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n!splitserve/protos/v1/worker.proto\x12\rsplitserve.v1\x1a!splitserve/protos/v1/common.proto\"0\n\x12LoadAdapterRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04path\x18\x02 \x01(\t\"$\n\x14UnloadAdapterRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\"\x1f\n\x0b\x41\x64\x61pterList\x12\x10\n\x08\x61\x64\x61pters\x18\x01 \x03(\t\"\xac\x01\n\rKVDestination\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x11\n\tblock_ids\x18\x03 \x03(\r\x12\x19\n\x11num_cached_tokens\x18\x04 \x01(\r\x12\r\n\x05\x66\x65nce\x18\x05 \x01(\x04\x12\x15\n\rkv_transports\x18\x06 \x03(\t\x12\x12\n\ncapability\x18\x07 \x01(\x0c\x12\x0f\n\x07\x61\x64\x61pter\x18\x08 \x01(\t\"\xc5\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12/\n\x08sampling\x18\x03 \x01(\x0b\x32\x1d.splitserve.v1.SamplingParams\x12\x31\n\x0b\x64\x65stination\x18\x04 \x01(\x0b\x32\x1c.splitserve.v1.KVDestination\x12\x10\n\x08priority\x18\x05 \x01(\x05\x12\x0f\n\x07\x61\x64\x61pter\x18\x06 \x01(\t\"]\n\nFirstToken\x12\r\n\x05index\x18\x01 \x01(\r\x12\x10\n\x08token_id\x18\x02 \x01(\r\x12.\n\x08logprobs\x18\x03 \x01(\x0b\x32\x1c.splitserve.v1.TokenLogprobs\"\x8e\x01\n\x0fPrefillResponse\x12/\n\x0c\x66irst_tokens\x18\x01 \x03(\x0b\x32\x19.splitserve.v1.FirstToken\x12\x17\n\x0fnum_blocks_sent\x18\x02 \x01(\r\x12\x16\n\x0enum_bytes_sent\x18\x03 \x01(\x04\x12\x19\n\x11num_cached_tokens\x18\x04 \x01(\r\"\xab\x01\n\x0eReserveRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12/\n\x08sampling\x18\x03 \x01(\x0b\x32\x1d.splitserve.v1.SamplingParams\x12)\n\x06resume\x18\x04 \x01(\x0b\x32\x19.splitserve.v1.ResumeFrom\x12\x0f\n\x07\x61\x64\x61pter\x18\x05 \x01(\t\"T\n\nResumeFrom\x12\x14\n\x0csample_index\x18\x01 \x01(\r\x12\x18\n\x10output_token_ids\x18\x02 \x03(\r\x12\x16\n\x0enum_text_chars\x18\x03 \x01(\r\"D\n\x0fReserveResponse\x12\x31\n\x0b\x64\x65stination\x18\x01 \x01(\x0b\x32\x1c.splitserve.v1.KVDestination\"\xc2\x01\n\rDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12/\n\x08sampling\x18\x02 \x01(\x0b\x32\x1d.splitserve.v1.SamplingParams\x12/\n\x0c\x66irst_tokens\x18\x03 \x03(\x0b\x32\x19.splitserve.v1.FirstToken\x12\x10\n\x08priority\x18\x04 \x01(\x05\x12)\n\x06resume\x18\x05 \x01(\x0b\x32\x19.splitserve.v1.ResumeFrom\"x\n\x0e\x44\x65\x63odeResponse\x12+\n\x05\x63hunk\x18\x01 \x01(\x0b\x32\x1a.splitserve.v1.SampleDeltaH\x00\x12\x31\n\x08\x66inished\x18\x02 \x01(\x0b\x32\x1d.splitserve.v1.DecodeFinishedH\x00\x42\x06\n\x04kind\"c\n\x0e\x44\x65\x63odeFinished\x12,\n\x07samples\x18\x01 \x03(\x0b\x32\x1b.splitserve.v1.SampleFinish\x12#\n\x05usage\x18\x02 \x01(\x0b\x32\x14.splitserve.v1.Usage\"\x11\n\x0fGetStatsRequest\"\xfd\x02\n\x0bWorkerStats\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x18\n\x10num_total_blocks\x18\x02 \x01(\r\x12\x17\n\x0fnum_free_blocks\x18\x03 \x01(\r\x12\x19\n\x11num_cached_blocks\x18\x04 \x01(\r\x12\x13\n\x0bnum_running\x18\x05 \x01(\r\x12\x13\n\x0bnum_waiting\x18\x06 \x01(\r\x12\x18\n\x10num_reservations\x18\x07 \x01(\r\x12\x19\n\x11kv_bytes_received\x18\x08 \x01(\x04\x12\x1a\n\x12kv_blocks_received\x18\t \x01(\x04\x12\x15\n\rkv_bytes_sent\x18\n \x01(\x04\x12\x1f\n\x17prefix_cache_hit_tokens\x18\x0b \x01(\x04\x12\x15\n\rnum_reclaimed\x18\x0c \x01(\x04\x12\x14\n\x0cnum_requests\x18\r \x01(\r\x12\x19\n\x11num_pinned_blocks\x18\x0e \x01(\r\x12\x12\n\nblock_size\x18\x0f \x01(\r2\x85\x03\n\rPrefillWorker\x12H\n\x07Prefill\x12\x1d.splitserve.v1.PrefillRequest\x1a\x1e.splitserve.v1.PrefillResponse\x12\x42\n\x05\x41\x62ort\x12\x1b.splitserve.v1.AbortRequest\x1a\x1c.splitserve.v1.AbortResponse\x12\x46\n\x08GetStats\x12\x1e.splitserve.v1.GetStatsRequest\x1a\x1a.splitserve.v1.WorkerStats\x12L\n\x0bLoadAdapter\x12!.splitserve.v1.LoadAdapterRequest\x1a\x1a.splitserve.v1.AdapterList\x12P\n\rUnloadAdapter\x12#.splitserve.v1.UnloadAdapterRequest\x1a\x1a.splitserve.v1.AdapterList2\xcd\x03\n\x0c\x44\x65\x63odeWorker\x12H\n\x07Reserve\x12\x1d.splitserve.v1.ReserveRequest\x1a\x1e.splitserve.v1.ReserveResponse\x12G\n\x06\x44\x65\x63ode\x12\x1c.splitserve.v1.DecodeRequest\x1a\x1d.splitserve.v1.DecodeResponse0\x01\x12\x42\n\x05\x41\x62ort\x12\x1b.splitserve.v1.AbortRequest\x1a\x1c.splitserve.v1.AbortResponse\x12\x46\n\x08GetStats\x12\x1e.splitserve.v1.GetStatsRequest\x1a\x1a.splitserve.v1.WorkerStats\x12L\n\x0bLoadAdapter\x12!.splitserve.v1.LoadAdapterRequest\x1a\x1a.splitserve.v1.AdapterList\x12P\n\rUnloadAdapter\x12#.splitserve.v1.UnloadAdapterRequest\x1a\x1a.splitserve.v1.AdapterListb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'splitserve.protos.v1.worker_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_KVDESTINATION']._serialized_start=88
-  _globals['_KVDESTINATION']._serialized_end=260
-  _globals['_PREFILLREQUEST']._serialized_start=263
-  _globals['_PREFILLREQUEST']._serialized_end=460
-  _globals['_FIRSTTOKEN']._serialized_start=462
-  _globals['_FIRSTTOKEN']._serialized_end=555
-  _globals['_PREFILLRESPONSE']._serialized_start=558
-  _globals['_PREFILLRESPONSE']._serialized_end=700
-  _globals['_RESERVEREQUEST']._serialized_start=703
-  _globals['_RESERVEREQUEST']._serialized_end=874
-  _globals['_RESUMEFROM']._serialized_start=876
-  _globals['_RESUMEFROM']._serialized_end=960
-  _globals['_RESERVERESPONSE']._serialized_start=962
-  _globals['_RESERVERESPONSE']._serialized_end=1030
-  _globals['_DECODEREQUEST']._serialized_start=1033
-  _globals['_DECODEREQUEST']._serialized_end=1227
-  _globals['_DECODERESPONSE']._serialized_start=1229
-  _globals['_DECODERESPONSE']._serialized_end=1349
-  _globals['_DECODEFINISHED']._serialized_start=1351
-  _globals['_DECODEFINISHED']._serialized_end=1450
-  _globals['_GETSTATSREQUEST']._serialized_start=1452
-  _globals['_GETSTATSREQUEST']._serialized_end=1469
-  _globals['_WORKERSTATS']._serialized_start=1472
-  _globals['_WORKERSTATS']._serialized_end=1853
-  _globals['_PREFILLWORKER']._serialized_start=1856
-  _globals['_PREFILLWORKER']._serialized_end=2085
-  _globals['_DECODEWORKER']._serialized_start=2088
-  _globals['_DECODEWORKER']._serialized_end=2389
+  _globals['_LOADADAPTERREQUEST']._serialized_start=87
+  _globals['_LOADADAPTERREQUEST']._serialized_end=135
+  _globals['_UNLOADADAPTERREQUEST']._serialized_start=137
+  _globals['_UNLOADADAPTERREQUEST']._serialized_end=173
+  _globals['_ADAPTERLIST']._serialized_start=175
+  _globals['_ADAPTERLIST']._serialized_end=206
+  _globals['_KVDESTINATION']._serialized_start=209
+  _globals['_KVDESTINATION']._serialized_end=381
+  _globals['_PREFILLREQUEST']._serialized_start=384
+  _globals['_PREFILLREQUEST']._serialized_end=581
+  _globals['_FIRSTTOKEN']._serialized_start=583
+  _globals['_FIRSTTOKEN']._serialized_end=676
+  _globals['_PREFILLRESPONSE']._serialized_start=679
+  _globals['_PREFILLRESPONSE']._serialized_end=821
+  _globals['_RESERVEREQUEST']._serialized_start=824
+  _globals['_RESERVEREQUEST']._serialized_end=995
+  _globals['_RESUMEFROM']._serialized_start=997
+  _globals['_RESUMEFROM']._serialized_end=1081
+  _globals['_RESERVERESPONSE']._serialized_start=1083
+  _globals['_RESERVERESPONSE']._serialized_end=1151
+  _globals['_DECODEREQUEST']._serialized_start=1154
+  _globals['_DECODEREQUEST']._serialized_end=1348
+  _globals['_DECODERESPONSE']._serialized_start=1350
+  _globals['_DECODERESPONSE']._serialized_end=1470
+  _globals['_DECODEFINISHED']._serialized_start=1472
+  _globals['_DECODEFINISHED']._serialized_end=1571
+  _globals['_GETSTATSREQUEST']._serialized_start=1573
+  _globals['_GETSTATSREQUEST']._serialized_end=1590
+  _globals['_WORKERSTATS']._serialized_start=1593
+  _globals['_WORKERSTATS']._serialized_end=1974
+  _globals['_PREFILLWORKER']._serialized_start=1977
+  _globals['_PREFILLWORKER']._serialized_end=2366
+  _globals['_DECODEWORKER']._serialized_start=2369
+  _globals['_DECODEWORKER']._serialized_end=2830
 # @@protoc_insertion_point(module_scope)

@@ -51,6 +51,16 @@ class PrefillWorkerStub:
                 request_serializer=splitserve_dot_protos_dot_v1_dot_worker__pb2.GetStatsRequest.SerializeToString,
                 response_deserializer=splitserve_dot_protos_dot_v1_dot_worker__pb2.WorkerStats.FromString,
                 _registered_method=True)
+        self.LoadAdapter = channel.unary_unary(
+                '/splitserve.v1.PrefillWorker/LoadAdapter',
+                request_serializer=splitserve_dot_protos_dot_v1_dot_worker__pb2.LoadAdapterRequest.SerializeToString,
+                response_deserializer=splitserve_dot_protos_dot_v1_dot_worker__pb2.AdapterList.FromString,
+                _registered_method=True)
+        self.UnloadAdapter = channel.unary_unary(
+                '/splitserve.v1.PrefillWorker/UnloadAdapter',
+                request_serializer=splitserve_dot_protos_dot_v1_dot_worker__pb2.UnloadAdapterRequest.SerializeToString,
+                response_deserializer=splitserve_dot_protos_dot_v1_dot_worker__pb2.AdapterList.FromString,
+                _registered_method=True)
 
 
 class PrefillWorkerServicer:
@@ -79,6 +89,20 @@ class PrefillWorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def LoadAdapter(self, request, context):
+        """Load a LoRA adapter into this worker (host memory); answers the adapters it now serves.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UnloadAdapter(self, request, context):
+        """Unload one; FAILED_PRECONDITION while a request still uses it, NOT_FOUND if not loaded.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_PrefillWorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -96,6 +120,16 @@ def add_PrefillWorkerServicer_to_server(servicer, server):
                     servicer.GetStats,
                     request_deserializer=splitserve_dot_protos_dot_v1_dot_worker__pb2.GetStatsRequest.FromString,
                     response_serializer=splitserve_dot_protos_dot_v1_dot_worker__pb2.WorkerStats.SerializeToString,
+            ),
+            'LoadAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.LoadAdapter,
+                    request_deserializer=splitserve_dot_protos_dot_v1_dot_worker__pb2.LoadAdapterRequest.FromString,
+                    response_serializer=splitserve_dot_protos_dot_v1_dot_worker__pb2.AdapterList.SerializeToString,
+            ),
+            'UnloadAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.UnloadAdapter,
+                    request_deserializer=splitserve_dot_protos_dot_v1_dot_worker__pb2.UnloadAdapterRequest.FromString,
+                    response_serializer=splitserve_dot_protos_dot_v1_dot_worker__pb2.AdapterList.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -190,6 +224,60 @@ class PrefillWorker:
             metadata,
             _registered_method=True)
 
+    @staticmethod
+    def LoadAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/splitserve.v1.PrefillWorker/LoadAdapter',
+            splitserve_dot_protos_dot_v1_dot_worker__pb2.LoadAdapterRequest.SerializeToString,
+            splitserve_dot_protos_dot_v1_dot_worker__pb2.AdapterList.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UnloadAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/splitserve.v1.PrefillWorker/UnloadAdapter',
+            splitserve_dot_protos_dot_v1_dot_worker__pb2.UnloadAdapterRequest.SerializeToString,
+            splitserve_dot_protos_dot_v1_dot_worker__pb2.AdapterList.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
 
 class DecodeWorkerStub:
     """A decode worker: holds KV blocks and runs the continuous decode batch.
@@ -220,6 +308,16 @@ class DecodeWorkerStub:
                 '/splitserve.v1.DecodeWorker/GetStats',
                 request_serializer=splitserve_dot_protos_dot_v1_dot_worker__pb2.GetStatsRequest.SerializeToString,
                 response_deserializer=splitserve_dot_protos_dot_v1_dot_worker__pb2.WorkerStats.FromString,
+                _registered_method=True)
+        self.LoadAdapter = channel.unary_unary(
+                '/splitserve.v1.DecodeWorker/LoadAdapter',
+                request_serializer=splitserve_dot_protos_dot_v1_dot_worker__pb2.LoadAdapterRequest.SerializeToString,
+                response_deserializer=splitserve_dot_protos_dot_v1_dot_worker__pb2.AdapterList.FromString,
+                _registered_method=True)
+        self.UnloadAdapter = channel.unary_unary(
+                '/splitserve.v1.DecodeWorker/UnloadAdapter',
+                request_serializer=splitserve_dot_protos_dot_v1_dot_worker__pb2.UnloadAdapterRequest.SerializeToString,
+                response_deserializer=splitserve_dot_protos_dot_v1_dot_worker__pb2.AdapterList.FromString,
                 _registered_method=True)
 
 
@@ -255,6 +353,20 @@ class DecodeWorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def LoadAdapter(self, request, context):
+        """Load a LoRA adapter into this worker (host memory); answers the adapters it now serves.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UnloadAdapter(self, request, context):
+        """Unload one; FAILED_PRECONDITION while a request still uses it, NOT_FOUND if not loaded.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_DecodeWorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -277,6 +389,16 @@ def add_DecodeWorkerServicer_to_server(servicer, server):
                     servicer.GetStats,
                     request_deserializer=splitserve_dot_protos_dot_v1_dot_worker__pb2.GetStatsRequest.FromString,
                     response_serializer=splitserve_dot_protos_dot_v1_dot_worker__pb2.WorkerStats.SerializeToString,
+            ),
+            'LoadAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.LoadAdapter,
+                    request_deserializer=splitserve_dot_protos_dot_v1_dot_worker__pb2.LoadAdapterRequest.FromString,
+                    response_serializer=splitserve_dot_protos_dot_v1_dot_worker__pb2.AdapterList.SerializeToString,
+            ),
+            'UnloadAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.UnloadAdapter,
+                    request_deserializer=splitserve_dot_protos_dot_v1_dot_worker__pb2.UnloadAdapterRequest.FromString,
+                    response_serializer=splitserve_dot_protos_dot_v1_dot_worker__pb2.AdapterList.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -388,6 +510,60 @@ class DecodeWorker:
             '/splitserve.v1.DecodeWorker/GetStats',
             splitserve_dot_protos_dot_v1_dot_worker__pb2.GetStatsRequest.SerializeToString,
             splitserve_dot_protos_dot_v1_dot_worker__pb2.WorkerStats.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LoadAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/splitserve.v1.DecodeWorker/LoadAdapter',
+            splitserve_dot_protos_dot_v1_dot_worker__pb2.LoadAdapterRequest.SerializeToString,
+            splitserve_dot_protos_dot_v1_dot_worker__pb2.AdapterList.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UnloadAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/splitserve.v1.DecodeWorker/UnloadAdapter',
+            splitserve_dot_protos_dot_v1_dot_worker__pb2.UnloadAdapterRequest.SerializeToString,
+            splitserve_dot_protos_dot_v1_dot_worker__pb2.AdapterList.FromString,
             options,
             channel_credentials,
             insecure,

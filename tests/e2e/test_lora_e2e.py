@@ -5,6 +5,7 @@ serves is NOT_FOUND with its name, and the stack leaks nothing."""
 
 from __future__ import annotations
 
+import itertools
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
@@ -115,4 +116,52 @@ def test_openai_model_field_names_an_adapter_and_models_lists_them(stack, model_
         f"{stack.http_url}/completions", json={**body, "model": "nope"}, timeout=60
     )
     assert unknown.status_code == 404 and "nope" in unknown.json()["error"]["message"]
+    assert_nothing_leaks(stack)
+
+
+def test_load_and_unload_at_run_time_with_requests_in_flight(stack, model_dir, tmp_path):
+    late = make_tiny_lora(model_dir, tmp_path / "late", seed=99, rank=8)
+    stub = gateway(stack)
+    long = SamplingParams(temperature=0, max_tokens=120, ignore_eos=True)
+
+    def run(prompt: list[int], adapter: str | None, params: SamplingParams = GREEDY):
+        request = _request(prompt, adapter)
+        request.sampling.CopyFrom(convert.sampling_to_proto(params))
+        return collect(stub.Generate(request, timeout=300))
+
+    prompts = random_prompts([15, 22, 9], 500, seed=45)
+    with ThreadPoolExecutor(4) as pool:
+        # Requests in flight under other adapters and the base model while "late" loads.
+        busy = [
+            pool.submit(run, p, a, long) for p, a in zip(prompts, ["all", None, "mlp"], strict=True)
+        ]
+        reply = stub.LoadLoRAAdapter(
+            gateway_pb2.LoadLoRAAdapterRequest(lora_name="late", lora_path=str(late)), timeout=60
+        )
+        assert sorted(reply.worker_ids) == sorted(w.worker_id for w in workers(stack))
+        prompt = random_prompts([18], 500, seed=46)[0]
+        assert run(prompt, "late").token_ids[0] == peft_greedy(model_dir, late, prompt, MAX_NEW)
+        # An unload while a request uses the adapter is refused; the request finishes.
+        request = _request(prompt, "late")
+        request.sampling.CopyFrom(convert.sampling_to_proto(long))
+        using = stub.Generate(request, timeout=300)
+        first = next(using)  # decoding on the decode worker now
+        refused = httpx.post(
+            f"{stack.http_url}/unload_lora_adapter", json={"lora_name": "late"}, timeout=60
+        )
+        rest = collect(itertools.chain([first], using))
+        assert rest.finished.usage.completion_tokens == long.max_tokens
+        for future in busy:
+            assert future.result().finished.usage.completion_tokens == long.max_tokens
+    if refused.status_code != 200:  # the decode worker still ran the request then
+        assert "in use" in refused.json()["error"]["message"], refused.text
+        done = httpx.post(
+            f"{stack.http_url}/unload_lora_adapter", json={"lora_name": "late"}, timeout=60
+        )
+        assert done.status_code == 200, done.text
+    listed = httpx.get(f"{stack.http_url}/models", timeout=30).json()["data"]
+    assert "late" not in [m["id"] for m in listed]
+    with pytest.raises(grpc.RpcError) as err:
+        run([5, 6, 7], "late")
+    assert err.value.code() == grpc.StatusCode.NOT_FOUND
     assert_nothing_leaks(stack)
