@@ -194,7 +194,9 @@ def rank_weight_bytes(engine) -> int:
     )
 
 
-def run_engine_config(path: Path, name: str, tp: int, graphs: bool, args, on_gpu: bool) -> dict:
+def run_engine_config(
+    path: Path, name: str, tp: int, graphs: bool, args, on_gpu: bool, tp_graphs: bool = False
+) -> dict:
     from splitserve.engine import LLMEngine
     from splitserve.engine.config import EngineConfig
 
@@ -205,6 +207,7 @@ def run_engine_config(path: Path, name: str, tp: int, graphs: bool, args, on_gpu
         load_format="dummy",
         tensor_parallel_size=tp,
         enable_cuda_graphs=graphs,
+        tensor_parallel_cuda_graphs=tp_graphs,
         # NOTE: TP > 1 can't overlap steps (engine/overlap.py), so no configuration does: the
         # rows differ in degree and graphs only.
         async_scheduling=False,
@@ -262,13 +265,24 @@ def engine_mode(args) -> dict:
             from bench.kernels import copy_bandwidth
 
             bandwidth = copy_bandwidth(2 << 30, torch.device("cuda"))["GB_per_s"] * 1e9
-        configs = [("TP=1", 1, True)]
+        configs = [("TP=1", 1, True, False)]
         if on_gpu:
-            configs.append(("TP=1 eager", 1, False))
-        configs.append((f"TP={args.tp}", args.tp, True))
-        rows = [run_engine_config(path, n, tp, g, args, on_gpu) for n, tp, g in configs]
-    base, tp_row = rows[0], rows[-1]
-    for row in rows:
+            configs.append(("TP=1 eager", 1, False, False))
+        configs.append((f"TP={args.tp}", args.tp, True, False))
+        if on_gpu:  # opt-in graphs at TP > 1 (EngineConfig.tensor_parallel_cuda_graphs)
+            configs.append((f"TP={args.tp} graphs", args.tp, True, True))
+        rows = []
+        for name, tp, graphs, tp_graphs in configs:
+            try:
+                rows.append(run_engine_config(path, name, tp, graphs, args, on_gpu, tp_graphs))
+            except Exception as exc:  # noqa: BLE001 - a failed configuration is a result too
+                if tp == 1:
+                    raise
+                rows.append({"config": name, "tp": tp, "error": repr(exc)[:500]})
+    measured = [row for row in rows if "error" not in row]
+    base = rows[0]
+    tp_row = next(r for r in reversed(measured) if r["tp"] > 1) if len(measured) > 1 else base
+    for row in measured:
         for length in args.prompt_lens:
             key = f"ttft_{length}_ms"
             row[f"ttft_{length}_speedup"] = base[key] / row[key]
@@ -299,6 +313,7 @@ def engine_mode(args) -> dict:
         "copy_GB_per_s": None if bandwidth is None else bandwidth / 1e9,
         "collectives": collectives,
         "rows": rows,
+        "summary_config": tp_row["config"],  # the last TP > 1 row measured
         "summary": {
             **{f"ttft_{n}_speedup": tp_row[f"ttft_{n}_speedup"] for n in args.prompt_lens},
             **{f"step_b{b}_speedup": tp_row[f"step_b{b}_speedup"] for b in args.batches},
@@ -367,6 +382,8 @@ def main(argv: list[str] | None = None) -> dict:
     columns += [f"step_b{b}_{s}" for b in args.batches for s in ("ms", "speedup")]
     if result["copy_GB_per_s"] is not None:
         columns += [f"step_b{b}_{s}" for b in args.batches for s in ("floor_ms", "vs_floor")]
+    if any("error" in row for row in result["rows"]):
+        columns.append("error")
     print(table(result["rows"], columns))
     return result
 

@@ -98,6 +98,9 @@ class EngineConfig:
     # Ranks (processes, one GPU each) the model is sharded over (engine/parallel/): rank 0 is
     # this engine; it starts the others.
     tensor_parallel_size: int = 1
+    # Capture decode graphs at TP > 1 too, the collectives inside them (NCCL): off until it is
+    # measured on GPUs; without it TP > 1 runs its steps eager.
+    tensor_parallel_cuda_graphs: bool = False
     seed: int = 0
 
     def __post_init__(self) -> None:

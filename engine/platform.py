@@ -72,12 +72,12 @@ class Platform:
             dtype=config.dtype,
             attention_backend=backend,
             triton_ops=triton_ops,
-            # NOTE: tensor-parallel decode runs eager for now (its graphs would have to be
-            # captured and replayed in step on every rank).
+            # NOTE: at TP > 1 every rank captures the same graphs in the same order and
+            # replays the one rank 0's step picks (engine/parallel/follower.py): opt-in.
             cuda_graphs=config.enable_cuda_graphs
             and on_gpu
             and backend_cls.graph_safe
-            and config.tensor_parallel_size == 1,
+            and (config.tensor_parallel_size == 1 or config.tensor_parallel_cuda_graphs),
             pdl=config.enable_pdl and triton_ops,
             merge_projections=on_gpu,
         )

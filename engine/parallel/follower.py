@@ -54,6 +54,8 @@ def main(args: FollowerArgs) -> None:
         config = agree_on_kv_pool(local_config(model_config, group.shard), config, platform, group)
         kv_cache = KVCache.allocate(local_config(model_config, group.shard), config)
         runner = ModelRunner(model, kv_cache, config)
+        if platform.cuda_graphs:  # NOTE: as rank 0 does, in the same order (their collectives)
+            runner.capture_cuda_graphs()
         channel = StepPlanChannel(group, platform.device)
         num_kv_heads = model_config.num_kv_heads
         with torch.inference_mode():
