@@ -426,7 +426,7 @@ class LLMEngine:
             if prev is not None:
                 outputs, prev = self._settle(prev), None
             plan = self.speculator.plan(self.scheduler.running)
-        out = self.scheduler.schedule(plan)
+        out = self.scheduler.schedule(plan) if plan else self.scheduler.schedule()
         if out.is_empty and prev is None:
             return outputs
         overlap = self.overlap and not out.is_empty and self.runner.can_overlap(out)
