@@ -85,3 +85,11 @@ def test_a_held_port_keeps_a_second_gateway_group_out():
             hold_port("127.0.0.1", port, "--port")
     finally:
         held.close()
+
+
+@pytest.mark.parametrize(("field", "value"), [("stream_interval", 0), ("processes", -1)])
+def test_gateway_flags_out_of_range_name_the_flag(field, value):
+    from splitserve.runtime.settings import GatewaySettings
+
+    with pytest.raises(ValueError, match=f"--{field.replace('_', '-')}"):
+        GatewaySettings(**{field: value})
