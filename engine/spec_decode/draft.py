@@ -124,7 +124,8 @@ class DraftModelProposer(Proposer):
         self._valid = {k: v for k, v in self._valid.items() if not v[0].is_finished}
         rows = []
         for item in out.scheduled:
-            if item.num_spec_tokens:
+            # NOTE: a prefill-only sequence (a prefill worker) never decodes here.
+            if item.num_spec_tokens or item.seq.prefill_only:
                 continue
             seq = item.seq
             end = seq.num_computed_tokens + item.num_new_tokens
