@@ -7,8 +7,12 @@ from __future__ import annotations
 import math
 import os
 import signal
+import subprocess
+import sys
 import threading
+import time
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 import torch
@@ -163,3 +167,40 @@ def test_ngram_speculation_at_tp2_verifies_drafts_and_gives_hf_tokens(tiny_model
     finally:
         llm.engine.shutdown()
     assert got == [hf_greedy(model, tuple(p), MAX_NEW) for p in prompts]
+
+
+RANK0_SCRIPT = """
+import sys, time
+from splitserve.engine import LLM
+llm = LLM(sys.argv[1], tensor_parallel_size=2, num_kv_blocks=16)
+print(*llm.engine.followers.pids(), flush=True)
+time.sleep(600)
+"""
+
+
+@pytest.mark.slow
+def test_followers_exit_when_rank_0_is_killed(tiny_models):
+    """No follower outlives its rank 0 (it would hold a GPU): SIGKILL of the process that hosts
+    the engine takes its followers down within seconds."""
+    rank0 = subprocess.Popen(
+        [sys.executable, "-c", RANK0_SCRIPT, str(tiny_models["llama"])], stdout=subprocess.PIPE
+    )
+    try:
+        assert rank0.stdout is not None
+        (follower,) = (int(pid) for pid in rank0.stdout.readline().split())
+        os.kill(rank0.pid, signal.SIGKILL)
+        rank0.wait(10)
+        deadline = time.monotonic() + 15
+        while _alive(follower):
+            assert time.monotonic() < deadline, "the follower outlived rank 0"
+            time.sleep(0.1)
+    finally:
+        rank0.kill()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return False
+    return state != "Z"  # a zombie has exited (its parent, gone, can't reap it at once)
