@@ -145,6 +145,8 @@ def run_gateway_processes(
     port = held[0].getsockname()[1]
     if len(held) > 1:
         http_port = held[1].getsockname()[1]
+    for i in range(processes if metrics_port else 0):  # NOTE: a clear error before any starts
+        hold_port(host, metrics_port + i, f"--metrics-port (+{i}, process {i}'s /metrics)").close()
     share = inflight_share(max_inflight, processes)
     children = []
     for i in range(processes):

@@ -32,6 +32,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from splitserve.default_model import ensure_tiny_model, resolve_model_arg
 from splitserve.engine.gguf_cache import resolve_checkpoint
+from splitserve.gateway_processes import default_processes
 from splitserve.kv_transfer.registry import Registry
 from splitserve.runtime.redis_keeper import RedisKeeper
 from splitserve.runtime.secrets import redacted_url, with_redis_password
@@ -59,8 +60,10 @@ class StackSettings:
     extra_prefill_args: tuple[str, ...] = ()
     extra_decode_args: tuple[str, ...] = ()
     extra_gateway_args: tuple[str, ...] = ()
-    # Gateway processes on its port (`splitserve gateway --processes`; 0: sized to the host)
-    gateways: int = 0
+    # Gateway processes on its port (`splitserve gateway --processes`; 0: sized to the host,
+    # what `splitserve up` asks by default; 1 here, so that a stack's gateway /metrics port
+    # shows every request)
+    gateways: int = 1
     startup_timeout_s: float = 180.0
     metrics: bool = False  # each service serves /metrics on a free port (`Stack.metrics_ports`)
     drain_timeout_s: float = 30.0
@@ -192,6 +195,16 @@ def _new_port(host: str, taken: set[int]) -> int:
     return port
 
 
+def _new_ports(host: str, taken: set[int], count: int) -> int:
+    """The first of `count` consecutive free ports not yet handed out."""
+    while True:
+        first = _new_port(host, taken)
+        rest = range(first + 1, first + count)
+        if all(p not in taken and p <= 65535 and _can_listen(host, p) for p in rest):
+            taken.update(rest)
+            return first
+
+
 def start_stack(
     settings: StackSettings, wait: bool = True, interrupt: threading.Event | None = None
 ) -> Stack:
@@ -258,14 +271,16 @@ def start_stack(
                 args += ["--worker-id", name]
                 if settings.devices:
                     args += ["--device", settings.devices[i % len(settings.devices)]]
-            if kind == "gateway" and settings.gateways:
+            if kind == "gateway":
                 args += ["--processes", str(settings.gateways)]
             if kind == "gateway" and settings.http_port is not None:
                 http_port = settings.http_port or _new_port(settings.host, taken)
                 args += ["--http-port", str(http_port)]
                 stack.http_url = f"http://{settings.host}:{http_port}/v1"
             if settings.metrics:
-                stack.metrics_ports[name] = _new_port(settings.host, taken)
+                # NOTE: gateway process i serves /metrics on the gateway's port + i
+                count = (settings.gateways or default_processes()) if kind == "gateway" else 1
+                stack.metrics_ports[name] = _new_ports(settings.host, taken, count)
                 args += ["--metrics-port", str(stack.metrics_ports[name])]
             # NOTE: a session of their own, so that a Ctrl-C at the terminal reaches only
             # `splitserve up`, which stops the gateway before the workers.
