@@ -166,9 +166,6 @@ def main() -> None:
                 enable_lora=True,
                 max_loras=max(counts),
                 max_lora_rank=args.rank,
-                # NOTE: the adapters' device slots are allocated after the KV pool is sized:
-                # leave them room (32 rank-16 slots of the 8B shape take 2.7 GB).
-                gpu_memory_utilization=0.8,
             ),
         )
         assert engine.lora is not None

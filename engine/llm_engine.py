@@ -111,7 +111,6 @@ class LLMEngine:
         self.runner = ModelRunner(self.model, self.kv_cache, self.config)
         if self.followers is not None:
             self.runner.step_plans = self.followers
-        self.lora = self._start_lora()
         self.runner.lora = self.lora
         if self.platform.cuda_graphs:
             self.runner.capture_cuda_graphs()
@@ -128,6 +127,8 @@ class LLMEngine:
         """This rank's model and KV cache (the whole model without tensor parallelism)."""
         group = self.followers.group if self.followers is not None else None
         self.model = load_model(model_dir, self.model_config, config, self.platform, group)
+        # NOTE: LoRA's device slots before the KV pool is sized from what memory is left.
+        self.lora = self._start_lora(config)
         local = self.model.cfg  # this rank's heads: its KV cache holds only those
         if group is not None:
             self.config = agree_on_kv_pool(local, config, self.platform, group)
@@ -267,8 +268,7 @@ class LLMEngine:
 
     # -- LoRA adapters (engine/lora) -------------------------------------------------------------
 
-    def _start_lora(self) -> LoRAManager | None:
-        config = self.config
+    def _start_lora(self, config: EngineConfig) -> LoRAManager | None:
         if not config.lora_enabled:
             return None
         lora_config = LoRAConfig(config.max_loras, config.max_lora_rank)
