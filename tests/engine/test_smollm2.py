@@ -20,7 +20,7 @@ CHAT = [
     "Give me a name for a pet turtle.",
 ]
 PLAIN = ["Once upon a time", "The three laws of thermodynamics are", "def fibonacci(n):"]
-MAX_NEW = 32
+MAX_NEW = 24
 
 
 @pytest.fixture(scope="module")
