@@ -20,6 +20,9 @@ import torch.distributed as dist
 from splitserve.engine.parallel.sharding import SINGLE, Shard
 
 DEFAULT_TIMEOUT = datetime.timedelta(seconds=120)
+# NOTE: a follower's wait for the next step; rank 0's death ends it anyway (a closed
+# connection, or the follower's parent watch).
+_FOREVER = datetime.timedelta(days=365)
 
 
 class ParallelGroup:
@@ -43,8 +46,11 @@ class ParallelGroup:
         """Concatenate every rank's `x` along the last dim, rank order."""
         return x
 
-    def broadcast(self, x: torch.Tensor, root: int = 0) -> torch.Tensor:
-        """`root`'s `x` on every rank, in place; returns it."""
+    def broadcast(
+        self, x: torch.Tensor, root: int = 0, *, wait_forever: bool = False
+    ) -> torch.Tensor:
+        """`root`'s `x` on every rank, in place; returns it. `wait_forever`: no timeout on
+        this rank (a follower waiting for rank 0's next step, however long it idles)."""
         return x
 
     def min_int(self, value: int) -> int:
@@ -61,7 +67,8 @@ class Rendezvous:
 
     host: str
     port: int
-    timeout_s: float = DEFAULT_TIMEOUT.total_seconds()
+    timeout_s: float = DEFAULT_TIMEOUT.total_seconds()  # of a collective
+    join_timeout_s: float = DEFAULT_TIMEOUT.total_seconds()  # for every rank to join
 
 
 class TorchGroup(ParallelGroup):
@@ -85,11 +92,11 @@ class TorchGroup(ParallelGroup):
             rendezvous.port,
             shard.size,
             shard.rank == 0,
-            timeout=timeout,
+            timeout=datetime.timedelta(seconds=rendezvous.join_timeout_s),
             wait_for_workers=False,
         )
         if shard.rank == 0:
-            self._wait_for_peers(rendezvous.timeout_s, check_peers)
+            self._wait_for_peers(rendezvous.join_timeout_s, check_peers)
         else:
             self._store.set(f"joined/{shard.rank}", "1")
         if device.type == "cuda":
@@ -122,8 +129,13 @@ class TorchGroup(ParallelGroup):
         self._pg.allgather([parts], [x]).wait()
         return torch.cat(parts, dim=-1)
 
-    def broadcast(self, x: torch.Tensor, root: int = 0) -> torch.Tensor:
-        self._pg.broadcast(x, root).wait()
+    def broadcast(
+        self, x: torch.Tensor, root: int = 0, *, wait_forever: bool = False
+    ) -> torch.Tensor:
+        if wait_forever:
+            self._pg.broadcast(x, root, _FOREVER).wait()
+        else:
+            self._pg.broadcast(x, root).wait()
         return x
 
     def min_int(self, value: int) -> int:

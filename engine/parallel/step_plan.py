@@ -123,8 +123,9 @@ class StepPlanChannel:
 
     def recv(self) -> StepPlan | KVBlocksOp | None:
         """The next plan or KV op, or None when rank 0 stops the group."""
-        header_t = self.group.broadcast(torch.zeros(_HEADER, dtype=torch.int64, device=self.device))
-        header = header_t.tolist()
+        buf = torch.zeros(_HEADER, dtype=torch.int64, device=self.device)
+        # NOTE: an idle engine sends nothing for as long as it idles.
+        header = self.group.broadcast(buf, wait_forever=True).tolist()
         if header[0] == _OP_STOP:
             return None
         if header[0] in (_OP_KV_READ, _OP_KV_WRITE):

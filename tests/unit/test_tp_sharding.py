@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import multiprocessing
+import socket
+import time
+
 import pytest
 import torch
 from safetensors import safe_open
@@ -11,6 +15,8 @@ from splitserve.engine.model_config import ModelConfig
 from splitserve.engine.parallel import sharding
 from splitserve.engine.parallel.sharding import Shard
 from splitserve.engine.parallel.step_plan import StepPlan, decode, encode
+
+CPU = torch.device("cpu")
 
 
 def _cfg(**over) -> ModelConfig:
@@ -89,3 +95,35 @@ def test_step_plan_round_trips_through_its_int_encoding():
     header, payload = encode(plan)
     assert all(isinstance(v, int) for v in header + payload)
     assert decode(header, payload) == plan
+
+
+def _idle_rank(rank: int, port: int, out) -> None:
+    from splitserve.engine.parallel.group import Rendezvous, TorchGroup
+    from splitserve.engine.parallel.step_plan import StepPlanChannel
+
+    rendezvous = Rendezvous("127.0.0.1", port, timeout_s=1.0, join_timeout_s=120.0)
+    group = TorchGroup(Shard(rank, 2), rendezvous, CPU)
+    channel = StepPlanChannel(group, CPU)
+    if rank == 0:
+        time.sleep(3.0)  # idle for three times the group's timeout
+        channel.send(StepPlan(input_ids=[1, 2], positions=[0, 1], slots=[0, 1], query_lens=[2],
+                              seq_lens=[2], tables=[[0]], logits_indices=[1]))  # fmt: skip
+        channel.send_stop()
+    else:
+        out.put(channel.recv())
+        out.put(channel.recv())
+    group.close()
+
+
+def test_a_follower_waits_out_an_idle_rank_0_longer_than_the_group_timeout():
+    ctx = multiprocessing.get_context("spawn")
+    out = ctx.Queue()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    follower = ctx.Process(target=_idle_rank, args=(1, port, out))
+    follower.start()
+    _idle_rank(0, port, out)
+    plan, stop = out.get(timeout=30), out.get(timeout=30)
+    follower.join(30)
+    assert plan.input_ids == [1, 2] and plan.tables == [[0]] and stop is None
