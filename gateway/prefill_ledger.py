@@ -15,12 +15,11 @@ the last room; a request costs one read, one take and one give, never a call per
 from __future__ import annotations
 
 import abc
-import logging
 from collections.abc import Sequence
 
 import redis
 
-log = logging.getLogger(__name__)
+from splitserve.gateway.redis_breaker import Breaker
 
 # The live replicas' tokens in one worker's hash (a dead replica's field is dropped on the way).
 _USED = """
@@ -128,7 +127,7 @@ class RedisLedger(PrefillLedger):
         self._take = client.register_script(TAKE)
         self._give = client.register_script(GIVE)
         self._local = LocalLedger()
-        self._warned = False
+        self._breaker = Breaker("prefill budgets")
 
     def _key(self, worker_id: str) -> str:
         return f"{self._ns}:gw:prefill:{worker_id}"
@@ -136,14 +135,19 @@ class RedisLedger(PrefillLedger):
     def used(self, worker_ids: Sequence[str]) -> dict[str, int]:
         if not worker_ids:
             return {}
+        if self._breaker.is_open:
+            return self._local.used(worker_ids)
         try:
             totals = self._used(keys=[self._key(w) for w in worker_ids], args=[self._alive_prefix])
         except redis.RedisError as exc:
             self._unreachable(exc)
             return self._local.used(worker_ids)
+        self._breaker.answered()
         return {w: int(t) for w, t in zip(worker_ids, totals, strict=True)}
 
     def take(self, worker_id: str, num_tokens: int, most: int) -> bool:
+        if self._breaker.is_open:
+            return self._local.take(worker_id, num_tokens, most)
         try:
             taken = self._take(
                 keys=[self._key(worker_id)],
@@ -158,16 +162,12 @@ class RedisLedger(PrefillLedger):
 
     def give(self, worker_id: str, num_tokens: int) -> None:
         self._local.give(worker_id, num_tokens)
+        if self._breaker.is_open:
+            return
         try:
             self._give(keys=[self._key(worker_id)], args=[self.replica_id, num_tokens])
         except redis.RedisError as exc:
             self._unreachable(exc)
 
     def _unreachable(self, exc: BaseException) -> None:
-        if not self._warned:
-            self._warned = True
-            log.warning(
-                "prefill budgets in Redis are unreachable (%s): this gateway replica counts "
-                "its own requests only until Redis is back",
-                exc,
-            )
+        self._breaker.failed(exc)

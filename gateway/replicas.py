@@ -20,7 +20,8 @@ each replica renews its own ids every lease_s / 3 in one pipeline. The owner is 
 an Abort from another API key finds nothing, as on one replica.
 
 If Redis cannot be reached a replica goes on alone (its own table still refuses its duplicates
-and aborts its requests): serving beats refusing, and the registry is down anyway.
+and aborts its requests), trying Redis again a second later (`redis_breaker.py`): serving
+beats refusing, and the registry is down anyway.
 """
 
 from __future__ import annotations
@@ -29,7 +30,6 @@ import asyncio
 import contextlib
 import hashlib
 import json
-import logging
 import threading
 import uuid
 from collections.abc import Callable, Iterable
@@ -37,16 +37,16 @@ from collections.abc import Callable, Iterable
 import redis
 
 from splitserve.engine.errors import AlreadyExists, quoted
-
-log = logging.getLogger(__name__)
+from splitserve.gateway.redis_breaker import Breaker
 
 ENDED = b"ended"
 
-# KEYS: req key, early-abort key. ARGV: value, lease ms. 1 if an early abort was waiting,
-# 0 if not, -1 if the id runs elsewhere.
+# KEYS: req key, early-abort key. ARGV: value, lease ms, "<replica>\n". 1 if an early abort
+# was waiting, 0 if not, -1 if the id runs elsewhere. A record of this replica's own is stale
+# (its own table said the id is free: a release that Redis missed).
 CLAIM = """
 local cur = redis.call('GET', KEYS[1])
-if cur and cur ~= 'ended' then return -1 end
+if cur and cur ~= 'ended' and string.sub(cur, 1, #ARGV[3]) ~= ARGV[3] then return -1 end
 redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
 return redis.call('DEL', KEYS[2])
 """
@@ -78,6 +78,7 @@ class SharedRequests:
         lease_s: float = 15.0,
         remember_s: float = 30.0,
         reply_timeout_s: float = 2.0,
+        outage_retry_s: float = 1.0,
     ) -> None:
         self._client = client
         self.replica_id = replica_id
@@ -89,7 +90,7 @@ class SharedRequests:
         self._release = client.register_script(RELEASE)
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
-        self._warned = False
+        self._breaker = Breaker("shared request ids", outage_retry_s)
 
     # -- keys ---------------------------------------------------------------------------------
 
@@ -113,19 +114,24 @@ class SharedRequests:
     def claim(self, request_id: str, owner: str) -> bool:
         """Hold `request_id` for this replica; True if an Abort for it came first (from any
         replica). AlreadyExists if it runs on another replica."""
+        if self._breaker.is_open:
+            return False
         try:
             got = self._claim(
                 keys=[self._req_key(request_id), self._early_key(owner, request_id)],
-                args=[self._value(owner), self.lease_ms],
+                args=[self._value(owner), self.lease_ms, f"{self.replica_id}\n"],
             )
         except redis.RedisError as exc:
             self._unreachable(exc)
             return False
+        self._breaker.answered()
         if got == -1:
             raise AlreadyExists(f"request id {quoted(request_id)} is already running")
         return bool(got)
 
     def release(self, request_id: str, owner: str) -> None:
+        if self._breaker.is_open:
+            return  # NOTE: the lease ends it
         try:
             self._release(
                 keys=[self._req_key(request_id)], args=[self._value(owner), self.remember_ms]
@@ -137,6 +143,8 @@ class SharedRequests:
         """Abort `owner`'s request `request_id` running on another replica: True if its owner
         replica stopped it. An id that runs nowhere (yet) is remembered for `remember_s`: its
         Generate, wherever it lands, then ends at once."""
+        if self._breaker.is_open:
+            return False
         try:
             value = self._client.get(self._req_key(request_id))
             if value is None or value == ENDED:
@@ -238,10 +246,4 @@ class SharedRequests:
                 return
 
     def _unreachable(self, exc: BaseException) -> None:
-        if not self._warned:
-            self._warned = True
-            log.warning(
-                "the shared request table in Redis is unreachable (%s): this gateway replica "
-                "goes on alone (duplicate ids and Aborts are checked here only)",
-                exc,
-            )
+        self._breaker.failed(exc)

@@ -125,3 +125,38 @@ def test_an_abort_forwarded_to_the_owner_replica_is_answered_and_timed(redis_ser
     assert aborted == [("r1", "key-1")]
     assert took < 0.5, f"a forwarded Abort took {took * 1000:.0f} ms"
     asker.stop()
+
+
+def test_while_redis_is_down_a_replica_acts_alone_and_asks_again_later():
+    from splitserve.kv_transfer.redis_server import RedisServer
+
+    server = RedisServer()
+    port = server.port
+    client = redis.Redis.from_url(server.url, socket_connect_timeout=1.0)
+    patient = SharedRequests(client, "patient", NS, outage_retry_s=60.0)
+    eager = SharedRequests(client, "eager", NS, outage_retry_s=0.2)
+    server.stop()
+    assert patient.claim("r1", "key") is False  # Redis down: served alone, not refused
+    assert eager.claim("r2", "key") is False
+    down = time.monotonic()
+    server = RedisServer(port=port)
+    try:
+        assert patient.claim("r3", "key") is False
+        assert client.get(f"{NS}:gw:req:r3") is None  # within its wait: Redis not asked
+        time.sleep(max(0.0, 0.3 - (time.monotonic() - down)))
+        eager.claim("r4", "key")
+        assert client.get(f"{NS}:gw:req:r4") is not None  # asked again, and it answered
+    finally:
+        client.close()
+        server.stop()
+
+
+def test_a_replicas_own_stale_record_does_not_refuse_its_next_claim(redis_server, redis_client):
+    one = SharedRequests(_client(redis_server), "one", NS)
+    other = SharedRequests(_client(redis_server), "other", NS)
+    one.claim("stale", "key")  # and its release never reached Redis
+    one.claim("stale", "key")  # its own table says the id is free: the record is stale
+    with pytest.raises(AlreadyExists):
+        other.claim("stale", "key")
+    one.release("stale", "key")
+    assert other.claim("stale", "key") is False
