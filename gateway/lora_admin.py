@@ -29,6 +29,7 @@ from splitserve.engine.errors import (
     quoted,
 )
 from splitserve.engine.lora.request import check_adapter_name
+from splitserve.gateway.limits import AdvertisedLimits
 from splitserve.gateway.stubs import Stubs
 from splitserve.kv_transfer.registry import WORKER_KINDS, Registry, WorkerInfo
 from splitserve.protos.v1 import worker_pb2
@@ -38,9 +39,18 @@ ADVERTISE_TIMEOUT_S = 10.0
 
 
 class AdapterAdmin:
-    def __init__(self, registry: Registry, stubs: Stubs, rpc_timeout_s: float = 60.0) -> None:
+    def __init__(
+        self,
+        registry: Registry,
+        stubs: Stubs,
+        limits: AdvertisedLimits | None = None,
+        rpc_timeout_s: float = 60.0,
+    ) -> None:
+        """`limits`: the gateway's view of what workers advertise, re-read after each change
+        (so /v1/models and the NOT_FOUND check see it at once)."""
         self.registry = registry
         self.stubs = stubs
+        self.limits = limits
         self.rpc_timeout_s = rpc_timeout_s
 
     async def load(self, name: str, path: str) -> list[str]:
@@ -95,6 +105,8 @@ class AdapterAdmin:
         while time.monotonic() < deadline:
             listed = {w.worker_id: name in w.adapters for w in await self._workers()}
             if all(listed.get(i, present) == present for i in ids):
+                if self.limits is not None:
+                    await asyncio.to_thread(self.limits.current, True)
                 return
             await asyncio.sleep(0.05)
         raise Unavailable(f"the workers did not advertise LoRA adapter {quoted(name)} in time")

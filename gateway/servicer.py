@@ -60,7 +60,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         self.shared = shared
         self.limits = AdvertisedLimits(orchestrator.registry)
         # Run-time LoRA loads and unloads on every live worker
-        self.adapters = AdapterAdmin(orchestrator.registry, orchestrator.stubs)
+        self.adapters = AdapterAdmin(orchestrator.registry, orchestrator.stubs, self.limits)
         self.per_key = PerKeyInflight(max_inflight_per_key)
         self.token_rate = PerKeyTokenRate(max_tokens_per_minute_per_key)
         # Tokens per client message when a request does not say (--stream-interval)
