@@ -65,8 +65,9 @@ class EngineLoop:
         self._idle_wait_s = idle_wait_s
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self.failure: BaseException | None = None
-        # Turns that stepped the engine: how many, their wall seconds (commands, step, outputs
-        # and hooks: the serving step), and the sequences they ran (EngineStats' step fields).
+        # Turns that stepped the engine with work waiting: how many, their wall seconds (the
+        # commands run between steps, the step, outputs and hooks: the serving step), and the
+        # sequences they ran (EngineStats' step fields).
         self.num_steps = 0
         self.step_seconds = 0.0
         self.num_step_seqs = 0
@@ -155,19 +156,21 @@ class EngineLoop:
         try:
             self.engine.platform.activate()  # NOTE: the current GPU is per thread
             while not self._stop.is_set():
-                self._run_commands(block=not self.engine.has_unfinished_requests())
+                busy = self.engine.has_unfinished_requests()
+                started = time.perf_counter()
+                self._run_commands(block=not busy)
                 self.engine.housekeeping()
                 if self.engine.has_unfinished_requests():
-                    started = time.perf_counter()
                     num_seqs = self.engine.num_running_seqs()
                     self.publish(self.engine.step())
                     with self._lock:
                         hooks = list(self._hooks)
                     for hook in hooks:
                         hook(self.engine)
-                    self.step_seconds += time.perf_counter() - started
-                    self.num_steps += 1
-                    self.num_step_seqs += num_seqs
+                    if busy:  # NOTE: a turn that waited for work first is not a serving step
+                        self.step_seconds += time.perf_counter() - started
+                        self.num_steps += 1
+                        self.num_step_seqs += num_seqs
         except BaseException as exc:  # noqa: BLE001 - every waiter must hear about it
             log.exception("engine loop failed")
             self.failure = exc
