@@ -15,8 +15,8 @@ holds no thread and never blocks the loop.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import contextlib
+import dataclasses
 import logging
 import queue
 import threading
