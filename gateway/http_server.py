@@ -22,6 +22,7 @@ import asyncio
 import contextlib
 import logging
 import socket
+import ssl
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping
 from contextlib import AbstractContextManager
 from typing import Any, TypeVar
@@ -334,7 +335,14 @@ def _invalid() -> grpc.StatusCode:
 class HttpFrontDoor:
     """uvicorn serving `app` on the gRPC server's event loop (see the module docstring)."""
 
-    def __init__(self, app: FastAPI, host: str, port: int, reuse_port: bool = False) -> None:
+    def __init__(
+        self,
+        app: FastAPI,
+        host: str,
+        port: int,
+        reuse_port: bool = False,
+        ssl_context: ssl.SSLContext | None = None,
+    ) -> None:
         self._socket = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
         self._socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         if reuse_port:  # NOTE: one of `--processes N`: the parent checked the port was free
@@ -348,6 +356,11 @@ class HttpFrontDoor:
         config = uvicorn.Config(
             app, log_config=None, access_log=False, lifespan="off", timeout_graceful_shutdown=5
         )
+        if ssl_context is not None:
+            # NOTE: HTTPS only on this port (a plaintext request fails its handshake): the
+            # context is set on the loaded config, as uvicorn's own ssl_* options would.
+            config.load()
+            config.ssl = ssl_context
         self._uvicorn = uvicorn.Server(config)
         self._task: asyncio.Task[None] | None = None
 

@@ -10,6 +10,9 @@ from __future__ import annotations
 
 import argparse
 import ipaddress
+import os
+import ssl
+import tempfile
 from collections.abc import Callable, Mapping
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
@@ -64,8 +67,23 @@ class Security:
             return None
         return grpc.ssl_server_credentials([(self.tls_private_key, self.tls_cert_chain)])
 
-    def check_exposure(self, host: str, gateway: bool) -> None:
-        """Refuse to serve on a non-loopback `host` without protection (unless --insecure)."""
+    def http_ssl_context(self) -> ssl.SSLContext | None:
+        """The HTTP API's TLS (the same certificate as the gRPC port's); None without TLS."""
+        if self.tls_cert_chain is None or self.tls_private_key is None:
+            return None
+        context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+        # NOTE: `ssl` loads a chain from files only: a private directory, gone once loaded.
+        with tempfile.TemporaryDirectory(prefix="splitserve-tls-") as directory:
+            chain, key = os.path.join(directory, "chain.pem"), os.path.join(directory, "key.pem")
+            for path, data in ((chain, self.tls_cert_chain), (key, self.tls_private_key)):
+                with open(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "wb") as f:
+                    f.write(data)
+            context.load_cert_chain(chain, key)
+        return context
+
+    def check_exposure(self, host: str, gateway: bool, http: bool = False) -> None:
+        """Refuse to serve on a non-loopback `host` without protection (unless --insecure);
+        `http`: the gateway serves the HTTP API too, which then needs TLS."""
         if self.insecure or is_loopback(host):
             return
         if gateway:
@@ -74,6 +92,12 @@ class Security:
                     f"the gateway would serve {host} to anyone: give it --api-key-file (or "
                     "SPLITSERVE_API_KEYS), and --tls-cert-file/--tls-key-file, or --insecure "
                     "to serve without them"
+                )
+            if http and not self.tls:
+                raise ValueError(
+                    f"the HTTP API would carry API keys and prompts in clear on {host}: give "
+                    "the gateway --tls-cert-file/--tls-key-file, or --insecure to serve it "
+                    "without TLS"
                 )
         elif not self.cluster_secret:
             raise ValueError(

@@ -88,7 +88,9 @@ def _serve(args: argparse.Namespace, env: Mapping[str, str]) -> int:
         worker_id=args.worker_id or default_worker_id(kind),
     )
     security = security_from_args(args, env)
-    security.check_exposure(service.host, gateway=args.command == "gateway")
+    security.check_exposure(
+        service.host, gateway=args.command == "gateway", http=bool(getattr(args, "http_port", 0))
+    )
     if args.command == "gateway" and not args.reuse_port:
         from splitserve.gateway_processes import default_processes, run_gateway_processes
 

@@ -5,6 +5,7 @@ one per process (`gateway_processes.py`)."""
 
 from __future__ import annotations
 
+import ssl
 import uuid
 from collections.abc import Callable, Iterable
 
@@ -117,7 +118,7 @@ def start_gateway(
             opened, tokenizer, info, service.host, gateway.http_port, security.http_authorize(),
             gateway.tool_call_parser, reuse_port=reuse_port,
             adapters=lambda: servicer.limits.current().adapters,
-            lora_admin=servicer.adapters,
+            lora_admin=servicer.adapters, ssl_context=security.http_ssl_context(),
         )  # fmt: skip
     except BaseException:
         opened.close()
@@ -155,10 +156,12 @@ def start_http(
     reuse_port: bool = False,
     adapters: Callable[[], Iterable[str]] | None = None,
     lora_admin: object = None,
+    ssl_context: ssl.SSLContext | None = None,
 ) -> HttpFrontDoor | None:
     """The OpenAI-compatible HTTP API beside the gRPC one (None when `port` is 0): it calls
     the same Gateway servicer, through the same lifecycle gate, on the same event loop, and
-    checks the same API keys (`authorize`); its /metrics serves the gateway's registry."""
+    checks the same API keys (`authorize`); its /metrics serves the gateway's registry.
+    With `ssl_context` (the gateway's TLS certificate) it serves HTTPS only."""
     if not port:
         return None
     gate = opened.gates[0]
@@ -174,6 +177,6 @@ def start_http(
         adapters,
         lora_admin,
     )
-    http = HttpFrontDoor(app, host, port, reuse_port=reuse_port)
+    http = HttpFrontDoor(app, host, port, reuse_port=reuse_port, ssl_context=ssl_context)
     http.start(opened.server)
     return http

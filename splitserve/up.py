@@ -91,6 +91,14 @@ class StackSettings:
                 f"--host {self.host} would serve anyone who can reach it: give --api-key-file "
                 "(and --tls-cert-file/--tls-key-file), or --insecure to serve without a key"
             )
+        plaintext_http = self.http_port is not None and not (
+            self.tls_cert_file and self.tls_key_file
+        )
+        if plaintext_http and not (is_loopback(self.host) or self.insecure):
+            raise ValueError(
+                f"--host {self.host}: the HTTP API would carry API keys and prompts in clear: "
+                "give --tls-cert-file/--tls-key-file, or --insecure to serve it without TLS"
+            )
         check_port("--port", self.port)
         if self.gateways < 0:
             raise ValueError(f"--gateways must be >= 0 (0: sized to the host), got {self.gateways}")
@@ -276,7 +284,8 @@ def start_stack(
             if kind == "gateway" and settings.http_port is not None:
                 http_port = settings.http_port or _new_port(settings.host, taken)
                 args += ["--http-port", str(http_port)]
-                stack.http_url = f"http://{settings.host}:{http_port}/v1"
+                scheme = "https" if settings.tls_cert_file and settings.tls_key_file else "http"
+                stack.http_url = f"{scheme}://{settings.host}:{http_port}/v1"
             if settings.metrics:
                 # NOTE: gateway process i serves /metrics on the gateway's port + i
                 count = (settings.gateways or default_processes()) if kind == "gateway" else 1
