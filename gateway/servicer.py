@@ -91,9 +91,10 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         shared = False
         try:
             if self.shared is not None:  # NOTE: refused if another replica runs the id
-                claim.aborted |= await asyncio.to_thread(
-                    self.shared.claim, job.request_id, claim.owner
-                )
+                # NOTE: not `claim.aborted |= await …`: that reads the flag before the await
+                # and would undo an Abort that lands meanwhile.
+                if await asyncio.to_thread(self.shared.claim, job.request_id, claim.owner):
+                    claim.aborted = True
                 shared = True
             with self.per_key.hold(claim.owner), self._charged(job, claim):
                 if not self._slots.acquire(blocking=False):
