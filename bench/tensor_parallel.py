@@ -28,8 +28,6 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import multiprocessing as mp
-import socket
 import statistics
 import tempfile
 import time
@@ -39,15 +37,10 @@ from typing import Any
 import torch
 
 from bench.common import SHAPES, device_name, model_dir, sync, table, write_results
+from bench.tensor_parallel_collectives import measure_collectives
 
 SMOKE_SHAPE = "tiny"
 BIG_ALL_REDUCE_BYTES = 256 << 20
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _tiny_dir(root: Path) -> Path:
@@ -56,79 +49,12 @@ def _tiny_dir(root: Path) -> Path:
     return make_tiny_model(root / SMOKE_SHAPE, "llama")
 
 
-# -- collectives ---------------------------------------------------------------------------
-
-
-def _time_all_reduce(group, x: torch.Tensor, reps: int) -> float:
-    for _ in range(3):
-        group.all_reduce(x)
-    sync()
-    start = time.perf_counter()
-    for _ in range(reps):
-        group.all_reduce(x)
-    sync()
-    return (time.perf_counter() - start) / reps
-
-
-def _collective_rank(rank: int, size: int, port: int, device: str, spec: dict, out) -> None:
-    from splitserve.engine.parallel.group import Rendezvous, TorchGroup
-    from splitserve.engine.parallel.sharding import Shard
-
-    dev = torch.device(f"cuda:{rank}" if device == "cuda" else "cpu")
-    if dev.type == "cuda":
-        torch.cuda.set_device(dev)
-    group = TorchGroup(Shard(rank, size), Rendezvous("127.0.0.1", port), dev)
-    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
-    elem = torch.empty((), dtype=dtype).element_size()
-    big = torch.ones(spec["big_bytes"] // elem, dtype=dtype, device=dev)
-    seconds = _time_all_reduce(group, big, spec["reps"])
-    result: dict[str, Any] = {
-        "all_reduce_bytes": spec["big_bytes"],
-        "all_reduce_ms": seconds * 1e3,
-        "bus_GB_per_s": spec["big_bytes"] * 2 * (size - 1) / size / seconds / 1e9,
-        "step": {},
-    }
-    for tokens in spec["tokens"]:
-        x = torch.ones(tokens, spec["hidden"], dtype=dtype, device=dev)
-        one = _time_all_reduce(group, x, spec["reps"])
-        result["step"][str(tokens)] = {
-            "one_all_reduce_us": one * 1e6,
-            "per_step_ms": one * spec["per_step"] * 1e3,
-            "bytes": x.numel() * elem,
-        }
-    group.close()
-    if rank == 0:
-        out.put(result)
-
-
-def measure_collectives(
-    size: int, device: str, hidden: int, layers: int, tokens: list[int], big_bytes: int, reps: int
-) -> dict:
-    """All-reduce bus bandwidth and per-step all-reduce time in a fresh group of `size`
-    processes (before any engine holds the GPUs)."""
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    spec = {
-        "hidden": hidden,
-        "tokens": tokens,
-        "big_bytes": big_bytes,
-        "reps": reps,
-        "per_step": 2 * layers + 1,
-    }
-    port = _free_port()
-    procs = [
-        ctx.Process(target=_collective_rank, args=(r, size, port, device, spec, out))
-        for r in range(size)
-    ]
-    for p in procs:
-        p.start()
-    result = out.get(timeout=600)
-    for p in procs:
-        p.join(60)
-    return result
-
-
 # -- engine --------------------------------------------------------------------------------
+
+
+def _progress(text: str) -> None:
+    """A line as each phase ends: a run cut short by a time limit still shows what it got."""
+    print(f"[{time.strftime('%H:%M:%S')}] {text}", flush=True)
 
 
 def _random_prompt(length: int, vocab: int, gen: torch.Generator) -> list[int]:
@@ -217,7 +143,9 @@ def run_engine_config(
         max_num_seqs=max(args.batches),
         num_kv_blocks=args.num_kv_blocks,
     )
+    start = time.perf_counter()
     engine = LLMEngine(path, config)
+    _progress(f"{name}: engine up in {time.perf_counter() - start:.1f} s")
     try:
         row: dict[str, Any] = {
             "config": name,
@@ -226,8 +154,10 @@ def run_engine_config(
         }
         for length in args.prompt_lens:
             row[f"ttft_{length}_ms"] = ttft(engine, length, args.reps) * 1e3
+            _progress(f"{name}: TTFT {length}: {row[f'ttft_{length}_ms']:.2f} ms")
         for batch in args.batches:
             row[f"step_b{batch}_ms"] = decode_step(engine, batch, args.context, args.steps) * 1e3
+            _progress(f"{name}: step at batch {batch}: {row[f'step_b{batch}_ms']:.3f} ms")
         local = engine.model.cfg
         row["weight_bytes_rank0"] = rank_weight_bytes(engine)
         elem = engine.kv_cache.pool.element_size()
@@ -250,7 +180,14 @@ def engine_mode(args) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         path = _tiny_dir(Path(tmp)) if args.smoke else model_dir(args.shape, Path(tmp))
         cfg = json.loads((path / "config.json").read_text())
+        # NOTE: a 16k prompt outgrows the Llama-3-8B shape's 8192 positions; the rotary tables
+        # extend to any length, and the timing does not depend on their values.
+        need = max(*args.prompt_lens, args.context + args.steps) + 64
+        if cfg["max_position_embeddings"] < need:
+            cfg["max_position_embeddings"] = need
+            (path / "config.json").write_text(json.dumps(cfg))
         hidden, layers = cfg["hidden_size"], cfg["num_hidden_layers"]
+        _progress(f"collectives: all-reduce in a group of {args.tp}")
         collectives = measure_collectives(
             args.tp,
             "cuda" if on_gpu else "cpu",
@@ -265,20 +202,24 @@ def engine_mode(args) -> dict:
             from bench.kernels import copy_bandwidth
 
             bandwidth = copy_bandwidth(2 << 30, torch.device("cuda"))["GB_per_s"] * 1e9
-        configs = [("TP=1", 1, True, False)]
-        if on_gpu:
+        _progress(f"collectives: {json.dumps(collectives)}; copy {bandwidth} B/s")
+        configs = [("TP=1", 1, True, False)]  # the baseline: always first
+        if on_gpu and "tp1-eager" in args.configs:
             configs.append(("TP=1 eager", 1, False, False))
-        configs.append((f"TP={args.tp}", args.tp, True, False))
-        if on_gpu:  # opt-in graphs at TP > 1 (EngineConfig.tensor_parallel_cuda_graphs)
+        if "tpN" in args.configs:
+            configs.append((f"TP={args.tp}", args.tp, True, False))
+        if on_gpu and "tpN-graphs" in args.configs:  # opt-in (tensor_parallel_cuda_graphs)
             configs.append((f"TP={args.tp} graphs", args.tp, True, True))
         rows = []
         for name, tp, graphs, tp_graphs in configs:
+            _progress(f"{name}: starting")
             try:
                 rows.append(run_engine_config(path, name, tp, graphs, args, on_gpu, tp_graphs))
             except Exception as exc:  # noqa: BLE001 - a failed configuration is a result too
                 if tp == 1:
                     raise
                 rows.append({"config": name, "tp": tp, "error": repr(exc)[:500]})
+            _progress(f"{name}: {json.dumps(rows[-1])}")
     measured = [row for row in rows if "error" not in row]
     base = rows[0]
     tp_row = next(r for r in reversed(measured) if r["tp"] > 1) if len(measured) > 1 else base
@@ -343,6 +284,13 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--serve-requests", type=int, default=4)
     parser.add_argument("--serve-prompt-len", type=int, default=1024)
     parser.add_argument("--serve-tokens", type=int, default=32)
+    parser.add_argument(
+        "--configs",
+        nargs="+",
+        choices=["tp1-eager", "tpN", "tpN-graphs"],
+        default=["tp1-eager", "tpN", "tpN-graphs"],
+        help="rows beside the TP=1 baseline (eager ones and graphs rows on GPUs only)",
+    )
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
     if args.smoke:
