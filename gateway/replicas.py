@@ -2,8 +2,10 @@
 and duplicate ids work from any replica (processes of one `--processes N`, or replicas behind a
 Kubernetes Service).
 
-    {ns}:gw:req:{request_id}       "<replica>\\n<owner hash>" while it runs (PX lease, renewed by
-                                   its replica); "ended" for `remember_s` after it ends
+    {ns}:gw:req:{owner}:{id}       "<replica>\\n<owner hash>" while it runs (PX lease, renewed by
+                                   its replica); "ended" for `remember_s` after it ends. `owner`:
+                                   the API key's principal, hashed (ids are scoped per key);
+                                   without keys, `{ns}:gw:req:{id}`
     {ns}:gw:early:{owner}:{id}     an Abort that came before its Generate (PX remember_s)
     {ns}:gw:abort:{replica}        pub/sub channel: Aborts for the replica's requests
     {ns}:gw:reply:{nonce}          list: the owner's answer to one forwarded Abort
@@ -17,7 +19,8 @@ Kubernetes Service).
 A claim and a release are one Lua call each (check and write atomically), per request; nothing
 is sent per token. A replica that dies leaves its ids taken until their lease ends (`lease_s`):
 each replica renews its own ids every lease_s / 3 in one pipeline. The owner is stored hashed:
-an Abort from another API key finds nothing, as on one replica.
+an Abort from another API key finds nothing, as on one replica, and another key's request with
+the same id is another key in Redis: neither refused (ALREADY_EXISTS) nor in the way.
 
 If Redis cannot be reached a replica goes on alone (its own table still refuses its duplicates
 and aborts its requests), trying Redis again a second later (`redis_breaker.py`): serving
@@ -94,8 +97,10 @@ class SharedRequests:
 
     # -- keys ---------------------------------------------------------------------------------
 
-    def _req_key(self, request_id: str) -> str:
-        return f"{self._ns}:gw:req:{request_id}"
+    def _req_key(self, owner: str, request_id: str) -> str:
+        if not owner:  # NOTE: no API keys: the one anonymous namespace
+            return f"{self._ns}:gw:req:{request_id}"
+        return f"{self._ns}:gw:req:{owner_hash(owner)}:{request_id}"
 
     def _early_key(self, owner: str, request_id: str) -> str:
         return f"{self._ns}:gw:early:{owner_hash(owner)}:{request_id}"
@@ -118,7 +123,7 @@ class SharedRequests:
             return False
         try:
             got = self._claim(
-                keys=[self._req_key(request_id), self._early_key(owner, request_id)],
+                keys=[self._req_key(owner, request_id), self._early_key(owner, request_id)],
                 args=[self._value(owner), self.lease_ms, f"{self.replica_id}\n"],
             )
         except redis.RedisError as exc:
@@ -134,7 +139,8 @@ class SharedRequests:
             return  # NOTE: the lease ends it
         try:
             self._release(
-                keys=[self._req_key(request_id)], args=[self._value(owner), self.remember_ms]
+                keys=[self._req_key(owner, request_id)],
+                args=[self._value(owner), self.remember_ms],
             )
         except redis.RedisError as exc:
             self._unreachable(exc)
@@ -146,7 +152,7 @@ class SharedRequests:
         if self._breaker.is_open:
             return False
         try:
-            value = self._client.get(self._req_key(request_id))
+            value = self._client.get(self._req_key(owner, request_id))
             if value is None or value == ENDED:
                 if value is None:
                     self._client.set(self._early_key(owner, request_id), b"1", px=self.remember_ms)
@@ -171,11 +177,11 @@ class SharedRequests:
         self,
         loop: asyncio.AbstractEventLoop,
         abort_local: Callable[[str, str], bool],
-        running: Callable[[], Iterable[str]],
+        running: Callable[[], Iterable[tuple[str, str]]],
     ) -> None:
         """Listen for Aborts forwarded to this replica (each run by `abort_local(id, owner)`
-        on `loop`) and renew the leases of the ids `running()` lists (read on `loop`), and of
-        the replica itself."""
+        on `loop`) and renew the leases of the requests `running()` lists as (owner, id) (read
+        on `loop`), and of the replica itself."""
         try:
             self._client.set(self._alive_key(), b"1", px=self.lease_ms)
         except redis.RedisError as exc:
@@ -229,7 +235,7 @@ class SharedRequests:
         pipe.execute()
 
     def _renew(self, loop, abort_local, running) -> None:  # noqa: ANN001 - see start
-        async def snapshot() -> list[str]:
+        async def snapshot() -> list[tuple[str, str]]:
             return list(running())
 
         while not self._stop.wait(self.lease_ms / 3000):
@@ -237,8 +243,8 @@ class SharedRequests:
                 ids = asyncio.run_coroutine_threadsafe(snapshot(), loop).result(5.0)
                 pipe = self._client.pipeline(transaction=False)
                 pipe.set(self._alive_key(), b"1", px=self.lease_ms)
-                for request_id in ids:
-                    pipe.pexpire(self._req_key(request_id), self.lease_ms)
+                for owner, request_id in ids:
+                    pipe.pexpire(self._req_key(owner, request_id), self.lease_ms)
                 pipe.execute()
             except (redis.RedisError, OSError) as exc:
                 self._unreachable(exc)

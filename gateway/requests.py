@@ -1,5 +1,9 @@
 """Which requests run in this gateway, by id: the one place that owns request identity.
 
+Ids are scoped per API key: a request is known by (its key's principal, its id), so two keys
+may run the same id side by side, and one key never learns, blocks or aborts another's. Without
+API keys every caller is the anonymous principal: one namespace, as before keys existed.
+
 A Generate call claims its id before it does any work, and gives the claim back when its stream
 ends. A second call with an id that is running is refused (ALREADY_EXISTS) before it holds
 anything, so its end touches nothing of the first: every clean-up acts on what its own claim
@@ -67,7 +71,7 @@ class RequestTable:
     """The running request ids, and the recently aborted ids not seen yet."""
 
     def __init__(self, remember: int = 4096, remember_s: float = 30.0) -> None:
-        self._claims: dict[str, Claim] = {}
+        self._claims: dict[str, Claim] = {}  # by `_scoped(owner, request id)`
         # Ids aborted before their Generate arrived, and ids that just ended (an Abort that
         # comes late for those is not an early one), each with when it was noted.
         self._early_aborts: OrderedDict[str, float] = OrderedDict()
@@ -78,47 +82,51 @@ class RequestTable:
     def __len__(self) -> int:
         return len(self._claims)
 
-    def __contains__(self, request_id: object) -> bool:
-        return request_id in self._claims
+    def holds(self, request_id: str, owner: str = "") -> bool:
+        """Whether `owner`'s request `request_id` runs here."""
+        return _scoped(owner, request_id) in self._claims
 
-    def ids(self) -> list[str]:
-        """The running request ids."""
-        return list(self._claims)
+    def ids(self) -> list[tuple[str, str]]:
+        """The running requests, as (owner, request id)."""
+        return [(claim.owner, claim.request_id) for claim in self._claims.values()]
 
     def claim(self, request_id: str, owner: str = "") -> Claim:
-        """Hold `request_id` for the calling task, on behalf of `owner`; AlreadyExists if it is
-        running."""
-        if request_id in self._claims:
+        """Hold `request_id` for the calling task, on behalf of `owner`; AlreadyExists if
+        `owner` runs it already (another owner's request with that id is none of its business)."""
+        scoped = _scoped(owner, request_id)
+        if scoped in self._claims:
             raise AlreadyExists(f"request id {quoted(request_id)} is already running")
         claim = Claim(request_id, asyncio.current_task(), owner=owner)
         self._forget_old()
-        if self._early_aborts.pop(_scoped(owner, request_id), None) is not None:
+        if self._early_aborts.pop(scoped, None) is not None:
             claim.aborted = True
-        self._ended.pop(request_id, None)
-        self._claims[request_id] = claim
+        self._ended.pop(scoped, None)
+        self._claims[scoped] = claim
         return claim
 
     def release(self, claim: Claim) -> None:
         """Give the id back; only the claim that holds it can."""
-        if self._claims.get(claim.request_id) is claim:
-            del self._claims[claim.request_id]
-            self._note(self._ended, claim.request_id)
+        scoped = _scoped(claim.owner, claim.request_id)
+        if self._claims.get(scoped) is claim:
+            del self._claims[scoped]
+            self._note(self._ended, scoped)
 
     def abort(self, request_id: str, owner: str = "") -> bool:
         """Abort `owner`'s running request with this id (True), or remember the id for a while
         in case its Generate is still on the way (False: nothing was running). Another owner's
         request is not touched: to a stranger, it answers as if the id were unknown."""
-        claim = self._claims.get(request_id)
-        if claim is not None and claim.owner == owner:
+        scoped = _scoped(owner, request_id)
+        claim = self._claims.get(scoped)
+        if claim is not None:
             return claim.abort()
         self._forget_old()
-        if request_id not in self._ended:
-            self._note(self._early_aborts, _scoped(owner, request_id))
+        if scoped not in self._ended:
+            self._note(self._early_aborts, scoped)
         return False
 
-    def _note(self, memory: OrderedDict[str, float], request_id: str) -> None:
-        memory[request_id] = time.monotonic()
-        memory.move_to_end(request_id)
+    def _note(self, memory: OrderedDict[str, float], scoped: str) -> None:
+        memory[scoped] = time.monotonic()
+        memory.move_to_end(scoped)
         while len(memory) > self._remember:
             memory.popitem(last=False)
 
@@ -130,5 +138,5 @@ class RequestTable:
 
 
 def _scoped(owner: str, request_id: str) -> str:
-    """An early abort's key: an id aborted by one owner never stops another owner's request."""
+    """A request's key here: its id within its owner's namespace."""
     return f"{owner}\x00{request_id}"

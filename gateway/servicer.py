@@ -9,7 +9,7 @@ import asyncio
 import contextlib
 import threading
 from collections.abc import AsyncIterator, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import grpc
 
@@ -88,12 +88,13 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         interval = self._interval(request)
         # NOTE: before anything it could undo; the request belongs to the caller's API key
         claim = self.requests.claim(job.request_id, caller())
+        job = _on_workers(job, claim.owner)
         shared = False
         try:
             if self.shared is not None:  # NOTE: refused if another replica runs the id
                 # NOTE: not `claim.aborted |= await …`: that reads the flag before the await
                 # and would undo an Abort that lands meanwhile.
-                if await asyncio.to_thread(self.shared.claim, job.request_id, claim.owner):
+                if await asyncio.to_thread(self.shared.claim, claim.request_id, claim.owner):
                     claim.aborted = True
                 shared = True
             with self.per_key.hold(claim.owner), self._charged(job, claim):
@@ -131,7 +132,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         responses = self.orchestrator.run(
             job, context.time_remaining(), lambda: not (context.done() or context.cancelled()), obs
         )
-        rid, num_generated = job.request_id, 0
+        rid, num_generated = claim.request_id, 0  # NOTE: the client's id, not the workers'
         coalescer = Coalescer(interval)
         try:
             while not claim.aborted:
@@ -190,7 +191,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         self, request: common_pb2.AbortRequest, context: grpc.aio.ServicerContext
     ) -> common_pb2.AbortResponse:
         rid, owner = request.request_id, caller()
-        here = rid in self.requests
+        here = self.requests.holds(rid, owner)
         aborted = self.requests.abort(rid, owner)
         if not here and self.shared is not None:  # NOTE: it may run on another replica
             aborted = await asyncio.to_thread(self.shared.abort_elsewhere, rid, owner)
@@ -220,6 +221,14 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             eos_token_ids=cfg.eos_token_ids,
             block_size=self.model.block_size,
         )
+
+
+def _on_workers(job: Job, owner: str) -> Job:
+    """The job as the workers know it: ids are scoped per API key here, so another key's
+    request with the same id must not meet this one on a worker either."""
+    if not owner:
+        return job
+    return replace(job, request_id=f"{job.request_id}@{owner}")
 
 
 def _aborted(job: Job, num_generated: int) -> gateway_pb2.Finished:

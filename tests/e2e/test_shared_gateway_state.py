@@ -141,10 +141,10 @@ def test_while_redis_is_down_a_replica_acts_alone_and_asks_again_later():
     down = time.monotonic()
     server = RedisServer(port=port)
     try:
-        assert patient.claim("r3", "key") is False
+        assert patient.claim("r3", "") is False  # no key: stored under the bare id
         assert client.get(f"{NS}:gw:req:r3") is None  # within its wait: Redis not asked
         time.sleep(max(0.0, 0.3 - (time.monotonic() - down)))
-        eager.claim("r4", "key")
+        eager.claim("r4", "")
         assert client.get(f"{NS}:gw:req:r4") is not None  # asked again, and it answered
     finally:
         client.close()
@@ -160,3 +160,22 @@ def test_a_replicas_own_stale_record_does_not_refuse_its_next_claim(redis_server
         other.claim("stale", "key")
     one.release("stale", "key")
     assert other.claim("stale", "key") is False
+
+
+def test_request_ids_are_scoped_per_key_across_replicas(redis_server, redis_client):
+    one = SharedRequests(_client(redis_server), "one", NS)
+    other = SharedRequests(_client(redis_server), "other", NS)
+    assert one.claim("same", "key-alice") is False
+    # another key's id on another replica: neither refused nor in the way
+    assert other.claim("same", "key-mallory") is False
+    with pytest.raises(AlreadyExists):
+        other.claim("same", "key-alice")  # the same key still can't run it twice
+    assert other.abort_elsewhere("same", "key-mallory") is False  # its own, not alice's
+    assert redis_client.get(f"{NS}:gw:req:same") is None  # no key stored under the bare id
+    one.release("same", "key-alice")
+    other.release("same", "key-mallory")
+    # no API keys: the one anonymous namespace, as before
+    assert one.claim("bare", "") is False
+    assert redis_client.get(f"{NS}:gw:req:bare") is not None
+    with pytest.raises(AlreadyExists):
+        other.claim("bare", "")

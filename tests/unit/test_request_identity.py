@@ -112,3 +112,20 @@ def test_messages_are_clipped_and_quoted_values_escaped_and_bounded():
     assert len(long.encode()) <= 1000 and long.endswith("…")
     assert quoted("a\r\nb") == "'a\\r\\nb'"
     assert quoted("z" * 10_000, 10) == "'zzzzzzzzzz'… (10000 characters)"
+
+
+def test_two_keys_run_the_same_id_side_by_side_and_abort_only_their_own():
+    async def go() -> None:
+        table = RequestTable()
+        alice = table.claim("same", owner="key-alice")
+        mallory = table.claim("same", owner="key-mallory")  # no ALREADY_EXISTS: not alice's
+        with pytest.raises(AlreadyExists):
+            table.claim("same", owner="key-alice")
+        assert table.holds("same", "key-alice") and not table.holds("same", "key-bob")
+        assert sorted(table.ids()) == [("key-alice", "same"), ("key-mallory", "same")]
+        assert table.abort("same", owner="key-mallory") and mallory.aborted
+        assert not alice.aborted
+        table.release(mallory)
+        assert table.holds("same", "key-alice") and len(table) == 1
+
+    asyncio.run(go())
