@@ -6,7 +6,9 @@ new to it), while housekeeping (lease renewal, reclaiming) goes on until `stop`.
 
 A heartbeat that finds the advertisement gone (Redis restarted empty, or the worker was frozen
 past its TTL) registers again, KV endpoint included, and calls `on_rejoin` (e.g. to re-publish
-the worker's prefix index). While Redis is unreachable the registry logs the outage once; the
+the worker's prefix index). A heartbeat that finds its record changed by someone else (not what
+it wrote last, e.g. with Redis's password but not the cluster secret) logs it and rewrites it
+(`registry_own.py`). While Redis is unreachable the registry logs the outage once; the
 heartbeats go on quietly.
 """
 

@@ -42,6 +42,7 @@ from redis.retry import Retry
 
 from splitserve.kv_transfer import registry_lua as lua
 from splitserve.kv_transfer.registry_endpoints import KVEndpoints
+from splitserve.kv_transfer.registry_own import OwnRecords, stored
 from splitserve.kv_transfer.registry_prefix import PrefixIndex
 from splitserve.kv_transfer.registry_records import (
     RECORD_STATES,
@@ -86,7 +87,7 @@ PATIENT = ("register_worker", "kv_endpoint", "live_workers", "reserve", "begin_w
 
 
 @retrying(patient=(*PATIENT, "get_record", "prefix_match"), own=("reserve",))
-class Registry(PrefixIndex, KVEndpoints):
+class Registry(PrefixIndex, KVEndpoints, OwnRecords):
     """Who owns which KV blocks, which workers are alive, and which prefixes they hold.
 
     A call on a request's path retries through a Redis outage for up to `retry_s` seconds,
@@ -123,6 +124,9 @@ class Registry(PrefixIndex, KVEndpoints):
         self._client = client
         self._ns = namespace
         self._seal = Seal(secret)
+        # What this registry last wrote under each of its worker's own keys (as stored): a
+        # heartbeat that finds something else there rewrites it (`_advertise`).
+        self._written: dict[str, dict[str, bytes]] = {}
         self._retry_s = retry_s
         self._outage = Outage()
         self._reserve = client.register_script(lua.RESERVE)
@@ -178,17 +182,24 @@ class Registry(PrefixIndex, KVEndpoints):
     def _advertise(self, info: WorkerInfo, ttl_s: float) -> bool:
         ttl_ms = _ms(ttl_s, "ttl_s")
         key = self._worker_key(info.kind, info.worker_id)
+        endpoint_key = self._endpoint_key(info.worker_id)
         plain = {f.name: str(getattr(info, f.name)).encode() for f in fields(info)}
         plain["kv_transports"] = ",".join(info.kv_transports).encode()
         plain["adapters"] = json.dumps(list(info.adapters)).encode()  # names may hold commas
         mapping: dict[Any, bytes] = self._seal.seal(key, plain)
         pipe = self._client.pipeline(transaction=True)
-        pipe.exists(key)
+        pipe.hgetall(key)
+        pipe.delete(key)  # NOTE: rewritten whole: a field someone else added goes too
         pipe.hset(key, mapping=mapping)
         pipe.pexpire(key, ttl_ms)
-        pipe.pexpire(self._endpoint_key(info.worker_id), ttl_ms)
+        pipe.hgetall(endpoint_key)
+        pipe.pexpire(endpoint_key, ttl_ms)
         pipe.sadd(self._worker_set(info.kind), info.worker_id)
-        return bool(pipe.execute()[0])
+        before, _, _, _, endpoint, *_ = pipe.execute()
+        previous, self._written[key] = self._written.get(key), stored(mapping)
+        if before and previous is not None:  # NOTE: written here before: still its own?
+            self._check_own(key, before, previous, endpoint_key, endpoint, ttl_ms)
+        return bool(before)
 
     def heartbeat(self, info: WorkerInfo, ttl_s: float) -> bool:
         """Refresh the worker's advertisement (load, free blocks) and extend its TTL; False if

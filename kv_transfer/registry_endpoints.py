@@ -21,6 +21,7 @@ class KVEndpoints:
     _client: redis.Redis
     _ns: str
     _seal: Seal
+    _written: dict[str, dict[str, bytes]]
 
     def _endpoint_key(self, worker_id: str) -> str:
         return f"{self._ns}:kv_endpoint:{worker_id}"
@@ -36,6 +37,7 @@ class KVEndpoints:
         pipe.hset(key, mapping=sealed)
         pipe.pexpire(key, ttl_ms)
         pipe.execute()
+        self._written[key] = {as_text(k): as_bytes(v) for k, v in sealed.items()}
 
     def _open_endpoint(self, worker_id: str, raw: Mapping[Any, Any]) -> dict[str, bytes] | None:
         endpoint = {as_text(k): as_bytes(v) for k, v in raw.items()}

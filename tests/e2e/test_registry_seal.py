@@ -172,3 +172,23 @@ def test_live_members_vouch_for_values_strangers_and_leavers_do_not(
     assert member.kv_endpoint_values("nixl.sender") == {b"prefill-0-0123"}
     member.deregister_worker("prefill", "p0")
     assert member.kv_endpoint_values("nixl.sender") == set()
+
+
+def test_a_workers_heartbeat_rewrites_its_record_changed_by_someone_else(
+    member, redis_client, caplog
+):
+    member.register_worker(worker("d0"), ttl_s=30, kv_endpoint=ENDPOINT)
+    assert member.heartbeat(worker("d0"), ttl_s=30)  # its own writes alone: nothing to say
+    assert "changed by someone else" not in caplog.text
+    # someone with Redis's password: a changed field, an added one, a replaced endpoint
+    redis_client.hset("sealed:worker:decode:d0", mapping={"address": "10.0.0.9:1", "x": "1"})
+    redis_client.delete("sealed:kv_endpoint:d0")
+    redis_client.hset("sealed:kv_endpoint:d0", "grpc.address", "10.0.0.9:1")
+    assert member.live_workers("decode") == [] and member.kv_endpoint("d0") is None
+    with caplog.at_level(logging.WARNING):
+        assert member.heartbeat(worker("d0"), ttl_s=30)
+    assert "'sealed:worker:decode:d0' was changed by someone else" in caplog.text
+    assert "'sealed:kv_endpoint:d0' was changed by someone else" in caplog.text
+    assert member.live_workers("decode") == [worker("d0")]
+    assert member.kv_endpoint("d0") == ENDPOINT
+    assert redis_client.pttl("sealed:kv_endpoint:d0") > 0

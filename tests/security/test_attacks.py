@@ -441,6 +441,44 @@ def test_a_forged_worker_record_gets_no_prompt_even_with_the_redis_password(stac
     assert_nothing_leaks(stack)
 
 
+def test_a_live_workers_record_overwritten_with_the_redis_password_is_repaired(stack, oracle):
+    """Redis's password leaked, not the cluster secret: a stranger overwrites the live workers'
+    records (fields changed, one added, the KV endpoint replaced). Each worker notices on its
+    next heartbeat (every 0.25 s here) and rewrites its record; requests keep succeeding."""
+    assert stack.secrets is not None
+    member = Registry(stack.redis_url, secret=stack.secrets.cluster_secret)
+    stranger = Registry(stack.redis_url)  # the password, not the cluster secret
+    client = redis.Redis.from_url(stack.redis_url)
+    channel, gateway = connect(stack.address, ALICE)
+    try:
+        real = {w.kind: w for kind in ("prefill", "decode") for w in member.live_workers(kind)}
+        assert set(real) == {"prefill", "decode"}
+        for info in real.values():
+            key = f"{member.namespace}:worker:{info.kind}:{info.worker_id}"
+            client.hset(key, mapping={"load": b"0", "address": b"127.0.0.1:1", "extra": b"x"})
+            stranger._publish_endpoint(info.worker_id, {"grpc.address": b"127.0.0.1:1"}, 60_000)
+        overwritten = time.monotonic()
+        assert member.live_workers("prefill") == [] and member.live_workers("decode") == []
+        while not all(member.live_workers(kind) for kind in ("prefill", "decode")):
+            assert time.monotonic() - overwritten < 1.0, "not repaired within a heartbeat"
+            time.sleep(0.02)
+        with channel:
+            for _ in range(3):
+                done = collect(stream(gateway, PROMPT, GREEDY, timeout_s=60))
+                assert done.token_ids[0] == oracle[0]
+        # the KV endpoints, repaired too: the stranger's one is gone from each
+        forged = b"127.0.0.1:1"
+        assert member.kv_endpoint(real["decode"].worker_id)["grpc.address"] != forged
+        for info in real.values():
+            raw = client.hgetall(f"{member.namespace}:kv_endpoint:{info.worker_id}")
+            assert forged not in raw.values()
+    finally:
+        client.close()
+        stranger.close()
+        member.close()
+    assert_nothing_leaks(stack)
+
+
 def test_a_request_past_its_keys_token_rate_is_refused_on_both_apis(stack, model_dir, oracle):
     """16 samples of 1,500 tokens ask for more than the key's tokens per minute: refused before
     any worker sees it (gRPC RESOURCE_EXHAUSTED, HTTP 429), and the key still has its budget."""
