@@ -91,6 +91,10 @@ def _serve(args: argparse.Namespace, env: Mapping[str, str]) -> int:
     security.check_exposure(
         service.host, gateway=args.command == "gateway", http=bool(getattr(args, "http_port", 0))
     )
+    if args.command != "gateway":  # NOTE: before NIXL starts here or in the engine core
+        from splitserve.kv_transfer.nixl_ucx import bind_ucx_to
+
+        bind_ucx_to(service.host)
     if args.command == "gateway" and not args.reuse_port:
         from splitserve.gateway_processes import default_processes, run_gateway_processes
 
