@@ -147,39 +147,6 @@ def test_a_strangers_abort_does_not_touch_the_victims_request(stack, oracle):
     assert_nothing_leaks(stack)
 
 
-def _running(stub, request_id: str, started: threading.Event, result: dict) -> None:
-    """Stream a LONG request, noting its first message and its end in `result`."""
-    responses = stream(stub, PROMPT, LONG, request_id=request_id, timeout_s=120)
-    first = next(responses)
-    started.set()
-    result["done"] = collect(iter([first, *responses]))
-
-
-def test_another_keys_duplicate_id_neither_learns_nor_blocks(stack, oracle):
-    alice_channel, alice = connect(stack.address, ALICE)
-    mallory_channel, mallory = connect(stack.address, MALLORY)
-    with alice_channel, mallory_channel:
-        for first_key, first, second in ((ALICE, alice, mallory), (MALLORY, mallory, alice)):
-            rid, started, result = f"dup-{first_key[:5]}", threading.Event(), {}
-            thread = threading.Thread(target=_running, args=(first, rid, started, result))
-            thread.start()
-            assert started.wait(60)
-            # the same key still can't run one id twice ...
-            with pytest.raises(grpc.RpcError) as err:
-                collect(stream(first, PROMPT, GREEDY, request_id=rid, timeout_s=30))
-            assert err.value.code() == grpc.StatusCode.ALREADY_EXISTS
-            # ... but another key's request with it runs, unrefused and with the right tokens
-            assert "done" not in result  # the first one still runs
-            done = collect(stream(second, PROMPT, GREEDY, request_id=rid, timeout_s=60))
-            assert done.request_id == rid and done.token_ids[0] == oracle[0]
-            assert not second.Abort(common_pb2.AbortRequest(request_id=rid), timeout=5).aborted
-            thread.join()
-            done = result["done"]
-            assert done.request_id == rid and done.token_ids[0] == oracle[1]
-            assert done.finished.samples[0].finish_reason == common_pb2.FINISH_REASON_LENGTH
-    assert_nothing_leaks(stack)
-
-
 def test_one_key_cannot_take_every_slot(stack, oracle):
     mallory_channel, mallory = connect(stack.address, MALLORY)
     alice_channel, alice = connect(stack.address, ALICE)
@@ -219,6 +186,39 @@ def test_one_key_cannot_take_every_slot(stack, oracle):
                     raise
                 time.sleep(0.1)
         assert done.token_ids[0] == oracle[0]
+    assert_nothing_leaks(stack)
+
+
+def _running(stub, request_id: str, started: threading.Event, result: dict) -> None:
+    """Stream a LONG request, noting its first message and its end in `result`."""
+    responses = stream(stub, PROMPT, LONG, request_id=request_id, timeout_s=120)
+    first = next(responses)
+    started.set()
+    result["done"] = collect(iter([first, *responses]))
+
+
+def test_another_keys_duplicate_id_neither_learns_nor_blocks(stack, oracle):
+    alice_channel, alice = connect(stack.address, ALICE)
+    mallory_channel, mallory = connect(stack.address, MALLORY)
+    with alice_channel, mallory_channel:
+        for first_key, first, second in ((ALICE, alice, mallory), (MALLORY, mallory, alice)):
+            rid, started, result = f"dup-{first_key[:5]}", threading.Event(), {}
+            thread = threading.Thread(target=_running, args=(first, rid, started, result))
+            thread.start()
+            assert started.wait(60)
+            # the same key still can't run one id twice ...
+            with pytest.raises(grpc.RpcError) as err:
+                collect(stream(first, PROMPT, GREEDY, request_id=rid, timeout_s=30))
+            assert err.value.code() == grpc.StatusCode.ALREADY_EXISTS
+            # ... but another key's request with it runs, unrefused and with the right tokens
+            assert "done" not in result  # the first one still runs
+            done = collect(stream(second, PROMPT, GREEDY, request_id=rid, timeout_s=60))
+            assert done.request_id == rid and done.token_ids[0] == oracle[0]
+            assert not second.Abort(common_pb2.AbortRequest(request_id=rid), timeout=5).aborted
+            thread.join()
+            done = result["done"]
+            assert done.request_id == rid and done.token_ids[0] == oracle[1]
+            assert done.finished.samples[0].finish_reason == common_pb2.FINISH_REASON_LENGTH
     assert_nothing_leaks(stack)
 
 
