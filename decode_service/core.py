@@ -19,6 +19,7 @@ from splitserve.engine.outputs import Resume
 from splitserve.kv_transfer.transport import KVReceiver
 from splitserve.runtime.engine_core.adapters import adapter_commands
 from splitserve.runtime.engine_core.protocol import (
+    endpoint_to_wire,
     engine_limits,
     first_tokens_from_wire,
     params_from_wire,
@@ -42,7 +43,9 @@ class DecodeCoreHandler(CoreHandler):
         return {
             **engine_limits(self.loop.engine),
             "kv_transports": list(self.offered),
-            "kv_endpoint": {k: v for r in self.receivers for k, v in r.endpoint().items()},
+            "kv_endpoint": endpoint_to_wire(
+                {k: v for r in self.receivers for k, v in r.endpoint().items()}
+            ),
         }
 
     def commands(self) -> dict[str, Command]:

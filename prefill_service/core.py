@@ -25,7 +25,11 @@ from splitserve.kv_transfer.transport import KVSender, Peer
 from splitserve.prefill_service.pusher import RequestPusher, Route
 from splitserve.protos.v1 import worker_pb2
 from splitserve.runtime.engine_core.adapters import adapter_commands
-from splitserve.runtime.engine_core.protocol import engine_limits, params_from_wire
+from splitserve.runtime.engine_core.protocol import (
+    endpoint_to_wire,
+    engine_limits,
+    params_from_wire,
+)
 from splitserve.runtime.engine_core.server import Command, CoreHandler, Emitter
 from splitserve.runtime.tracing import Tracing
 
@@ -48,7 +52,9 @@ class PrefillCoreHandler(CoreHandler):
         return {
             **engine_limits(self.loop.engine),
             "kv_transports": list(self.senders),
-            "kv_endpoint": {k: v for s in self.senders.values() for k, v in s.endpoint().items()},
+            "kv_endpoint": endpoint_to_wire(
+                {k: v for s in self.senders.values() for k, v in s.endpoint().items()}
+            ),
         }
 
     def commands(self) -> dict[str, Command]:

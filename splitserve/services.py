@@ -28,6 +28,7 @@ from splitserve.prefill_service.servicer import PrefillServicer
 from splitserve.prefill_service.worker import PrefillSettings, PrefillWorker
 from splitserve.protos.v1 import worker_pb2_grpc
 from splitserve.runtime.engine_core.client import CoreStartError, EngineCoreClient
+from splitserve.runtime.engine_core.protocol import endpoint_from_wire
 from splitserve.runtime.engine_metrics import EngineCollector
 from splitserve.runtime.metrics import KVTransferMetrics, RequestMetrics
 from splitserve.runtime.security import Security
@@ -148,7 +149,7 @@ def start_decode(
             ttl_s=worker.heartbeat_ttl_s,
             interval_s=worker.heartbeat_ttl_s / 6,
             on_tick=decode.housekeeping,
-            kv_endpoint=limits["kv_endpoint"],
+            kv_endpoint=endpoint_from_wire(limits["kv_endpoint"]),
             on_rejoin=decode.republish_prefix_index,
         ).start()
         _when_core_dies(core, opened, presence, on_core_death)
@@ -201,7 +202,9 @@ def start_prefill(
         registry = Registry(
             service.redis_url, retry_s=service.registry_retry_s, secret=security.cluster_secret
         )
-        senders = Senders(limits["kv_transports"], limits["kv_endpoint"], registry)
+        senders = Senders(
+            limits["kv_transports"], endpoint_from_wire(limits["kv_endpoint"]), registry
+        )
         requests = RequestMetrics(
             metrics, ("request_queue_time", "request_prefill_time"), outcomes=False
         )

@@ -37,6 +37,7 @@ from splitserve.engine.errors import (
 )
 from splitserve.engine.outputs import CompletionOutput, RequestOutput, SampledToken
 from splitserve.engine.sampling_params import SamplingParams
+from splitserve.kv_transfer.registry_conceal import Concealed
 from splitserve.kv_transfer.transport import PushRefused, TransferError
 from splitserve.protos import convert
 from splitserve.protos.v1 import common_pb2
@@ -175,3 +176,13 @@ def engine_limits(engine: LLMEngine) -> dict[str, Any]:
         "kv_dtype": str(config.cache_dtype).removeprefix("torch."),
         "tensor_parallel_size": config.tensor_parallel_size,
     }
+
+
+def endpoint_to_wire(endpoint: dict[str, bytes]) -> list[list[Any]]:
+    """A transport endpoint as `[name, value, concealed]` triples: msgpack would make a
+    `Concealed` value plain bytes, and the registry would then store it unencrypted."""
+    return [[k, bytes(v), isinstance(v, Concealed)] for k, v in endpoint.items()]
+
+
+def endpoint_from_wire(items: list[list[Any]]) -> dict[str, bytes]:
+    return {k: Concealed(v) if concealed else v for k, v, concealed in items}

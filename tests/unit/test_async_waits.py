@@ -39,6 +39,9 @@ class FakeEngine:
     def has_unfinished_requests(self) -> bool:
         return bool(self.running)
 
+    def num_running_seqs(self) -> int:
+        return len(self.running)
+
     def housekeeping(self) -> None:
         pass
 
