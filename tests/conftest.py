@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 import torch
+
+# NOTE: Triton binds a kernel to its interpreter when the kernel is defined, and reads the
+# variable once; set here, before any test module (or a module a test imports) loads triton.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from splitserve.testing.tiny_model import SUPPORTED_TINY_ARCHS, make_tiny_model
 
