@@ -95,11 +95,11 @@ def test_a_duplicate_id_is_refused_and_the_original_runs_on(stack, offline):
     for i, (prompt, tokens) in enumerate(zip(prompts, expected, strict=True)):
         rid = f"dup-{i}"
         original = stream(stub, prompt, LONG, request_id=rid, timeout_s=60)
-        # Half: the original is already streaming; half: it was sent 0.3 s before (queued,
+        # Half: the original is already streaming; half: it was sent 0.1 s before (queued,
         # prefilling or just decoding: it has arrived and claimed its id in Redis, which under
-        # a loaded CI machine took longer than 50 ms; which of two calls in flight at once came
+        # a loaded machine took longer than 50 ms; which of two calls in flight at once came
         # first is not defined).
-        head = next(original) if i % 2 else time.sleep(0.3)
+        head = next(original) if i % 2 else time.sleep(0.1)
         for _ in range(3):
             with pytest.raises(grpc.RpcError) as err:
                 collect(stream(stub, prompt[:3], LONG, request_id=rid, timeout_s=10))
