@@ -366,7 +366,10 @@ def bench_config(args: argparse.Namespace, model: Path, config: str, vocab: int)
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shape", default="llama-3-8b")
-    parser.add_argument("--configs", nargs="+", choices=sorted(CONFIGS), default=list(CONFIGS))
+    parser.add_argument(
+        "--configs", nargs="+", choices=sorted(CONFIGS), default=["1P+1D", "2 colocated"],
+        help="splits to run (the four-GPU ones: 1P+3D, 2P+2D, 3P+1D, 4 colocated)",
+    )  # fmt: skip
     parser.add_argument(
         "--workloads", nargs="+", default=["1024/128@4,12", "4096/256@2"],
         help="IN/OUT or mixed, each optionally @RATE,RATE (req/s)",
