@@ -25,36 +25,12 @@ import subprocess
 import sys
 import tempfile
 import time
-from pathlib import Path
 from typing import Any
 
 from bench.common import table, write_results
+from bench.proc_cpu import CPUMeter
 from splitserve.kv_transfer.redis_server import RedisServer
 from splitserve.up import free_port
-
-CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
-
-
-def cpu_seconds(pids: list[int]) -> float:
-    """utime + stime of `pids` (their threads included), from /proc/<pid>/stat."""
-    total = 0
-    for pid in pids:
-        try:
-            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-        except (FileNotFoundError, ProcessLookupError):
-            continue
-        total += int(fields[11]) + int(fields[12])  # utime, stime (fields 14, 15 of stat)
-    return total / CLOCK_TICKS
-
-
-def process_tree(pid: int) -> list[int]:
-    """`pid` and its children (the gateway's worker processes)."""
-    children = Path(f"/proc/{pid}/task/{pid}/children")
-    try:
-        kids = [int(c) for c in children.read_text().split()]
-    except FileNotFoundError:
-        kids = []
-    return [pid, *(p for kid in kids for p in process_tree(kid))]
 
 
 def wait_serving(address: str, proc: subprocess.Popen, timeout_s: float) -> None:
@@ -96,7 +72,7 @@ def run_one(
 ) -> dict[str, Any]:
     proc, address = _gateway(args, redis_url, model, processes, interval)
     try:
-        pids = process_tree(proc.pid)
+        meter = CPUMeter({"gateway": proc.pid})  # and its processes
         start = time.time() + args.warmup_s
         end = start + args.seconds
         per_client = max(1, args.streams // args.clients)
@@ -109,9 +85,11 @@ def run_one(
             subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True) for _ in range(args.clients)
         ]
         time.sleep(max(0.0, start - time.time()))
-        cpu0, t0 = cpu_seconds(pids), time.monotonic()
+        meter.start()
+        t0 = time.monotonic()
         time.sleep(max(0.0, end - time.time()))
-        cpu1, t1 = cpu_seconds(pids), time.monotonic()
+        cores = sum(meter.stop().values())
+        t1 = time.monotonic()
         seen: dict[str, int] = {}
         for client in clients:
             out, _ = client.communicate(timeout=120)
@@ -124,7 +102,6 @@ def run_one(
         except subprocess.TimeoutExpired:
             proc.kill()
     window = t1 - t0
-    cores = (cpu1 - cpu0) / window
     tokens_s = seen.get("tokens", 0) / window
     return {
         "processes": processes,
