@@ -122,9 +122,13 @@ class PrefillWorker:
                         cancelled = True  # NOTE: the core answers Cancelled once settled
                         self.core.call("cancel", request_id)
                     lease.renew_if_due()
-        except TransferError:
+        except TransferError as exc:
             self.senders.forget(destination.worker_id)
-            raise
+            if exc.status != "UNAVAILABLE" or not self.core.running:
+                raise
+            # NOTE: the destination, not this worker, is unreachable: ABORTED tells the gateway
+            # to retry with a fresh reservation (elsewhere) without writing this worker off.
+            raise TransferError(str(exc), "ABORTED") from exc
         finally:
             self._observations.pop(request_id, None)
         self.num_bytes_sent += num_bytes

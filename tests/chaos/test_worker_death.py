@@ -227,3 +227,52 @@ def test_frozen_decode_worker_stalls_no_new_request_and_its_streams_move(tiny_mo
         assert _migrations(stack) >= 1
         # Awake again, decode-0 frees what it held for the streams that moved away.
         assert_nothing_leaks(stack, timeout_s=20)
+
+
+def test_a_push_to_a_dead_decode_worker_fails_aborted_not_unavailable(tiny_models, llm):
+    """The prefill worker blames the destination, not itself: a push to a decode worker that
+    died after its Reserve fails ABORTED (retry with a fresh reservation), never UNAVAILABLE,
+    which the gateway takes to mean the prefill worker is gone. With one prefill worker, that
+    mistake failed a request ("no prefill worker is alive") that the other decode worker could
+    serve."""
+    import grpc
+
+    from splitserve.protos import convert
+    from splitserve.protos.v1 import worker_pb2, worker_pb2_grpc
+    from tests.e2e.harness import member_metadata
+
+    prompt = random_prompts([40], 500, seed=76)[0]
+    greedy = _params(0, max_tokens=8)
+    with running_stack(
+        tiny_models["llama"], prefill=1, decode=2, extra_gateway_args=GATEWAY_ARGS
+    ) as stack:
+        live = {w.worker_id: w for w in workers(stack)}
+        member = member_metadata(stack)
+        sampling = convert.sampling_to_proto(greedy)
+        with grpc.insecure_channel(live["decode-0"].address) as channel:
+            reserve = worker_pb2.ReserveRequest(
+                request_id="orphan", prompt_token_ids=prompt, sampling=sampling
+            )
+            dest = worker_pb2_grpc.DecodeWorkerStub(channel).Reserve(
+                reserve, timeout=10, metadata=member
+            ).destination
+        victim = stack.process("decode-0")
+        os.kill(victim.pid, signal.SIGKILL)
+        victim.wait(10)
+        stack.processes.remove(victim)
+        with grpc.insecure_channel(live["prefill-0"].address) as channel:
+            with pytest.raises(grpc.RpcError) as failed:
+                worker_pb2_grpc.PrefillWorkerStub(channel).Prefill(
+                    worker_pb2.PrefillRequest(
+                        request_id="orphan", prompt_token_ids=prompt, sampling=sampling,
+                        destination=dest,
+                    ),
+                    timeout=60,
+                    metadata=member,
+                )  # fmt: skip
+        assert failed.value.code() == grpc.StatusCode.ABORTED, failed.value
+        assert "decode-0" in failed.value.details()
+        _wait_gone(stack, "decode-0")
+        done = collect(stream(gateway(stack), prompt, greedy, "after", timeout_s=60))
+        _check(done, prompt, greedy, _offline(llm, [prompt], [greedy])[0])
+        assert_nothing_leaks(stack)
