@@ -27,6 +27,7 @@ import gc
 import random
 import tempfile
 import time
+import traceback
 from pathlib import Path
 from typing import Any
 
@@ -46,6 +47,17 @@ CHATS = [
     "What are three good habits for learning a new language?",
     "Describe a walk through a forest in autumn.",
 ]
+
+
+def quiet_deep_layers(model: Any, first: int, factor: float) -> None:
+    """Scale the output projections (o_proj, down_proj) of layers `first`.. of `model` by
+    `factor`: the residual stream after layer `first` then decides the greedy token, so a draft
+    of the first `first` layers agrees with the target, while every layer still reads the same
+    bytes and does the same FLOPs (the plain baseline's step time is unchanged)."""
+    with torch.no_grad():
+        for layer in list(model.model.layers)[first:]:
+            layer.self_attn.o_proj.weight.mul_(factor)
+            layer.mlp.down_proj.weight.mul_(factor)
 
 
 def _corrupt(engine: Any, rate: float, vocab: int, seed: int = 0) -> None:
@@ -135,18 +147,24 @@ def part_a(args: argparse.Namespace) -> list[dict[str, Any]]:
             gc.collect()
             if gpu:
                 torch.cuda.empty_cache()
-            engine = LLMEngine(
-                path,
-                EngineConfig(
-                    dtype=torch.bfloat16 if gpu else torch.float32,
-                    device="cuda" if gpu else "cpu",
-                    load_format="dummy",
-                    max_num_seqs=max(args.batches),
-                    max_model_len=args.context + args.max_new + 2 * args.k + 16,
-                    max_num_batched_tokens=max(4096, args.context),
-                    speculative=spec,
-                ),
-            )
+            try:
+                engine = LLMEngine(
+                    path,
+                    EngineConfig(
+                        dtype=torch.bfloat16 if gpu else torch.float32,
+                        device="cuda" if gpu else "cpu",
+                        load_format="dummy",
+                        max_num_seqs=max(args.batches),
+                        max_model_len=args.context + args.max_new + 2 * args.k + 16,
+                        max_num_batched_tokens=max(4096, args.context),
+                        speculative=spec,
+                    ),
+                )
+            except Exception as exc:  # NOTE: recorded, so the other configurations still run
+                rows += _failed(name, args.batches, exc)
+                continue
+            # Every engine, the plain baseline included, gets the same quiet deep layers.
+            quiet_deep_layers(engine.model, args.draft_layers, args.deep_scale)
             _corrupt(engine, rate, engine.model_config.vocab_size)
             gen = random.Random(1)
             vocab = engine.model_config.vocab_size
@@ -154,15 +172,30 @@ def part_a(args: argparse.Namespace) -> list[dict[str, Any]]:
                 prompts = [
                     [gen.randrange(3, vocab) for _ in range(args.context)] for _ in range(batch)
                 ]
-                row = {"config": name, "batch": batch, **_decode_run(engine, prompts, args.max_new)}
+                try:
+                    measured = _decode_run(engine, prompts, args.max_new)
+                except Exception as exc:
+                    rows += _failed(name, [batch], exc)
+                    break  # the engine's state is unknown after a failed step
+                row = {"config": name, "batch": batch, **measured}
                 rows.append(row)
                 print(table([row], list(row)), flush=True)
             del engine
-    plain = {r["batch"]: r for r in rows if r["config"] == "plain"}
+    plain = {r["batch"]: r for r in rows if r["config"] == "plain" and "error" not in r}
     for r in rows:
-        r["speedup"] = plain[r["batch"]]["ITL ms"] / r["ITL ms"]
-        r["throughput x"] = r["tok/s"] / plain[r["batch"]]["tok/s"]
+        base = plain.get(r["batch"])
+        if base is not None and "error" not in r:
+            r["speedup"] = base["ITL ms"] / r["ITL ms"]
+            r["throughput x"] = r["tok/s"] / base["tok/s"]
     return rows
+
+
+def _failed(name: str, batches: list[int], exc: Exception) -> list[dict[str, Any]]:
+    """Rows for a configuration that failed: its error text instead of measurements."""
+    text = f"{type(exc).__name__}: {exc}"
+    print(f"{name}: FAILED ({text})", flush=True)
+    traceback.print_exc()
+    return [{"config": name, "batch": b, "error": text} for b in batches]
 
 
 def _real_model(arg: str) -> Path | None:
@@ -243,6 +276,12 @@ def main() -> None:
     parser.add_argument("--k", type=int, default=4, help="speculative tokens per step")
     parser.add_argument("--draft-layers", type=int, default=2)
     parser.add_argument("--corrupt", type=float, nargs="+", default=[0.0, 0.3, 0.6, 1.0])
+    parser.add_argument(
+        "--deep-scale",
+        type=float,
+        default=1e-3,
+        help="factor on o_proj/down_proj of the target's layers past --draft-layers (part a)",
+    )
     parser.add_argument("--context", type=int, default=512, help="prompt tokens (part a)")
     parser.add_argument("--max-new", type=int, default=128, help="output tokens (part a)")
     parser.add_argument("--real-model", default="default", help="default | PATH | none")
