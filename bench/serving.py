@@ -130,13 +130,25 @@ def step_counters(stack: Stack) -> dict[str, dict[str, float]]:
             continue
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as reply:
             text = reply.read().decode()
-        values = {
-            s.name.removeprefix("splitserve:").removesuffix("_total"): s.value
-            for family in text_string_to_metric_families(text)
-            for s in family.samples
-        }
+        samples = [s for family in text_string_to_metric_families(text) for s in family.samples]
+        values = {s.name.removeprefix("splitserve:").removesuffix("_total"): s.value
+                  for s in samples}  # fmt: skip
         out[name] = {k: values.get(k, 0.0) for k in STEP_SERIES}
+        out[name]["buckets"] = {  # type: ignore[assignment]
+            float(s.labels["le"]): s.value
+            for s in samples
+            if s.name == "splitserve:step_duration_seconds_bucket"
+        }
     return out
+
+
+def _step_quantile(before: dict, after: dict, q: float) -> float:
+    """The bucket bound under which a share `q` of the run's steps fell (ms; inf if above all)."""
+    bounds = sorted(after)
+    counts = [after[b] - before.get(b, 0.0) for b in bounds]
+    if not counts or counts[-1] <= 0:
+        return float("nan")
+    return next(1e3 * b for b, c in zip(bounds, counts, strict=True) if c >= q * counts[-1])
 
 
 def serving_steps(before: dict, after: dict) -> dict[str, dict[str, float]]:
@@ -152,8 +164,18 @@ def serving_steps(before: dict, after: dict) -> dict[str, dict[str, float]]:
             "steps": int(steps),
             "mean_batch": (a["num_step_seqs"] - b["num_step_seqs"]) / steps,
             "mean_step_ms": 1e3 * (a["step_seconds"] - b["step_seconds"]) / steps,
+            "step_p50_ms_le": _step_quantile(b.get("buckets", {}), a.get("buckets", {}), 0.5),
+            "step_p99_ms_le": _step_quantile(b.get("buckets", {}), a.get("buckets", {}), 0.99),
         }
     return out
+
+
+def _step_line(name: str, step: dict[str, float]) -> str:
+    return (
+        f"{name}: {step['steps']} steps, mean batch {step['mean_batch']:.1f}, mean serving "
+        f"step {step['mean_step_ms']:.2f} ms (p50 <= {step['step_p50_ms_le']:g}, "
+        f"p99 <= {step['step_p99_ms_le']:g} ms)"
+    )
 
 
 def _cpu_table(cores: dict[str, float]) -> str:
@@ -212,8 +234,7 @@ def bench_config(args: argparse.Namespace, model: Path, config: str, vocab: int)
                 s["cpu_cores"] = cores = meter.stop()
                 s["serving_steps"] = serving_steps(steps0, step_counters(stack))
                 for name, step in s["serving_steps"].items():
-                    print(f"{name}: {step['steps']} steps, mean batch {step['mean_batch']:.1f}, "
-                          f"mean serving step {step['mean_step_ms']:.2f} ms")  # fmt: skip
+                    print(_step_line(name, step))
                 gateway_cores = sum(c for n, c in cores.items() if n.startswith("gateway"))
                 s["gateway_cores"] = round(gateway_cores, 3)
                 s["out_tok_per_gateway_core"] = (

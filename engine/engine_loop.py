@@ -15,6 +15,7 @@ holds no thread and never blocks the loop.
 from __future__ import annotations
 
 import asyncio
+import bisect
 import contextlib
 import dataclasses
 import logging
@@ -28,7 +29,7 @@ from typing import Any, TypeVar
 from splitserve.engine.errors import Unavailable
 from splitserve.engine.llm_engine import LLMEngine
 from splitserve.engine.outputs import RequestOutput
-from splitserve.engine.stats import EngineStats
+from splitserve.engine.stats import STEP_BUCKETS_S, EngineStats
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -71,6 +72,8 @@ class EngineLoop:
         self.num_steps = 0
         self.step_seconds = 0.0
         self.num_step_seqs = 0
+        self.step_bucket_counts = [0] * (len(STEP_BUCKETS_S) + 1)
+        self.step_seconds_max = 0.0
 
     def start(self) -> EngineLoop:
         self._thread.start()
@@ -95,6 +98,8 @@ class EngineLoop:
             num_steps=self.num_steps,
             step_seconds=self.step_seconds,
             num_step_seqs=self.num_step_seqs,
+            step_bucket_counts=tuple(self.step_bucket_counts),
+            step_seconds_max=self.step_seconds_max,
         )
 
     def submit(self, fn: Callable[[LLMEngine], T]) -> Future[T]:
@@ -168,9 +173,7 @@ class EngineLoop:
                     for hook in hooks:
                         hook(self.engine)
                     if busy:  # NOTE: a turn that waited for work first is not a serving step
-                        self.step_seconds += time.perf_counter() - started
-                        self.num_steps += 1
-                        self.num_step_seqs += num_seqs
+                        self._count_step(time.perf_counter() - started, num_seqs)
         except BaseException as exc:  # noqa: BLE001 - every waiter must hear about it
             log.exception("engine loop failed")
             self.failure = exc
@@ -184,6 +187,13 @@ class EngineLoop:
                 self._on_failure(exc)
         finally:
             self._fail_pending_commands()
+
+    def _count_step(self, seconds: float, num_seqs: int) -> None:
+        self.step_seconds += seconds
+        self.num_steps += 1
+        self.num_step_seqs += num_seqs
+        self.step_bucket_counts[bisect.bisect_left(STEP_BUCKETS_S, seconds)] += 1
+        self.step_seconds_max = max(self.step_seconds_max, seconds)
 
     def _run_commands(self, block: bool) -> None:
         try:

@@ -8,6 +8,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+# Upper bounds (seconds) of the serving step's histogram buckets.
+STEP_BUCKETS_S = (0.002, 0.005, 0.008, 0.01, 0.0125, 0.015, 0.02, 0.03, 0.05, 0.1, 0.25, 0.5, 1.0)
+
 
 @dataclass(frozen=True)
 class EngineStats:
@@ -27,6 +30,10 @@ class EngineStats:
     num_steps: int = 0
     step_seconds: float = 0.0
     num_step_seqs: int = 0
+    # Those turns' wall times: how many fell in each of STEP_BUCKETS_S (the last count: above
+    # them all), and the longest.
+    step_bucket_counts: tuple[int, ...] = ()
+    step_seconds_max: float = 0.0
     # Speculative decoding (engine/spec_decode/), named as vLLM's: verifications (one per
     # speculating sequence per step), draft tokens proposed, drafts accepted, and drafts
     # accepted at each position of a proposal.

@@ -11,10 +11,15 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Iterator
 
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
 from prometheus_client.registry import Collector
 
-from splitserve.engine.stats import EngineStats
+from splitserve.engine.stats import STEP_BUCKETS_S, EngineStats
 
 log = logging.getLogger(__name__)
 
@@ -78,3 +83,29 @@ class EngineCollector(Collector):
         for position, count in enumerate(s.spec_decode_num_accepted_tokens_per_pos if s else ()):
             per_pos.add_metric([*values, str(position)], count)
         yield per_pos
+        yield _step_histogram(labels, values, s)
+        longest = GaugeMetricFamily(
+            "splitserve:step_seconds_max",
+            "The longest serving step since the worker started (seconds).",
+            labels=labels,
+        )
+        if s is not None:
+            longest.add_metric(values, s.step_seconds_max)
+        yield longest
+
+
+def _step_histogram(labels: list[str], values: list[str], s: EngineStats | None) -> Metric:
+    """The serving loop's step times as a Prometheus histogram (cumulative buckets)."""
+    family = HistogramMetricFamily(
+        "splitserve:step_duration_seconds",
+        "Wall seconds of each serving step (commands, step, outputs).",
+        labels=labels,
+    )
+    if s is not None and s.step_bucket_counts:
+        bounds = [*(f"{b:g}" for b in STEP_BUCKETS_S), "+Inf"]
+        cumulative, total = [], 0
+        for bound, count in zip(bounds, s.step_bucket_counts, strict=True):
+            total += count
+            cumulative.append((bound, total))
+        family.add_metric(values, cumulative, sum_value=s.step_seconds)
+    return family

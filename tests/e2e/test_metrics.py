@@ -96,6 +96,16 @@ def test_every_service_exports_named_metrics_that_move_with_traffic(stack):
     assert value(dc, success, finished_reason="length") == n
     assert value(dc, "splitserve:inter_token_latency_seconds_count") == n * 7
     assert value(dc, "splitserve:prefix_cache_hits_total") > 0
+    # The decode worker's serving steps: counted, timed, and the histogram agrees with them.
+    steps = value(dc, "splitserve:num_steps_total")
+    assert steps >= 7
+    assert value(dc, "splitserve:step_duration_seconds_count") == steps
+    assert value(dc, "splitserve:step_duration_seconds_bucket", le="+Inf") == steps
+    assert value(dc, "splitserve:step_duration_seconds_sum") == pytest.approx(
+        value(dc, "splitserve:step_seconds_total")
+    )
+    longest = value(dc, "splitserve:step_seconds_max")
+    assert 0 < longest <= value(dc, "splitserve:step_seconds_total")
 
     # `model_name` on every series of every service.
     for name, samples in after.items():
