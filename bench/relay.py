@@ -125,6 +125,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--decode", type=int, default=2, help="fake decode workers")
     parser.add_argument("--fake-processes", type=int, default=2, help="processes of fakes")
     parser.add_argument("--tokens-per-message", type=int, default=1, help="from each fake D")
+    parser.add_argument(
+        "--step-ms", type=float, default=0.0,
+        help="fake decode step: a token per stream per step, what queued sent as one message "
+        "(0: as fast as the gateway reads)",
+    )  # fmt: skip
     parser.add_argument("--max-tokens", type=int, default=512)
     parser.add_argument("--seconds", type=float, default=10.0, help="measured window")
     parser.add_argument("--warmup-s", type=float, default=3.0)
@@ -145,6 +150,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             sys.executable, "-m", "bench.relay_fakes", "--redis-url", redis.url,
             "--decode", str(max(1, args.decode // args.fake_processes)),
             "--prefill", "1", "--tokens-per-message", str(args.tokens_per_message),
+            "--step-ms", str(args.step_ms),
         ]  # fmt: skip
         fakes = [
             subprocess.Popen(
@@ -173,7 +179,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "benchmark": "relay",
         "host_cpus": os.cpu_count(),
         "workload": f"{args.streams} streams, {args.max_tokens}-token replies, fake workers "
-        f"({args.decode} decode, {args.tokens_per_message} token(s) per worker message)",
+        f"({args.decode} decode, {args.tokens_per_message} token(s) per worker message, "
+        f"step {args.step_ms:g} ms)",
         "rows": rows,
     }
     print(table(rows, COLUMNS))

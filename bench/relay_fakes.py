@@ -1,8 +1,10 @@
 """Fake fast workers for `bench/relay.py`: real gRPC servers on loopback that implement the worker
 API (protos/v1/worker.proto) and join a real Redis registry as real workers do, but compute
 nothing: a Prefill answers its first token at once, a Decode stream sends `max_tokens` tokens as
-fast as the gateway reads them (or one step every `--step-ms`), `--tokens-per-message` of them
-per DecodeResponse (what a decode worker that coalesces its own messages sends).
+fast as the gateway reads them, `--tokens-per-message` of them per DecodeResponse (what a decode
+worker that coalesces its own messages sends). With `--step-ms` a stream makes one token per step
+instead, as a decode worker does, and sends every token that queued up while the gateway was not
+reading in one message (at least `--tokens-per-message` of them, but for the last).
 
     python -m bench.relay_fakes --redis-url redis://… --decode 1 --prefill 1 [--step-ms 0]
 
@@ -55,15 +57,32 @@ class FakeDecode(worker_pb2_grpc.DecodeWorkerServicer):
             )
         )
 
+    def _chunk(self, n: int) -> worker_pb2.DecodeResponse:
+        if n not in self._chunks:
+            self._chunks[n] = worker_pb2.DecodeResponse(
+                chunk=common_pb2.SampleDelta(index=0, token_ids=[7] * n, text="x" * n)
+            )
+        return self._chunks[n]
+
     async def Decode(self, request, context) -> AsyncIterator[worker_pb2.DecodeResponse]:  # noqa: N802
         total = request.sampling.max_tokens if request.sampling.HasField("max_tokens") else 16
         sent = 0
-        while sent < total:
-            n = min(self.tokens_per_message, total - sent)
-            if self.step_s:
-                await asyncio.sleep(self.step_s * n)
-            yield self._chunks[n]
-            sent += n
+        if not self.step_s:
+            while sent < total:
+                n = min(self.tokens_per_message, total - sent)
+                yield self._chunks[n]
+                sent += n
+        else:  # NOTE: as a decode worker does: a token a step, and what queued up in one message
+            loop = asyncio.get_running_loop()
+            start = loop.time()
+            while sent < total:
+                made = min(total, int((loop.time() - start) / self.step_s) + 1)
+                if made - sent < self.tokens_per_message and made < total:
+                    due = start + (sent + self.tokens_per_message - 1) * self.step_s
+                    await asyncio.sleep(due - loop.time())
+                    continue
+                yield self._chunk(made - sent)
+                sent = made
         finish = common_pb2.SampleFinish(index=0, finish_reason=common_pb2.FINISH_REASON_LENGTH)
         usage = common_pb2.Usage(
             prompt_tokens=len(request.first_tokens) and 8, completion_tokens=total
