@@ -15,12 +15,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from splitserve.engine.attention import AttentionMetadata
-from splitserve.engine.lora.batch import LoRABatch
+from splitserve.engine.lora.batch import LoRABatch, group_rows, tile_capacity
 from splitserve.engine.lora.manager import LoRAManager
 from splitserve.engine.model import CausalLM
+from splitserve.kernels.lora_ref import TILE_ROWS
 
 BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 
@@ -70,16 +72,22 @@ class DecodeGraphs:
         self.max_model_len = max_model_len
         self._graphs: dict[int, _Graph] = {}
         # LoRA: each bucket is captured twice, without LoRA (steps with no adapter pay
-        # nothing) and with the LoRA kernels, whose rows' slots are a graph input (one
-        # segment per row; padded and base rows -1, which the kernels skip).
+        # nothing) and with the LoRA kernels, whose rows grouped by adapter are a graph input:
+        # one int32 buffer of segments [3, capacity] (at most TILE_ROWS rows each; unused
+        # ones slot -1, which the kernels skip) then the rows in that order, filled from a
+        # pinned mirror with the step's other inputs. A bucket's capacity bounds its tiles
+        # (`tile_capacity`: a step holds at most max_loras adapters).
         self.lora = lora
         self._lora_graphs: dict[int, _Graph] = {}
-        self._lora_segments: dict[int, torch.Tensor] = {}
+        self._lora_caps: dict[int, int] = {}
         if lora is not None:
             for bucket in self.buckets:
-                rows = torch.arange(bucket, dtype=torch.int32)
-                segs = torch.stack([rows, torch.ones_like(rows), torch.full_like(rows, -1)])
-                self._lora_segments[bucket] = segs.to(device)
+                caps = tile_capacity(bucket, lora.config.max_loras, TILE_ROWS)
+                self._lora_caps[bucket] = caps
+            lora_size = max(3 * self._lora_caps[b] + b for b in self.buckets)
+            self._lora_host = torch.zeros(lora_size, dtype=torch.int32, pin_memory=True)
+            self._lora_np = self._lora_host.numpy()
+            self._lora_dev = self._lora_host.to(device)
 
     @property
     def max_batch(self) -> int:
@@ -114,7 +122,7 @@ class DecodeGraphs:
             torch.cuda.current_stream().wait_stream(stream)
             self._graphs[bucket] = self._capture_one(args, pool)
             if self.lora is not None:
-                self.lora.context.batch = LoRABatch(self._lora_segments[bucket], 1)
+                self.lora.context.batch = self._lora_batch(bucket)
                 try:
                     with torch.cuda.stream(stream):  # warm-up: the LoRA kernels compile
                         self.model.compute_logits(self.model(*args))
@@ -123,6 +131,30 @@ class DecodeGraphs:
                 finally:
                     self.lora.context.batch = None
         torch.cuda.synchronize()
+
+    def _lora_batch(self, bucket: int) -> LoRABatch:
+        """The bucket's views of the LoRA input buffer (segments all skipped until a step
+        fills them)."""
+        cap = self._lora_caps[bucket]
+        segments = self._lora_dev[: 3 * cap].view(3, cap)
+        segments[2].fill_(-1)
+        return LoRABatch(segments, TILE_ROWS, self._lora_dev[3 * cap : 3 * cap + bucket])
+
+    def _fill_lora(self, bucket: int, lora_slots: list[int]) -> None:
+        """Write a step's rows grouped by adapter into the pinned mirror and start its copy
+        (ordered before the replay; `_copied` guards the mirror until it is done)."""
+        cap = self._lora_caps[bucket]
+        segments, rows = group_rows(np.asarray(lora_slots, dtype=np.int64), TILE_ROWS)
+        num = segments.shape[1]
+        if num > cap:
+            raise RuntimeError(f"{num} LoRA tiles in a step, but bucket {bucket} holds {cap}")
+        view = self._lora_np[: 3 * cap].reshape(3, cap)
+        view[:, :num] = segments
+        view[1, num:] = 0
+        view[2, num:] = -1
+        self._lora_np[3 * cap : 3 * cap + len(rows)] = rows
+        used = 3 * cap + bucket
+        self._lora_dev[:used].copy_(self._lora_host[:used], non_blocking=True)
 
     def _capture_one(self, args: tuple, pool: Any) -> _Graph:
         graph = torch.cuda.CUDAGraph()
@@ -171,18 +203,16 @@ class DecodeGraphs:
         self._ids.copy_(self._ids_host, non_blocking=True)
         used = size + bucket * width
         self._lens[:used].copy_(self._lens_host[:used], non_blocking=True)
+        graph = self._graphs[bucket]
+        if lora_slots is not None:
+            if self.lora is None:
+                raise RuntimeError("a decode step with LoRA rows, but no LoRA graphs captured")
+            self._fill_lora(bucket, lora_slots)
+            graph = self._lora_graphs[bucket]
         self._copied.record()
         if moves:
             assert carry is not None
             k = len(moves)
             self.input_ids.index_copy_(0, self._dst[:k], carry[0].index_select(0, self._src[:k]))
-        graph = self._graphs[bucket]
-        if lora_slots is not None:
-            if self.lora is None:
-                raise RuntimeError("a decode step with LoRA rows, but no LoRA graphs captured")
-            # NOTE: from pageable memory, so the copy has read the list before this returns.
-            padded = lora_slots + [-1] * (bucket - batch)
-            self._lora_segments[bucket][2].copy_(torch.tensor(padded, dtype=torch.int32))
-            graph = self._lora_graphs[bucket]
         graph.graph.replay()
         return graph.logits[:batch], graph.argmax[:batch]

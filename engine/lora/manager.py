@@ -21,7 +21,7 @@ import torch
 
 from splitserve.engine.errors import AlreadyExists, FailedPrecondition, InvalidRequest, NotFound
 from splitserve.engine.lora.adapter import LoRAAdapter, load_adapter
-from splitserve.engine.lora.batch import LoRABatch, LoRAContext, LoRALayer
+from splitserve.engine.lora.batch import LoRAContext, LoRALayer
 from splitserve.engine.lora.weights import SlotLayout, module_views
 from splitserve.engine.model import CausalLM, DecoderLayer
 from splitserve.engine.model_config import ModelConfig
@@ -66,7 +66,8 @@ class LoRAManager:
         for i, layer in enumerate(model.model.layers):
             assert isinstance(layer, DecoderLayer)
             views = module_views(self.layout, self.buffer, i)
-            hook = LoRALayer(self.context, views, model.ops.triton)
+            pdl = getattr(model.ops, "pdl", False)
+            hook = LoRALayer(self.context, views, model.ops.triton, pdl)
             layer.self_attn.lora = hook
             layer.mlp.lora = hook
 
@@ -175,7 +176,7 @@ class LoRAManager:
         """Describe this step to the model: sequences of `query_lens` tokens, adapters `names`;
         returns each sequence's device slot (None: the base model)."""
         slots = self.row_slots(names)
-        self.context.batch = LoRABatch.build(query_lens, slots, self.device)
+        self.context.describe(query_lens, slots)
         return slots
 
     def end(self) -> None:
