@@ -29,6 +29,8 @@
 #   fp8-gemm        bench/fp8_gemm.py: FP8 matmuls at 2-256 rows against bf16 cuBLAS
 #   fp8-skinny      the skinny FP8 GEMM: its GPU tests, then its tile sweep at 1-256 rows
 #   async           overlapped decode steps: GPU parity, decode step and FP8 throughput, on/off
+#   lora            multi-LoRA: the kernels' GPU tests, their cost per decode step (PDL on/off),
+#                   then bench/lora.py (decode/prefill with 1, 8, 32 adapters against the base)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1 PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH}
@@ -142,6 +144,12 @@ for step in "$@"; do
       run throughput_sync 8 python3 -m bench.offline_throughput --shape llama-3-8b \
         --quantization fp8 --kv-cache-dtype fp8 --skip-hf --async-scheduling off \
         --out "$OUT/throughput_sync.json" ;;
+    lora)
+      run lora_tests 4 pytest_q tests/kernels/test_lora.py
+      run lora_kernels 8 python3 -m bench.lora_kernels --out "$OUT/lora_kernels.json"
+      run lora_kernels_nopdl 8 python3 -m bench.lora_kernels --no-pdl \
+        --out "$OUT/lora_kernels_nopdl.json"
+      run lora 10 python3 -m bench.lora --out "$OUT/lora.json" ;;
     *) echo "unknown step: $step" >&2 ;;
   esac
 done
