@@ -17,7 +17,7 @@ from splitserve.engine.config import EngineConfig
 from splitserve.engine.kv_cache import KVCache, size_kv_pool
 from splitserve.engine.model_config import ModelConfig
 from splitserve.engine.model_runner import ModelRunner
-from splitserve.engine.parallel.group import TorchGroup
+from splitserve.engine.parallel.group import FOREVER, TorchGroup
 from splitserve.engine.parallel.kv_shards import gather_blocks, scatter_blocks
 from splitserve.engine.parallel.launch_args import FollowerArgs
 from splitserve.engine.parallel.sharding import Shard, local_config
@@ -47,15 +47,30 @@ def main(args: FollowerArgs) -> None:
     threading.Thread(target=_exit_with_parent, daemon=True, name="tp-parent-watch").start()
     platform = Platform.resolve(config)
     platform.activate()
-    group = TorchGroup(Shard(rank, config.tensor_parallel_size), args.rendezvous, platform.device)
+    # NOTE: a follower's collectives wait as long as rank 0 takes (NCCL's watchdog would
+    # otherwise end this process when the engine idles past the timeout, whether or not the
+    # backend honours a per-call one); if rank 0 dies or hangs, its own timeout ends it and
+    # `_exit_with_parent` ends this process.
+    rendezvous = dataclasses.replace(args.rendezvous, timeout_s=FOREVER.total_seconds())
+    start = time.monotonic()
+    group = TorchGroup(Shard(rank, config.tensor_parallel_size), rendezvous, platform.device)
+    log.info("rank %d on %s: joined the group (%s)", rank, platform.device, group.backend)
     try:
         model_config = ModelConfig.from_pretrained(model_dir)
         model = load_model(Path(model_dir), model_config, config, platform, group)
+        log.info("rank %d: weights loaded at %.1f s", rank, time.monotonic() - start)
         config = agree_on_kv_pool(local_config(model_config, group.shard), config, platform, group)
         kv_cache = KVCache.allocate(local_config(model_config, group.shard), config)
         runner = ModelRunner(model, kv_cache, config)
         if platform.cuda_graphs:  # NOTE: as rank 0 does, in the same order (their collectives)
             runner.capture_cuda_graphs()
+        log.info(
+            "rank %d: %d KV blocks, graphs %s; ready at %.1f s",
+            rank,
+            config.num_kv_blocks,
+            "captured" if platform.cuda_graphs else "off",
+            time.monotonic() - start,
+        )
         channel = StepPlanChannel(group, platform.device)
         num_kv_heads = model_config.num_kv_heads
         with torch.inference_mode():
@@ -67,11 +82,17 @@ def main(args: FollowerArgs) -> None:
                 else:
                     gather_blocks(group, kv_cache.pool, plan.block_ids, num_kv_heads)
     except RuntimeError:
-        # NOTE: rank 0 went away mid-collective; it reports its own failure.
-        log.warning("tensor-parallel rank %d: group failed", rank, exc_info=True)
+        # NOTE: rank 0 went away mid-collective (it reports its own failure), or this rank
+        # failed (out of memory, say): rank 0 sees it exit.
+        log.warning("tensor-parallel rank %d: stopped", rank, exc_info=True)
+        group.close(abort=True)
         os._exit(1)
-    finally:
-        group.close()
+    except BaseException:
+        group.close(abort=True)
+        raise
+    # NOTE: rank 0 releases its communicator as it sends the stop (launcher.py): NCCL's
+    # destroy waits for every rank of the host.
+    group.close()
 
 
 def agree_on_kv_pool(
@@ -85,5 +106,10 @@ def agree_on_kv_pool(
 
 
 if __name__ == "__main__":
-    logging.basicConfig(level=logging.WARNING)
+    # NOTE: a line per start-up phase, timestamped (a start that stalls shows where).
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(message)s")
+    log.setLevel(logging.INFO)
     main(FollowerArgs.from_json(sys.argv[1]))
+    # NOTE: no interpreter teardown: the backend's destructors may wait on peers already gone.
+    logging.shutdown()
+    os._exit(0)

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import logging
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -19,10 +21,15 @@ import torch.distributed as dist
 
 from splitserve.engine.parallel.sharding import SINGLE, Shard
 
+log = logging.getLogger(__name__)
+
 DEFAULT_TIMEOUT = datetime.timedelta(seconds=120)
 # NOTE: a follower's wait for the next step; rank 0's death ends it anyway (a closed
 # connection, or the follower's parent watch).
-_FOREVER = datetime.timedelta(days=365)
+FOREVER = datetime.timedelta(days=365)
+# NOTE: how long `close` waits for the backend to release its communicator: NCCL's destroy
+# waits on the host's other ranks, and one that never calls it would hold this rank forever.
+CLOSE_TIMEOUT_S = 10.0
 
 
 class ParallelGroup:
@@ -57,8 +64,8 @@ class ParallelGroup:
         """The smallest of every rank's `value`."""
         return value
 
-    def close(self) -> None:
-        """Release the group (idempotent)."""
+    def close(self, *, abort: bool = False) -> None:
+        """Release the group (idempotent). `abort`: a peer is gone, so don't wait on it."""
 
 
 @dataclass(frozen=True)
@@ -84,7 +91,6 @@ class TorchGroup(ParallelGroup):
         """Join the group (blocks until every rank has). Rank 0 calls `check_peers` while it
         waits, so that a follower that died while starting fails it at once, not at the
         timeout."""
-        timeout = datetime.timedelta(seconds=rendezvous.timeout_s)
         self.shard = shard
         self.device = device
         self._store = dist.TCPStore(
@@ -99,7 +105,12 @@ class TorchGroup(ParallelGroup):
             self._wait_for_peers(rendezvous.join_timeout_s, check_peers)
         else:
             self._store.set(f"joined/{shard.rank}", "1")
-        if device.type == "cuda":
+        self._closed = False
+        self._connect(rendezvous, check_peers)
+
+    def _make_backend(self, timeout: datetime.timedelta) -> None:
+        shard = self.shard
+        if self.device.type == "cuda":
             opts = dist.ProcessGroupNCCL.Options()
             if hasattr(opts, "_timeout"):  # NOTE: private in torch's binding
                 opts._timeout = timeout
@@ -107,7 +118,50 @@ class TorchGroup(ParallelGroup):
             self._pg: Any = dist.ProcessGroupNCCL(self._store, shard.rank, shard.size, opts)
         else:
             self._pg = dist.ProcessGroupGloo(self._store, shard.rank, shard.size, timeout)
-        self._closed = False
+        # NOTE: one tiny collective forms the communicator now, while every rank is known to
+        # be alive: NCCL forms it lazily, at the first collective, in a call that waits in C
+        # for every rank with no timeout (gloo connects in its constructor, with one).
+        self.min_int(0)
+
+    def _connect(self, rendezvous: Rendezvous, check_peers: Callable[[], None] | None) -> None:
+        """Build the backend and form its communicator. Rank 0 does it on a helper thread and
+        keeps checking its peers and the clock: a follower that died after joining fails it
+        at once (`check_peers` raises), one that hangs at `join_timeout_s`."""
+        timeout = datetime.timedelta(seconds=rendezvous.timeout_s)
+        if check_peers is None:
+            self._make_backend(timeout)
+            return
+        errors: list[BaseException] = []
+        # NOTE: the current GPU is per thread: the helper takes this thread's (a bare "cuda").
+        gpu = self.device.index
+        if self.device.type == "cuda" and gpu is None:
+            gpu = torch.cuda.current_device()
+
+        def connect() -> None:
+            try:
+                if self.device.type == "cuda":
+                    torch.cuda.set_device(gpu)
+                self._make_backend(timeout)
+            except BaseException as exc:  # noqa: BLE001 - handed to the caller's thread
+                errors.append(exc)
+
+        helper = threading.Thread(target=connect, daemon=True, name="tp-connect")
+        helper.start()
+        deadline = time.monotonic() + rendezvous.join_timeout_s
+        while helper.is_alive():
+            check_peers()
+            if time.monotonic() > deadline:
+                raise TimeoutError(
+                    f"tensor-parallel ranks joined but formed no {self.backend} communicator "
+                    f"within {rendezvous.join_timeout_s} s"
+                )
+            helper.join(0.05)
+        if errors:
+            raise errors[0]
+
+    @property
+    def backend(self) -> str:
+        return "NCCL" if self.device.type == "cuda" else "gloo"
 
     def _wait_for_peers(self, timeout_s: float, check_peers: Callable[[], None] | None) -> None:
         keys = [f"joined/{rank}" for rank in range(1, self.world_size)]
@@ -133,7 +187,7 @@ class TorchGroup(ParallelGroup):
         self, x: torch.Tensor, root: int = 0, *, wait_forever: bool = False
     ) -> torch.Tensor:
         if wait_forever:
-            self._pg.broadcast(x, root, _FOREVER).wait()
+            self._pg.broadcast(x, root, FOREVER).wait()
         else:
             self._pg.broadcast(x, root).wait()
         return x
@@ -145,12 +199,31 @@ class TorchGroup(ParallelGroup):
         self._pg.allreduce([t], opts).wait()
         return int(t.item())
 
-    def close(self) -> None:
+    def close(self, *, abort: bool = False) -> None:
+        """Release the communicator: `shutdown` (NCCL flushes, then destroys: every rank of
+        the host must call it, at about the same time) or, with `abort` (a peer is gone),
+        `abort`, which waits on no one. Either is bounded by CLOSE_TIMEOUT_S: past it this
+        rank logs and moves on (its process's exit releases the rest)."""
         if self._closed:
             return
         self._closed = True
-        shutdown = getattr(self._pg, "shutdown", None)
-        if shutdown is not None:
+        # NOTE: a group that failed to form has no backend to release.
+        release = getattr(getattr(self, "_pg", None), "abort" if abort else "shutdown", None)
+        if release is None:
+            return
+
+        def run() -> None:
             # NOTE: a peer already gone leaves nothing to release cleanly.
             with contextlib.suppress(RuntimeError):
-                shutdown()
+                release()
+
+        helper = threading.Thread(target=run, daemon=True, name="tp-close")
+        helper.start()
+        helper.join(CLOSE_TIMEOUT_S)
+        if helper.is_alive():
+            log.warning(
+                "tensor-parallel rank %d: the %s communicator was not released within %.0f s",
+                self.rank,
+                self.backend,
+                CLOSE_TIMEOUT_S,
+            )

@@ -40,12 +40,27 @@ class RankLost(Unavailable):
 
 
 def rank_device(device: str, rank: int) -> str:
-    """Rank `rank`'s device: the GPU `rank` after rank 0's (cuda:1 -> cuda:1, cuda:2, …);
-    every rank on the CPU shares it."""
+    """Rank `rank`'s device: the GPU `rank` after rank 0's (cuda:1 -> cuda:1, cuda:2, …; a
+    bare "cuda" is the current GPU, where rank 0 runs); every rank on the CPU shares it."""
     dev = torch.device(device)
     if dev.type != "cuda":
         return device
-    return f"cuda:{(dev.index or 0) + rank}"
+    first = dev.index if dev.index is not None else torch.cuda.current_device()
+    return f"cuda:{first + rank}"
+
+
+def check_devices(device: str, size: int) -> None:
+    """Raise ValueError unless every rank gets a GPU of its own (CUDA_VISIBLE_DEVICES counts):
+    a follower on a GPU that isn't there dies at start, and two ranks on one GPU would
+    share its memory and FLOPs."""
+    if torch.device(device).type != "cuda":
+        return
+    last = rank_device(device, size - 1)
+    if int(last.split(":")[1]) >= torch.cuda.device_count():
+        raise ValueError(
+            f"tensor_parallel_size {size} from {device} needs GPUs {rank_device(device, 0)}.."
+            f"{last}; this process sees {torch.cuda.device_count()}"
+        )
 
 
 def _free_port() -> int:
@@ -68,6 +83,7 @@ class Followers:
         """Start ranks 1..N-1 and join them in a group (blocks until every rank joined; raises
         RankLost at once if one dies first)."""
         size = config.tensor_parallel_size
+        check_devices(config.device, size)
         rendezvous = Rendezvous("127.0.0.1", _free_port())
         procs = []
         for rank in range(1, size):
@@ -80,11 +96,13 @@ class Followers:
         # its ranks down: they hold GPUs.
         weakref.finalize(followers, _kill, list(procs))
         device = torch.device(config.device)
+        log.info("tensor-parallel: %d followers started; joining the group", size - 1)
         try:
             group = TorchGroup(Shard(0, size), rendezvous, device, followers.check)
         except BaseException:
             followers.kill()
             raise
+        log.info("tensor-parallel: %d ranks joined (%s)", size, group.backend)
         followers.group = group
         followers.channel = StepPlanChannel(group, device)
         return followers
@@ -117,19 +135,24 @@ class Followers:
         if self._stopped:
             return
         self._stopped = True
+        intact = all(p.poll() is None for p in self.procs)
         try:
-            if self.channel is not None and all(p.poll() is None for p in self.procs):
+            if self.channel is not None and intact:
                 self.channel.send_stop()
         except RuntimeError:
+            intact = False
             log.warning("tensor-parallel group broken at shutdown; killing followers")
+        # NOTE: released with the followers, not after they exit: NCCL's destroy waits for
+        # every rank of the host, so rank 0 waiting for their exit first while they wait in
+        # theirs would deadlock. A broken group is aborted (it waits on no one).
+        if self.group is not None:
+            self.group.close(abort=not intact)
         for proc in self.procs:
             try:
                 proc.wait(_JOIN_TIMEOUT_S)
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait(_JOIN_TIMEOUT_S)
-        if self.group is not None:
-            self.group.close()
 
     def kill(self) -> None:
         self._stopped = True
