@@ -102,7 +102,8 @@ def _expand_kernel(
     num_segs, T, N, R, RA, P, n1, n2, n_per,
     stride_ym, stride_bs, stride_bn,
     GATHER: tl.constexpr, SLICES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr,
-    BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, USE_PDL: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_P: tl.constexpr, PRECISION: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):  # fmt: skip
     pdl_start(USE_PDL)
     slot, rows, m_mask = _tile_rows(seg_ptr, rows_ptr, num_segs, BLOCK_M, GATHER)
@@ -127,10 +128,18 @@ def _expand_kernel(
             lo = tl.maximum(n_lo, n2)
             hi = n_hi
         if lo < hi:
+            # The K splits' partial sums, BLOCK_P at a time: one load's latency, not P.
             s = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
-            for p in range(P):
-                s_ptrs = s_ptr + (p * T + rows[:, None]) * RA + j * R + rs[None, :]
-                s += tl.load(s_ptrs, mask=sm, other=0.0)
+            for p0 in range(0, P, BLOCK_P):
+                ps = p0 + tl.arange(0, BLOCK_P)
+                s_ptrs = (
+                    s_ptr
+                    + (ps[:, None, None] * T + rows[None, :, None]) * RA
+                    + j * R
+                    + rs[None, None, :]
+                )
+                s_mask = (ps < P)[:, None, None] & sm[None, :, :]
+                s += tl.sum(tl.load(s_ptrs, mask=s_mask, other=0.0), axis=0)
             # NOTE: s is rounded to the weights' dtype first, as peft's lora_A output is.
             s16 = s.to(b_ptr.dtype.element_ty)
             for n0 in range(lo, hi, BLOCK_N):
@@ -255,11 +264,14 @@ def lora_expand(
     block_n = 128 if block_m <= TILE_ROWS else 64
     n_per = 512 if block_m <= TILE_ROWS else block_n
     grid = (triton.cdiv(max(1, max_seg_len), block_m), num_segs, triton.cdiv(N, n_per))
+    P = s.shape[0]
+    block_p = min(triton.next_power_of_2(P), 8 if block_m <= TILE_ROWS else 2)
     pdl = use_pdl(_expand_kernel, y.device, pdl)
     _expand_kernel[grid](
         y, s, b, scales, segments, segments if rows is None else rows,
-        num_segs, T, N, R, RA, s.shape[0], n1, n2, n_per,
+        num_segs, T, N, R, RA, P, n1, n2, n_per,
         y.stride(0), b.stride(0), b.stride(1),
         GATHER=rows is not None, SLICES=len(slices), BLOCK_M=block_m, BLOCK_R=block_r,
-        BLOCK_N=block_n, PRECISION=dot_precision(y.dtype), USE_PDL=pdl, **launch_options(pdl),
+        BLOCK_N=block_n, BLOCK_P=block_p, PRECISION=dot_precision(y.dtype), USE_PDL=pdl,
+        **launch_options(pdl),
     )  # fmt: skip

@@ -75,6 +75,15 @@ def test_decode_rows_grouped_by_adapter_match_reference(device, slices, tile):
           rows=rows)  # fmt: skip
 
 
+def test_split_k_partial_sums_add_up(device):
+    # K long enough to split the shrink: 3 partial sums in decode tiles (fewer than a block of
+    # them), 4 in prefill tiles (two blocks of 2).
+    spec, rows, max_len = _grouped([0, 2, -1, 2, 0, 0], 16)
+    _case(device, torch.float32, T=6, K=1536, R=8, slices=(16, 16), spec=spec, max_len=max_len,
+          rows=rows)  # fmt: skip
+    _case(device, torch.float32, T=40, K=1024, R=8, slices=(24,), spec=[(0, 40, 1)], max_len=40)
+
+
 def test_graph_capacity_with_skipped_segments_matches_reference(device):
     # A CUDA graph's fixed segment capacity: the step's tiles, then unused ones (slot -1).
     spec, rows, _ = _grouped([2, 0, 2, -1, 2, 0], 16)
