@@ -1,20 +1,25 @@
 """Tensor parallelism: TP=N against TP=1 in the same run, and a model too big for one GPU served.
 
     python -m bench.tensor_parallel [--tp 2] [--shape llama-3-8b] [--prompt-lens 4096 16384]
-        [--batches 1 64] [--context 512] [--out F]
+        [--batches 1 64] [--context 512] [--time-budget-s 420] [--out F]
     python -m bench.tensor_parallel --serve [--prefill-tp 2] [--decode-tp 2] [--layers N]
     python -m bench.tensor_parallel --smoke          # tiny shape, CPU (gloo) or GPU
 
-Engine mode (the default), for each configuration (TP=1 with its CUDA graphs, TP=1 eager,
-TP=N; dummy bf16 weights of the shape, prefix caching off, no overlapped steps, EOS ignored):
+Engine mode (the default): first the collectives, in a group of N processes of their own (NCCL's
+all-reduce bus bandwidth on 256 MiB, as nccl-tests reports it: bytes x 2(N-1)/N / time; the
+time of the all-reduces one step issues, 2 per layer + the embedding's, [tokens, hidden]
+each; the device's copy bandwidth). Then one row per configuration, in this order: TP=1 with
+its CUDA graphs (the baseline), TP=N eager, TP=N with graphs (`tensor_parallel_cuda_graphs`),
+TP=1 eager; dummy bf16 weights of the shape, prefix caching off, no overlapped steps, EOS
+ignored. Each row is a process of its own (bench/tensor_parallel_row.py) with a time limit:
   - prefill: TTFT of one prompt of each length (one engine step: max_num_batched_tokens is the
-    longest prompt), median over `--reps` fresh random prompts;
+    longest prompt), median over `--reps` fresh random prompts after one warm-up;
   - decode: median engine-step time while `batch` sequences of `--context` tokens decode;
   - the floor of a decode step: this rank's weight bytes (all but the embedding) + KV bytes
-    over the copy bandwidth measured in the same run, plus the all-reduces of the step;
-  - collectives, measured in the same run in a group of N processes: NCCL's all-reduce bus
-    bandwidth on 256 MiB (bytes x 2(N-1)/N / time, as nccl-tests reports it) and the time of
-    the all-reduces one step issues (2 per layer + the embedding's, [tokens, hidden] each).
+    over the copy bandwidth, plus the step's all-reduces (both measured in the same run).
+Every phase prints a timestamped line as it ends; a row that fails or runs out of time is kept
+with its `error` (and whatever it measured first), and the run goes on to the next. Rows are
+not started once less than 45 s of `--time-budget-s` is left.
 
 Serve mode: a Llama-3-8B-width stack deep enough (`--layers`, default sized from the GPU's
 memory) that its bf16 weights don't fit one GPU, served through the gateway by a prefill
@@ -26,18 +31,24 @@ needs prefill_tp + decode_tp GPUs (`--prefill 0` serves a colocated worker at `-
 from __future__ import annotations
 
 import argparse
-import gc
+import collections
+import contextlib
 import json
-import statistics
+import os
+import signal
+import subprocess
+import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from bench.common import SHAPES, device_name, model_dir, sync, table, write_results
+from bench.common import SHAPES, device_name, model_dir, table, write_results
 from bench.tensor_parallel_collectives import measure_collectives
+from bench.tensor_parallel_row import RESULT_PREFIX, progress
 
 SMOKE_SHAPE = "tiny"
 BIG_ALL_REDUCE_BYTES = 256 << 20
@@ -51,198 +62,211 @@ def _tiny_dir(root: Path) -> Path:
 
 # -- engine --------------------------------------------------------------------------------
 
-
-def _progress(text: str) -> None:
-    """A line as each phase ends: a run cut short by a time limit still shows what it got."""
-    print(f"[{time.strftime('%H:%M:%S')}] {text}", flush=True)
-
-
-def _random_prompt(length: int, vocab: int, gen: torch.Generator) -> list[int]:
-    return torch.randint(10, vocab, (length,), generator=gen).tolist()
-
-
-def ttft(engine, length: int, reps: int) -> float:
-    """Median seconds from add_request to the first token of a fresh `length`-token prompt."""
-    from splitserve.engine import SamplingParams
-
-    params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
-    gen = torch.Generator().manual_seed(length)
-    vocab = engine.model_config.vocab_size
-    engine.add_request(_random_prompt(min(length, 64), vocab, gen), params)  # warm-up
-    while engine.has_unfinished_requests():
-        engine.step()
-    times = []
-    for _ in range(reps):
-        prompt = _random_prompt(length, vocab, gen)
-        sync()
-        start = time.perf_counter()
-        engine.add_request(prompt, params)
-        while engine.has_unfinished_requests():
-            engine.step()
-        sync()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+ROOT = Path(__file__).resolve().parents[1]
+# NOTE: NVLink multicast (NVLS) stays off on a shared host: a program that uses it can put the
+# host's GPUs out of service. Every process this benchmark starts inherits these.
+NO_MULTICAST = {
+    "NCCL_NVLS_ENABLE": "0",
+    "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+    "NVSHMEM_DISABLE_NVLS": "1",
+}
+_STOP_GRACE_S = 30.0  # a row that measured everything gets this long to stop its engine
+_MIN_ROW_S = 45.0  # a row is not started with less of the time budget left
 
 
-def decode_step(engine, batch: int, context: int, steps: int) -> float:
-    """Median seconds of an engine step while `batch` sequences of `context` tokens decode."""
-    from splitserve.engine import SamplingParams
-
-    params = SamplingParams(temperature=0, max_tokens=steps + 8, ignore_eos=True)
-    gen = torch.Generator().manual_seed(batch)
-    for _ in range(batch):
-        engine.add_request(_random_prompt(context, engine.model_config.vocab_size, gen), params)
-    while engine.scheduler.waiting or any(
-        s.num_computed_tokens < s.num_tokens - 1 for s in engine.scheduler.running
-    ):
-        engine.step()
-    for _ in range(2):
-        engine.step()
-    times = []
-    for _ in range(steps):
-        sync()
-        start = time.perf_counter()
-        engine.step()
-        sync()
-        times.append(time.perf_counter() - start)
-    for seq in list(engine.scheduler.running):
-        engine.abort_request(seq.request_id)
-    engine.housekeeping()
-    return statistics.median(times)
+def _env() -> dict[str, str]:
+    env = dict(os.environ)
+    for key, value in NO_MULTICAST.items():
+        env.setdefault(key, value)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    env["PYTHONUNBUFFERED"] = "1"
+    return env
 
 
-def rank_weight_bytes(engine) -> int:
-    """Bytes of rank 0's parameters a decode step reads (all but the embedding table)."""
-    return sum(
-        p.numel() * p.element_size()
-        for name, p in engine.model.named_parameters()
-        if "embed_tokens" not in name
+def _group_alive(pgid: int) -> bool:
+    """Whether a process of group `pgid` is still running (zombies don't count: a follower
+    whose parent died waits for init to reap it, and holds no GPU memory)."""
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if int(fields[2]) == pgid and fields[0] != "Z":
+            return True
+    return False
+
+
+def _kill_group(proc: subprocess.Popen[str]) -> None:
+    """SIGKILL a row's process group (its engine and the engine's follower ranks), reap it,
+    and wait until no process of it runs, so that the next row finds the GPUs' memory free."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    deadline = time.monotonic() + 30
+    while _group_alive(proc.pid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+
+
+def run_row(spec: dict, timeout_s: float) -> dict:
+    """One configuration in a process of its own (bench/tensor_parallel_row.py), its lines
+    echoed as they come: what it measured, plus `error` if it failed or ran out of time."""
+    row: dict[str, Any] = {"config": spec["name"], "tp": spec["tp"]}
+    cmd = [sys.executable, "-m", "bench.tensor_parallel_row", json.dumps(spec)]
+    proc = subprocess.Popen(
+        cmd,
+        cwd=ROOT,
+        env=_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,  # NOTE: its own process group, followers included
     )
+    tail: collections.deque[str] = collections.deque(maxlen=12)
+
+    def pump() -> None:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            if line.startswith(RESULT_PREFIX):
+                row.update(json.loads(line[len(RESULT_PREFIX) :]))
+            else:
+                print(f"    {line}", end="", flush=True)
+                tail.append(line.rstrip())
+
+    reader = threading.Thread(target=pump, daemon=True)
+    reader.start()
+    deadline = time.monotonic() + timeout_s
+    while proc.poll() is None and time.monotonic() < deadline:
+        if row.get("complete"):
+            deadline = min(deadline, time.monotonic() + _STOP_GRACE_S)
+        time.sleep(0.2)
+    code = proc.poll()
+    _kill_group(proc)
+    reader.join(5)
+    last = tail[-1] if tail else "(no output)"
+    if code is None and row.pop("complete", False):
+        row["stop_error"] = f"measured, but did not stop within {_STOP_GRACE_S:.0f} s"
+    elif code is None:
+        row["error"] = f"timed out after {timeout_s:.0f} s; its last line: {last}"
+    elif code != 0:
+        row["error"] = f"exit code {code}: " + " | ".join(tail)[-600:]
+    row.pop("complete", None)
+    return row
 
 
-def run_engine_config(
-    path: Path, name: str, tp: int, graphs: bool, args, on_gpu: bool, tp_graphs: bool = False
-) -> dict:
-    from splitserve.engine import LLMEngine
-    from splitserve.engine.config import EngineConfig
+def _specs(args, path: Path, on_gpu: bool) -> list[dict]:
+    """The rows in the order they run: the baseline, then what the acceptance asks of TP=N."""
+    names = [("TP=1", 1, True, False)]
+    if "tpN" in args.configs:
+        names.append((f"TP={args.tp}", args.tp, True, False))
+    if on_gpu and "tpN-graphs" in args.configs:  # opt-in (tensor_parallel_cuda_graphs)
+        names.append((f"TP={args.tp} graphs", args.tp, True, True))
+    if on_gpu and "tp1-eager" in args.configs:
+        names.append(("TP=1 eager", 1, False, False))
+    common = {
+        "model": str(path),
+        "on_gpu": on_gpu,
+        "prompt_lens": args.prompt_lens,
+        "batches": args.batches,
+        "context": args.context,
+        "steps": args.steps,
+        "reps": args.reps,
+        "num_kv_blocks": args.num_kv_blocks,
+    }
+    return [
+        {**common, "name": name, "tp": tp, "graphs": graphs, "tp_graphs": tp_graphs}
+        for name, tp, graphs, tp_graphs in names
+    ]
 
-    longest = max(args.prompt_lens)
-    config = EngineConfig(
-        dtype=torch.bfloat16 if on_gpu else torch.float32,
-        device="cuda:0" if on_gpu else "cpu",
-        load_format="dummy",
-        tensor_parallel_size=tp,
-        enable_cuda_graphs=graphs,
-        tensor_parallel_cuda_graphs=tp_graphs,
-        # NOTE: TP > 1 can't overlap steps (engine/overlap.py), so no configuration does: the
-        # rows differ in degree and graphs only.
-        async_scheduling=False,
-        enable_prefix_caching=False,
-        max_model_len=max(longest, args.context + args.steps + 16) + 16,
-        max_num_batched_tokens=max(longest, max(args.batches)),
-        max_num_seqs=max(args.batches),
-        num_kv_blocks=args.num_kv_blocks,
-    )
-    start = time.perf_counter()
-    engine = LLMEngine(path, config)
-    _progress(f"{name}: engine up in {time.perf_counter() - start:.1f} s")
-    try:
-        row: dict[str, Any] = {
-            "config": name,
-            "tp": tp,
-            "cuda_graphs": engine.runner.graphs is not None,
-        }
-        for length in args.prompt_lens:
-            row[f"ttft_{length}_ms"] = ttft(engine, length, args.reps) * 1e3
-            _progress(f"{name}: TTFT {length}: {row[f'ttft_{length}_ms']:.2f} ms")
-        for batch in args.batches:
-            row[f"step_b{batch}_ms"] = decode_step(engine, batch, args.context, args.steps) * 1e3
-            _progress(f"{name}: step at batch {batch}: {row[f'step_b{batch}_ms']:.3f} ms")
-        local = engine.model.cfg
-        row["weight_bytes_rank0"] = rank_weight_bytes(engine)
-        elem = engine.kv_cache.pool.element_size()
-        row["kv_bytes_per_token_rank0"] = (
-            2 * local.num_layers * local.num_kv_heads * (local.head_dim * elem)
-        )
-        return row
-    finally:
-        engine.shutdown()
-        del engine
-        gc.collect()  # NOTE: the next configuration needs this one's GPU memory back
-        if on_gpu:
-            torch.cuda.empty_cache()
+
+def _prepare_model(args, root: Path) -> Path:
+    path = _tiny_dir(root) if args.smoke else model_dir(args.shape, root)
+    cfg = json.loads((path / "config.json").read_text())
+    # NOTE: a 16k prompt outgrows the Llama-3-8B shape's 8192 positions; the rotary tables
+    # extend to any length, and the timing does not depend on their values.
+    need = max(*args.prompt_lens, args.context + args.steps) + 64
+    if cfg["max_position_embeddings"] < need:
+        cfg["max_position_embeddings"] = need
+        (path / "config.json").write_text(json.dumps(cfg))
+    return path
 
 
 def engine_mode(args) -> dict:
+    started = time.monotonic()
     on_gpu = torch.cuda.is_available() and not args.cpu
-    if on_gpu:
-        assert torch.cuda.device_count() >= args.tp, f"--tp {args.tp} needs {args.tp} GPUs"
+    if on_gpu and torch.cuda.device_count() < args.tp:
+        raise SystemExit(f"--tp {args.tp} needs {args.tp} GPUs; {torch.cuda.device_count()} seen")
+    os.environ.update({k: v for k, v in _env().items() if k in NO_MULTICAST})
     with tempfile.TemporaryDirectory() as tmp:
-        path = _tiny_dir(Path(tmp)) if args.smoke else model_dir(args.shape, Path(tmp))
+        path = _prepare_model(args, Path(tmp))
         cfg = json.loads((path / "config.json").read_text())
-        # NOTE: a 16k prompt outgrows the Llama-3-8B shape's 8192 positions; the rotary tables
-        # extend to any length, and the timing does not depend on their values.
-        need = max(*args.prompt_lens, args.context + args.steps) + 64
-        if cfg["max_position_embeddings"] < need:
-            cfg["max_position_embeddings"] = need
-            (path / "config.json").write_text(json.dumps(cfg))
-        hidden, layers = cfg["hidden_size"], cfg["num_hidden_layers"]
-        _progress(f"collectives: all-reduce in a group of {args.tp}")
-        collectives = measure_collectives(
-            args.tp,
-            "cuda" if on_gpu else "cpu",
-            hidden,
-            layers,
-            sorted({*args.prompt_lens, *args.batches}),
-            args.big_bytes,
-            args.reps_collective,
+        progress(
+            f"collectives: all-reduce in a group of {args.tp} ({'NCCL' if on_gpu else 'gloo'})"
         )
-        bandwidth = None
-        if on_gpu:
-            from bench.kernels import copy_bandwidth
-
-            bandwidth = copy_bandwidth(2 << 30, torch.device("cuda"))["GB_per_s"] * 1e9
-        _progress(f"collectives: {json.dumps(collectives)}; copy {bandwidth} B/s")
-        configs = [("TP=1", 1, True, False)]  # the baseline: always first
-        if on_gpu and "tp1-eager" in args.configs:
-            configs.append(("TP=1 eager", 1, False, False))
-        if "tpN" in args.configs:
-            configs.append((f"TP={args.tp}", args.tp, True, False))
-        if on_gpu and "tpN-graphs" in args.configs:  # opt-in (tensor_parallel_cuda_graphs)
-            configs.append((f"TP={args.tp} graphs", args.tp, True, True))
+        try:
+            collectives = measure_collectives(
+                args.tp,
+                "cuda" if on_gpu else "cpu",
+                cfg["hidden_size"],
+                cfg["num_hidden_layers"],
+                sorted({*args.prompt_lens, *args.batches}),
+                args.big_bytes,
+                args.reps_collective,
+                timeout_s=min(180.0, args.time_budget_s / 3),
+            )
+            progress(
+                f"collectives: bus {collectives['bus_GB_per_s']:.1f} GB/s; "
+                f"copy {collectives['copy_GB_per_s']} GB/s"
+            )
+        except RuntimeError as exc:
+            collectives = {"error": str(exc), "step": {}, "copy_GB_per_s": None}
+            progress(f"collectives failed: {exc}")
         rows = []
-        for name, tp, graphs, tp_graphs in configs:
-            _progress(f"{name}: starting")
-            try:
-                rows.append(run_engine_config(path, name, tp, graphs, args, on_gpu, tp_graphs))
-            except Exception as exc:  # noqa: BLE001 - a failed configuration is a result too
-                if tp == 1:
-                    raise
-                rows.append({"config": name, "tp": tp, "error": repr(exc)[:500]})
-            _progress(f"{name}: {json.dumps(rows[-1])}")
-    measured = [row for row in rows if "error" not in row]
+        for spec in _specs(args, path, on_gpu):
+            left = args.time_budget_s - (time.monotonic() - started)
+            if left < _MIN_ROW_S:
+                rows.append(
+                    {"config": spec["name"], "tp": spec["tp"], "error": "skipped: time budget"}
+                )
+                progress(f"{spec['name']}: skipped ({left:.0f} s of the budget left)")
+                continue
+            progress(f"{spec['name']}: starting (limit {min(args.row_timeout_s, left):.0f} s)")
+            rows.append(run_row(spec, min(args.row_timeout_s, left)))
+            progress(f"{spec['name']}: {json.dumps(rows[-1])}")
+    return summarize(args, rows, collectives, on_gpu)
+
+
+def summarize(args, rows: list[dict], collectives: dict, on_gpu: bool) -> dict:
+    """Speedups against the TP=1 row, decode floors, and the acceptance's checks."""
     base = rows[0]
-    tp_row = next(r for r in reversed(measured) if r["tp"] > 1) if len(measured) > 1 else base
-    for row in measured:
+    copy = collectives.get("copy_GB_per_s")
+    checks: dict[str, dict[str, bool]] = {}
+    for row in rows:
         for length in args.prompt_lens:
             key = f"ttft_{length}_ms"
-            row[f"ttft_{length}_speedup"] = base[key] / row[key]
+            if key in row and key in base:
+                row[f"ttft_{length}_speedup"] = base[key] / row[key]
         for batch in args.batches:
             key = f"step_b{batch}_ms"
-            row[f"step_b{batch}_speedup"] = base[key] / row[key]
-            if bandwidth is not None:
-                read = (
-                    row["weight_bytes_rank0"]
-                    + batch * args.context * row["kv_bytes_per_token_rank0"]
-                )
-                floor = read / bandwidth
-                if row["tp"] > 1:
-                    floor += collectives["step"][str(batch)]["per_step_ms"] / 1e3
-                row[f"step_b{batch}_floor_ms"] = floor * 1e3
-                row[f"step_b{batch}_vs_floor"] = row[key] / (floor * 1e3)
+            if key in row and key in base:
+                row[f"step_b{batch}_speedup"] = base[key] / row[key]
+            if key in row and copy and "weight_bytes_rank0" in row:
+                read = row["weight_bytes_rank0"]
+                read += batch * args.context * row["kv_bytes_per_token_rank0"]
+                floor_ms = read / (copy * 1e9) * 1e3
+                step = collectives["step"].get(str(batch))
+                if row["tp"] > 1 and step is not None:
+                    floor_ms += step["per_step_ms"]
+                row[f"step_b{batch}_floor_ms"] = floor_ms
+                row[f"step_b{batch}_vs_floor"] = row[key] / floor_ms
+        if row["tp"] > 1:
+            checks[row["config"]] = {
+                name: bool(row[key] >= target if ge else row[key] <= target)
+                for name, key, target, ge in TARGETS
+                if key in row
+            }
     return {
         "benchmark": "tensor_parallel",
-        "device": device_name(),
+        "device": next((r["device"] for r in rows if "device" in r), device_name_cpu(on_gpu)),
         "num_devices": torch.cuda.device_count() if on_gpu else 0,
         "shape": SMOKE_SHAPE if args.smoke else args.shape,
         "dtype": "bfloat16" if on_gpu else "float32",
@@ -251,15 +275,25 @@ def engine_mode(args) -> dict:
         "async_scheduling": False,
         "tp": args.tp,
         "context": args.context,
-        "copy_GB_per_s": None if bandwidth is None else bandwidth / 1e9,
+        "copy_GB_per_s": copy,
         "collectives": collectives,
         "rows": rows,
-        "summary_config": tp_row["config"],  # the last TP > 1 row measured
-        "summary": {
-            **{f"ttft_{n}_speedup": tp_row[f"ttft_{n}_speedup"] for n in args.prompt_lens},
-            **{f"step_b{b}_speedup": tp_row[f"step_b{b}_speedup"] for b in args.batches},
-        },
+        "targets": {name: target for name, _, target, _ in TARGETS},
+        "checks": checks,
     }
+
+
+# The acceptance's targets: (name, row key, value, True if the row must reach at least it).
+TARGETS = (
+    ("4k prefill >= 1.7x", "ttft_4096_speedup", 1.7, True),
+    ("decode b1 >= 1.5x", "step_b1_speedup", 1.5, True),
+    ("decode b1 <= 1.3x floor", "step_b1_vs_floor", 1.3, False),
+)
+
+
+def device_name_cpu(on_gpu: bool) -> str:
+    """The device's name without touching the GPU here (rows name it from their own process)."""
+    return "GPU (no row started)" if on_gpu else device_name()
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -274,6 +308,10 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--reps-collective", type=int, default=50)
     parser.add_argument("--big-bytes", type=int, default=BIG_ALL_REDUCE_BYTES)
     parser.add_argument("--num-kv-blocks", type=int, default=None)
+    parser.add_argument(
+        "--time-budget-s", type=float, default=420.0, help="the whole run (rows not started)"
+    )
+    parser.add_argument("--row-timeout-s", type=float, default=240.0, help="one row's limit")
     parser.add_argument("--cpu", action="store_true", help="run on the CPU (gloo)")
     parser.add_argument("--smoke", action="store_true", help="tiny shape, few steps")
     parser.add_argument("--serve", action="store_true", help="serve a too-big model instead")
@@ -306,34 +344,51 @@ def main(argv: list[str] | None = None) -> dict:
         result = engine_mode(args)
     out = args.out or f"bench/results/tensor_parallel{'_serve' if args.serve else ''}.json"
     write_results(out, result)
+    progress(f"wrote {out}")
     if args.serve:
         print(
             f"{result['device']}: {result['shape']}, P TP={args.prefill_tp} x{args.prefill}, "
             f"D TP={args.decode_tp}"
         )
         print(table(result["rows"], ["request", "ttft_ms", "tokens", "e2e_ms"]))
+        if result.get("error"):
+            print(f"error: {result['error']}")
         return result
+    print_engine_result(args, result)
+    return result
+
+
+def print_engine_result(args, result: dict) -> None:
     coll = result["collectives"]
     print(f"{result['device']} x{args.tp}, {result['shape']}, {result['dtype']}, dummy weights")
-    print(
-        f"all-reduce {coll['all_reduce_bytes'] >> 20} MiB: {coll['all_reduce_ms']:.3f} ms, "
-        f"bus {coll['bus_GB_per_s']:.1f} GB/s; copy {result['copy_GB_per_s']} GB/s"
-    )
-    print(
-        table(
-            [{"tokens": k, **v} for k, v in coll["step"].items()],
-            ["tokens", "bytes", "one_all_reduce_us", "per_step_ms"],
+    if "error" in coll:
+        print(f"collectives: {coll['error']}")
+    else:
+        print(
+            f"all-reduce {coll['all_reduce_bytes'] >> 20} MiB: {coll['all_reduce_ms']:.3f} ms, "
+            f"bus {coll['bus_GB_per_s']:.1f} GB/s ({coll['backend']}); "
+            f"copy {result['copy_GB_per_s']} GB/s"
         )
-    )
-    columns = ["config", "cuda_graphs"]
+        print(
+            table(
+                [{"tokens": k, **v} for k, v in coll["step"].items()],
+                ["tokens", "bytes", "one_all_reduce_us", "per_step_ms"],
+            )
+        )
+    columns = ["config", "cuda_graphs", "engine_up_s"]
     columns += [f"ttft_{n}_{s}" for n in args.prompt_lens for s in ("ms", "speedup")]
     columns += [f"step_b{b}_{s}" for b in args.batches for s in ("ms", "speedup")]
     if result["copy_GB_per_s"] is not None:
         columns += [f"step_b{b}_{s}" for b in args.batches for s in ("floor_ms", "vs_floor")]
-    if any("error" in row for row in result["rows"]):
-        columns.append("error")
     print(table(result["rows"], columns))
-    return result
+    for row in result["rows"]:
+        for key in ("error", "stop_error"):
+            if key in row:
+                print(f"{row['config']}: {key}: {row[key]}")
+    for config, checks in result["checks"].items():
+        print(
+            f"{config}: " + ", ".join(f"{k}: {'met' if v else 'MISSED'}" for k, v in checks.items())
+        )
 
 
 if __name__ == "__main__":

@@ -1,16 +1,23 @@
 """The collectives part of bench/tensor_parallel.py: all-reduce bus bandwidth and the all-reduces
-of one step, in a fresh group of N processes (NCCL on GPUs, gloo on the CPU)."""
+of one step, in a fresh group of N processes (NCCL on GPUs, gloo on the CPU); on a GPU, rank 0
+also measures the device's copy bandwidth (the decode floor's denominator) and names it.
+
+Bounded: the parent polls for the result, fails at once (naming the rank) if a rank dies, and
+at `timeout_s` kills every rank; rank 0 hands its result over before it releases the group, so
+a backend that is slow to tear down costs nothing.
+"""
 
 from __future__ import annotations
 
 import multiprocessing as mp
+import queue
 import socket
 import time
 from typing import Any
 
 import torch
 
-from bench.common import sync
+from bench.common import device_name, sync
 
 
 def _free_port() -> int:
@@ -37,12 +44,15 @@ def _collective_rank(rank: int, size: int, port: int, device: str, spec: dict, o
     dev = torch.device(f"cuda:{rank}" if device == "cuda" else "cpu")
     if dev.type == "cuda":
         torch.cuda.set_device(dev)
-    group = TorchGroup(Shard(rank, size), Rendezvous("127.0.0.1", port), dev)
+    timeout = spec["timeout_s"]
+    group = TorchGroup(Shard(rank, size), Rendezvous("127.0.0.1", port, timeout, timeout), dev)
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     elem = torch.empty((), dtype=dtype).element_size()
     big = torch.ones(spec["big_bytes"] // elem, dtype=dtype, device=dev)
     seconds = _time_all_reduce(group, big, spec["reps"])
+    del big
     result: dict[str, Any] = {
+        "backend": group.backend,
         "all_reduce_bytes": spec["big_bytes"],
         "all_reduce_ms": seconds * 1e3,
         "bus_GB_per_s": spec["big_bytes"] * 2 * (size - 1) / size / seconds / 1e9,
@@ -56,16 +66,30 @@ def _collective_rank(rank: int, size: int, port: int, device: str, spec: dict, o
             "per_step_ms": one * spec["per_step"] * 1e3,
             "bytes": x.numel() * elem,
         }
-    group.close()
     if rank == 0:
+        result["device"] = device_name()
+        result["copy_GB_per_s"] = None
+        if dev.type == "cuda":
+            from bench.kernels import copy_bandwidth
+
+            result["copy_GB_per_s"] = copy_bandwidth(2 << 30, dev)["GB_per_s"]
         out.put(result)
+    group.close()
 
 
 def measure_collectives(
-    size: int, device: str, hidden: int, layers: int, tokens: list[int], big_bytes: int, reps: int
+    size: int,
+    device: str,
+    hidden: int,
+    layers: int,
+    tokens: list[int],
+    big_bytes: int,
+    reps: int,
+    timeout_s: float = 180.0,
 ) -> dict:
     """All-reduce bus bandwidth and per-step all-reduce time in a fresh group of `size`
-    processes (before any engine holds the GPUs)."""
+    processes (before any engine holds the GPUs). Raises RuntimeError if a rank dies or the
+    whole takes longer than `timeout_s`."""
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     spec = {
@@ -74,15 +98,46 @@ def measure_collectives(
         "big_bytes": big_bytes,
         "reps": reps,
         "per_step": 2 * layers + 1,
+        "timeout_s": timeout_s,
     }
     port = _free_port()
+    # NOTE: daemonic, so that a rank stuck in the backend can never hold this process's exit.
     procs = [
-        ctx.Process(target=_collective_rank, args=(r, size, port, device, spec, out))
+        ctx.Process(target=_collective_rank, args=(r, size, port, device, spec, out), daemon=True)
         for r in range(size)
     ]
     for p in procs:
         p.start()
-    result = out.get(timeout=600)
-    for p in procs:
-        p.join(60)
+    deadline = time.monotonic() + timeout_s
+    try:
+        result = _await_result(out, procs, deadline, timeout_s)
+    except BaseException:
+        for p in procs:
+            p.kill()
+        raise
+    finally:
+        for p in procs:
+            p.join(10)
+            if p.is_alive():
+                p.kill()
+                p.join(5)
     return result
+
+
+def _await_result(out, procs: list, deadline: float, timeout_s: float) -> dict:
+    while True:
+        try:
+            return out.get(timeout=0.5)
+        except queue.Empty:
+            pass
+        failed = [(r, p.exitcode) for r, p in enumerate(procs) if p.exitcode not in (None, 0)]
+        if failed:
+            raise RuntimeError(f"collectives: rank(s) exited with codes {failed}")
+        if all(p.exitcode == 0 for p in procs):
+            try:  # NOTE: rank 0 flushed its result before it exited
+                return out.get(timeout=2.0)
+            except queue.Empty:
+                raise RuntimeError("collectives: ranks exited; rank 0 sent no result") from None
+        if time.monotonic() > deadline:
+            alive = [r for r, p in enumerate(procs) if p.is_alive()]
+            raise RuntimeError(f"collectives: no result in {timeout_s:.0f} s (alive: {alive})")

@@ -12,7 +12,8 @@ from pathlib import Path
 import torch
 
 from bench.common import SHAPES, device_name, model_dir
-from bench.tensor_parallel import SMOKE_SHAPE, _random_prompt, _tiny_dir
+from bench.tensor_parallel import NO_MULTICAST, SMOKE_SHAPE, _tiny_dir
+from bench.tensor_parallel_row import progress, random_prompt
 
 
 def layers_that_need_two_gpus(shape: dict, gpu_bytes: int) -> int:
@@ -25,14 +26,13 @@ def layers_that_need_two_gpus(shape: dict, gpu_bytes: int) -> int:
 
 
 def serve_mode(args) -> dict:
-    import grpc
-
-    from splitserve.client import stream
-    from splitserve.engine import SamplingParams
-    from splitserve.protos.v1 import gateway_pb2_grpc
+    """Start the stack, send the requests, stop it; an error is recorded, not raised."""
     from splitserve.up import StackSettings, start_stack
 
     on_gpu = torch.cuda.is_available() and not args.cpu
+    started = time.monotonic()
+    rows: list[dict] = []
+    error = None
     with tempfile.TemporaryDirectory() as tmp:
         if args.smoke:
             path = _tiny_dir(Path(tmp))
@@ -62,44 +62,86 @@ def serve_mode(args) -> dict:
             extra_prefill_args=("--tensor-parallel-size", str(args.prefill_tp)),
             extra_decode_args=("--tensor-parallel-size", str(args.decode_tp)),
             devices=devices,
-            startup_timeout_s=1800.0,
+            # NOTE: the whole run's budget, less what the requests need
+            startup_timeout_s=max(60.0, args.time_budget_s - 90.0),
+            env=NO_MULTICAST,
         )
-        stack = start_stack(settings)
+        progress(
+            f"serve: starting the stack ({layers} layers, P TP={args.prefill_tp} x{args.prefill}, "
+            f"D TP={args.decode_tp}, devices {devices or 'cpu'})"
+        )
         try:
-            stub = gateway_pb2_grpc.GatewayStub(grpc.insecure_channel(stack.address))
-            params = SamplingParams(temperature=0, max_tokens=args.serve_tokens, ignore_eos=True)
-            gen = torch.Generator().manual_seed(0)
-            rows = []
-            for i in range(args.serve_requests):
-                prompt = _random_prompt(args.serve_prompt_len, vocab, gen)
-                start = time.perf_counter()
-                first = None
-                tokens = 0
-                for msg in stream(stub, prompt, params, timeout_s=600):
-                    if msg.HasField("chunk"):
-                        first = first or time.perf_counter()
-                        tokens += len(msg.chunk.token_ids)
-                end = time.perf_counter()
-                assert first is not None and tokens == args.serve_tokens, (i, tokens)
-                rows.append(
-                    {
-                        "request": i,
-                        "ttft_ms": (first - start) * 1e3,
-                        "tokens": tokens,
-                        "e2e_ms": (end - start) * 1e3,
-                    }
-                )
+            stack = start_stack(settings)
+        except Exception as exc:  # noqa: BLE001 - a stack that can't start is a result too
+            error = f"the stack did not start: {exc}"
+            progress(f"serve: {error}")
+            stack = None
+        try:
+            if stack is not None:
+                progress(f"serve: stack ready in {time.monotonic() - started:.1f} s")
+                rows = _requests(args, stack.address, vocab)
+        except Exception as exc:  # noqa: BLE001
+            error = f"requests failed: {exc!r}"[:600]
+            progress(f"serve: {error}")
         finally:
-            stack.stop()
+            if stack is not None:
+                progress("serve: stopping the stack")
+                stack.stop()
+                progress("serve: stopped")
     return {
         "benchmark": "tensor_parallel_serve",
         "device": device_name(),
         "shape": SMOKE_SHAPE if args.smoke else f"{args.shape} width, {layers} layers",
         "weights": "dummy",
         "layers": layers,
+        "weight_GB": weight_bytes(cfg) / 1e9,
         "prefill": args.prefill,
         "prefill_tp": args.prefill_tp,
         "decode_tp": args.decode_tp,
         "ignore_eos": True,
         "rows": rows,
+        "error": error,
     }
+
+
+def weight_bytes(cfg: dict) -> int:
+    """bf16 bytes of a Llama-family config's weights (untied embedding and LM head)."""
+    h, inter, layers = cfg["hidden_size"], cfg["intermediate_size"], cfg["num_hidden_layers"]
+    kv = cfg["num_key_value_heads"] * (h // cfg["num_attention_heads"])
+    return 2 * (layers * (2 * h * h + 2 * h * kv + 3 * h * inter) + 2 * cfg["vocab_size"] * h)
+
+
+def _requests(args, address: str, vocab: int) -> list[dict]:
+    """`--serve-requests` prompts one after another through the gateway: TTFT and tokens."""
+    import grpc
+
+    from splitserve.client import stream
+    from splitserve.engine import SamplingParams
+    from splitserve.protos.v1 import gateway_pb2_grpc
+
+    stub = gateway_pb2_grpc.GatewayStub(grpc.insecure_channel(address))
+    params = SamplingParams(temperature=0, max_tokens=args.serve_tokens, ignore_eos=True)
+    gen = torch.Generator().manual_seed(0)
+    rows = []
+    for i in range(args.serve_requests):
+        prompt = random_prompt(args.serve_prompt_len, vocab, gen)
+        start = time.perf_counter()
+        first = None
+        tokens = 0
+        for msg in stream(stub, prompt, params, timeout_s=120):
+            if msg.HasField("chunk"):
+                first = first or time.perf_counter()
+                tokens += len(msg.chunk.token_ids)
+        end = time.perf_counter()
+        if first is None or tokens != args.serve_tokens:
+            raise RuntimeError(f"request {i}: {tokens} of {args.serve_tokens} tokens")
+        rows.append(
+            {
+                "request": i,
+                "ttft_ms": (first - start) * 1e3,
+                "tokens": tokens,
+                "e2e_ms": (end - start) * 1e3,
+            }
+        )
+        progress(f"serve: request {i}: TTFT {rows[-1]['ttft_ms']:.1f} ms, {tokens} tokens")
+    return rows
