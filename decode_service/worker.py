@@ -23,7 +23,7 @@ from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass
 
 from splitserve.decode_service.reservations import LocalReservation, ReservationBook
-from splitserve.engine.errors import FailedPrecondition, NotFound, quoted
+from splitserve.engine.errors import FailedPrecondition, NotFound, Unavailable, quoted
 from splitserve.engine.outputs import RequestOutput, Resume, SampledToken
 from splitserve.engine.sampling_params import SamplingParams
 from splitserve.engine.stats import EngineStats
@@ -74,6 +74,8 @@ class DecodeWorker:
         self._since = 0  # the registry's mark of its data's start, at the last `restore`
         self._prefix: dict[bytes, bool] = {}  # prefix-index changes not yet published
         self._prefix_held: set[bytes] = set()  # what the registry's prefix index should list
+        # running Decode streams: their outputs queue, and the loop that feeds it (move_streams)
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
 
     async def reserve(
         self,
@@ -184,6 +186,7 @@ class DecodeWorker:
         outputs = self.core.subscribe_async(
             request_id, list(res.prompt_token_ids), asyncio.get_running_loop()
         )
+        self._streams[request_id] = (asyncio.get_running_loop(), outputs)
         finished = False
         try:
             # NOTE: the ownership hand-off (Redis) and the admission (the engine's next turn)
@@ -227,6 +230,7 @@ class DecodeWorker:
                     sent = num_tokens
                     yield item
         finally:
+            self._streams.pop(request_id, None)
             self.core.unsubscribe(request_id)
             # NOTE: shielded: a second cancel (the server stopping) must not leave it half done.
             await asyncio.shield(self._end(request_id, aborted=not finished))
@@ -243,6 +247,21 @@ class DecodeWorker:
         # behind while Redis is unreachable lapses with its lease.
         with contextlib.suppress(RegistryUnavailable):
             self.registry.release(request_id, fence)
+
+    @property
+    def num_in_flight(self) -> int:
+        """Reservations and Decode streams this worker holds now."""
+        return len(self._streams) + len(self.reservations)
+
+    def move_streams(self, why: str) -> int:
+        """End every running Decode stream with UNAVAILABLE (`why`): the gateway resumes each
+        on another decode worker, as when a worker dies (`gateway/migration.py`); this worker
+        aborts them and frees their blocks. Safe from any thread; how many it ended."""
+        streams = list(self._streams.values())
+        for loop, outputs in streams:
+            with contextlib.suppress(RuntimeError):  # NOTE: a closed loop: nobody reads it
+                loop.call_soon_threadsafe(outputs.put_nowait, Unavailable(why))
+        return len(streams)
 
     async def stats(self) -> EngineStats:
         return EngineStats(**await self.core.acall("stats"))

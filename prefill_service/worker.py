@@ -140,10 +140,17 @@ class PrefillWorker:
             if obs is not None:
                 obs.on_progress(computed)
 
+    @property
+    def num_in_flight(self) -> int:
+        """Prefills running on this worker now."""
+        return len(self._observations)
+
     async def abort(self, request_id: str) -> bool:
         if not self.core.running:
             return False
-        return bool(await self.core.acall("abort", request_id))
+        aborted = await self.core.acall("abort", request_id)
+        # NOTE: a core that also decodes (--role-switch) answers [engine had it, reserved]
+        return bool(aborted[0] if isinstance(aborted, list) else aborted)
 
     async def stats(self) -> EngineStats:
         return EngineStats(**await self.core.acall("stats"))

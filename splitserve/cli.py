@@ -2,6 +2,8 @@
 
 up                 the whole stack (Redis, workers, gateway) until Ctrl-C
 gateway | prefill | decode   one service (compose and Kubernetes run these)
+role               move a --role-switch worker to another role (prefill, decode, colocated)
+planner            move --role-switch workers between roles to meet a TTFT/TPOT SLO
 generate           stream a reply from a running gateway
 make-tiny-model    write a tiny random-weight checkpoint
 offline            generate in-process with the offline engine
@@ -128,6 +130,11 @@ def _serve(args: argparse.Namespace, env: Mapping[str, str]) -> int:
             running = services.start_gateway(
                 service, gateway, tracing, security, reuse_port=args.reuse_port
             )
+        elif args.role_switch:  # NOTE: its role can change later (`splitserve role`)
+            from splitserve.switchable import start_switchable
+
+            worker = from_args(WorkerSettings, args)
+            running = start_switchable(service, worker, kind, tracing, security, _core_died)
         elif args.command == "prefill":
             worker = from_args(WorkerSettings, args)
             running = services.start_prefill(service, worker, tracing, security, _core_died)
@@ -310,7 +317,18 @@ def build_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
             p.add_argument("--reuse-port", action="store_true", help=argparse.SUPPRESS)
         if name == "decode":
             p.add_argument("--colocated", action="store_true", help="also prefill (no P workers)")
+        if name != "gateway":
+            p.add_argument(
+                "--role-switch",
+                action="store_true",
+                help="serve both roles' calls on one engine, so that `splitserve role` (or the "
+                "planner) can move this worker between prefill, decode and colocated in place",
+            )
         p.set_defaults(func=lambda args: _serve(args, env))
+
+    from splitserve.role_cli import add_role_commands
+
+    add_role_commands(sub, env)
 
     gen = sub.add_parser("generate", help="stream a reply from a running gateway")
     gen.add_argument("prompt", help="the prompt text")

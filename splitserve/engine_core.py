@@ -20,6 +20,7 @@ from splitserve.prefill_service.observed_transport import ObservedSender
 from splitserve.runtime.engine_core.server import CoreHandler, Emitter, serve
 from splitserve.runtime.settings import ServiceSettings, TracingSettings, WorkerSettings
 from splitserve.runtime.tracing import Tracing, make_tracing
+from splitserve.switchable_core import build_switchable
 from splitserve.workers import build_engine
 
 
@@ -27,7 +28,7 @@ from splitserve.workers import build_engine
 class CoreSpec:
     """What the core process needs to build itself (handed to it once, at spawn)."""
 
-    role: str  # decode | colocated | prefill
+    role: str  # decode | colocated | prefill | switchable (--role-switch: any of them)
     service: ServiceSettings
     worker: WorkerSettings
     cluster_secret: str = field(default="", repr=False)
@@ -52,6 +53,10 @@ def _build(spec: CoreSpec, emitter: Emitter) -> tuple[EngineLoop, CoreHandler]:
         emitter.send(["failed", repr(exc)])
 
     engine = build_engine(service, worker, record_prefix_events=spec.role != "prefill")
+    if spec.role == "switchable":  # --role-switch: both roles' commands on one engine
+        return build_switchable(
+            engine, emitter, service, worker, spec.cluster_secret, tracing, failed
+        )
     if spec.role == "prefill":
         loop = EngineLoop(engine, on_failure=failed).start()
         senders: dict[str, KVSender] = {

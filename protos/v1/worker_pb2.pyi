@@ -1,11 +1,47 @@
 from splitserve.protos.v1 import common_pb2 as _common_pb2
 from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from collections.abc import Iterable as _Iterable, Mapping as _Mapping
 from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
+
+class WorkerKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    WORKER_KIND_UNSPECIFIED: _ClassVar[WorkerKind]
+    WORKER_KIND_PREFILL: _ClassVar[WorkerKind]
+    WORKER_KIND_DECODE: _ClassVar[WorkerKind]
+    WORKER_KIND_COLOCATED: _ClassVar[WorkerKind]
+WORKER_KIND_UNSPECIFIED: WorkerKind
+WORKER_KIND_PREFILL: WorkerKind
+WORKER_KIND_DECODE: WorkerKind
+WORKER_KIND_COLOCATED: WorkerKind
+
+class SetRoleRequest(_message.Message):
+    __slots__ = ("kind", "drain_timeout_s")
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    DRAIN_TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    kind: WorkerKind
+    drain_timeout_s: float
+    def __init__(self, kind: _Optional[_Union[WorkerKind, str]] = ..., drain_timeout_s: _Optional[float] = ...) -> None: ...
+
+class GetRoleRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class RoleReply(_message.Message):
+    __slots__ = ("kind", "previous_kind", "switch_seconds", "num_streams_moved")
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    PREVIOUS_KIND_FIELD_NUMBER: _ClassVar[int]
+    SWITCH_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    NUM_STREAMS_MOVED_FIELD_NUMBER: _ClassVar[int]
+    kind: WorkerKind
+    previous_kind: WorkerKind
+    switch_seconds: float
+    num_streams_moved: int
+    def __init__(self, kind: _Optional[_Union[WorkerKind, str]] = ..., previous_kind: _Optional[_Union[WorkerKind, str]] = ..., switch_seconds: _Optional[float] = ..., num_streams_moved: _Optional[int] = ...) -> None: ...
 
 class LoadAdapterRequest(_message.Message):
     __slots__ = ("name", "path")

@@ -573,3 +573,128 @@ class DecodeWorker:
             timeout,
             metadata,
             _registered_method=True)
+
+
+class WorkerRoleStub:
+    """A worker started with --role-switch: its role (what the registry lists it as, and so what the
+    gateway sends it) can change in place, without a restart; the planner and operators call this.
+    """
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.SetRole = channel.unary_unary(
+                '/splitserve.v1.WorkerRole/SetRole',
+                request_serializer=splitserve_dot_protos_dot_v1_dot_worker__pb2.SetRoleRequest.SerializeToString,
+                response_deserializer=splitserve_dot_protos_dot_v1_dot_worker__pb2.RoleReply.FromString,
+                _registered_method=True)
+        self.GetRole = channel.unary_unary(
+                '/splitserve.v1.WorkerRole/GetRole',
+                request_serializer=splitserve_dot_protos_dot_v1_dot_worker__pb2.GetRoleRequest.SerializeToString,
+                response_deserializer=splitserve_dot_protos_dot_v1_dot_worker__pb2.RoleReply.FromString,
+                _registered_method=True)
+
+
+class WorkerRoleServicer:
+    """A worker started with --role-switch: its role (what the registry lists it as, and so what the
+    gateway sends it) can change in place, without a restart; the planner and operators call this.
+    """
+
+    def SetRole(self, request, context):
+        """Move to another role: stop taking new work of the old one, drain what is in flight
+        (decode streams still running at the drain timeout move to other decode workers), then
+        register in the new role. Answers once the worker serves in its new role.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetRole(self, request, context):
+        """The worker's role now.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_WorkerRoleServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'SetRole': grpc.unary_unary_rpc_method_handler(
+                    servicer.SetRole,
+                    request_deserializer=splitserve_dot_protos_dot_v1_dot_worker__pb2.SetRoleRequest.FromString,
+                    response_serializer=splitserve_dot_protos_dot_v1_dot_worker__pb2.RoleReply.SerializeToString,
+            ),
+            'GetRole': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetRole,
+                    request_deserializer=splitserve_dot_protos_dot_v1_dot_worker__pb2.GetRoleRequest.FromString,
+                    response_serializer=splitserve_dot_protos_dot_v1_dot_worker__pb2.RoleReply.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'splitserve.v1.WorkerRole', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('splitserve.v1.WorkerRole', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class WorkerRole:
+    """A worker started with --role-switch: its role (what the registry lists it as, and so what the
+    gateway sends it) can change in place, without a restart; the planner and operators call this.
+    """
+
+    @staticmethod
+    def SetRole(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/splitserve.v1.WorkerRole/SetRole',
+            splitserve_dot_protos_dot_v1_dot_worker__pb2.SetRoleRequest.SerializeToString,
+            splitserve_dot_protos_dot_v1_dot_worker__pb2.RoleReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetRole(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/splitserve.v1.WorkerRole/GetRole',
+            splitserve_dot_protos_dot_v1_dot_worker__pb2.GetRoleRequest.SerializeToString,
+            splitserve_dot_protos_dot_v1_dot_worker__pb2.RoleReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
