@@ -68,8 +68,9 @@ class NixlAgent:
         self.region: KVRegion = connector.region()
         if not self.region.addressable:
             raise RuntimeError(
-                "NIXL writes into the registered pool, and this tensor-parallel pool holds only "
-                "some KV heads: use the gRPC transport"
+                "NIXL writes whole blocks into one registered pool, and at tensor_parallel_size "
+                "> 1 each rank's pool holds only its KV heads: use --kv-transport grpc (or auto, "
+                "which leaves NIXL out)"
             )
         device = self.region.device
         self.mem_type = "VRAM" if device.type == "cuda" else "DRAM"
