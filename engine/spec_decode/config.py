@@ -31,6 +31,8 @@ class SpeculativeConfig:
         k_by_batch_size: rows (max running sequences, K) in ascending order: a step with B
             running sequences proposes the K of the first row whose bound is >= B, and nothing
             above the last row. None: `((DEFAULT_MAX_BATCH_SIZE, num_speculative_tokens),)`.
+        cuda_graphs: whether the draft's proposal and the target's verification replay CUDA
+            graphs (per batch bucket) when the engine captures graphs; off: they run eagerly.
     """
 
     method: str
@@ -40,6 +42,7 @@ class SpeculativeConfig:
     ngram_max: int = 4
     ngram_min: int = 1
     k_by_batch_size: tuple[tuple[int, int], ...] | None = None
+    cuda_graphs: bool = True
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -70,6 +73,14 @@ class SpeculativeConfig:
                 raise ValueError("k_by_batch_size bounds must be ascending and >= 1")
             if any(not 0 <= k <= self.num_speculative_tokens for _, k in rows):
                 raise ValueError("k_by_batch_size K values must be in [0, num_speculative_tokens]")
+
+    @property
+    def ks(self) -> list[int]:
+        """Every K a step may propose (ascending, none 0)."""
+        rows = self.k_by_batch_size
+        if rows is None:
+            return [self.num_speculative_tokens]
+        return sorted({k for _, k in rows if k > 0})
 
     def num_tokens_for(self, batch_size: int) -> int:
         """K for a step with `batch_size` running sequences (0: no speculation)."""

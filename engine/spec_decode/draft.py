@@ -15,7 +15,8 @@ valid; anything past the target's computed tokens is stale (rejected drafts) and
 
 The draft computes a prompt's KV in the steps the target prefills it (chunked prefill too,
 `observe`); a request admitted prefilled (a decode worker) or taken from the prefix cache is
-caught up in its first speculative step. The draft runs eagerly (no CUDA graphs).
+caught up in its first speculative step. With static steps on (a CUDA graph per batch bucket
+on a GPU, engine/spec_decode/graphs.py) the K proposals are one replay and one read-back.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from torch import nn
 from splitserve.engine.attention import AttentionMetadata
 from splitserve.engine.kv_cache import KVCache, bytes_per_block
 from splitserve.engine.model_config import ModelConfig
+from splitserve.engine.spec_decode.graphs import DraftSteps
 from splitserve.engine.spec_decode.proposer import Proposer
 from splitserve.engine.weights import load_model
 
@@ -68,6 +70,7 @@ class DraftModelProposer(Proposer):
         self.kv_cache: KVCache | None = None
         # seq_id -> (sequence, leading positions whose draft KV is valid)
         self._valid: dict[str, tuple[Sequence, int]] = {}
+        self._static: dict[int, DraftSteps] = {}  # by K: proposals over static buffers
 
     @classmethod
     def build(
@@ -108,6 +111,22 @@ class DraftModelProposer(Proposer):
     def allocate(self, config: EngineConfig) -> None:
         self.kv_cache = KVCache.allocate(self.model.cfg, config)
 
+    def use_static_steps(self, config: EngineConfig, ks: list[int], capture: bool) -> None:
+        assert self.kv_cache is not None and config.max_model_len is not None
+        for k in ks:
+            steps = DraftSteps(
+                self.model,
+                list(self.kv_cache.layers),
+                k,
+                max_batch=config.max_num_seqs,
+                max_blocks_per_seq=-(-config.max_model_len // config.block_size),
+                block_size=config.block_size,
+                max_model_len=config.max_model_len,
+            )
+            if capture:
+                steps.capture()
+            self._static[k] = steps
+
     def forget(self, seq: Sequence) -> None:
         self._valid.pop(seq.seq_id, None)
 
@@ -138,6 +157,9 @@ class DraftModelProposer(Proposer):
     def propose(
         self, items: list[ScheduledSequence], block_tables: dict[str, list[int]]
     ) -> dict[str, list[int]]:
+        static = self._static_for(items)
+        if static is not None:
+            return self._propose_static(items, block_tables, static)
         drafts: dict[str, list[int]] = {it.seq.seq_id: [] for it in items}
         # First forward: each sequence's uncomputed-by-the-draft tokens through its last one.
         rows = []
@@ -164,6 +186,41 @@ class DraftModelProposer(Proposer):
             # is cut off by `_valid_len` (never past the target's computed tokens).
             self._valid[it.seq.seq_id] = (it.seq, it.seq.num_tokens + it.num_spec_tokens - 1)
         return drafts
+
+    def _static_for(self, items: list[ScheduledSequence]) -> DraftSteps | None:
+        """The smallest static proposal that covers every item's K, if it fits the batch."""
+        k = max(it.num_spec_tokens for it in items)
+        for steps_k in sorted(self._static):
+            if steps_k >= k:
+                steps = self._static[steps_k]
+                return steps if steps.can_run(len(items)) else None
+        return None
+
+    def _propose_static(
+        self,
+        items: list[ScheduledSequence],
+        block_tables: dict[str, list[int]],
+        static: DraftSteps,
+    ) -> dict[str, list[int]]:
+        """`propose` in one static step (a CUDA graph's replay); a sequence more than 2 tokens
+        behind (a prompt the draft never saw) catches up eagerly first."""
+        rows = []
+        catch_up = []
+        for it in items:
+            seq = it.seq
+            start = self._valid_len(seq)
+            tokens = seq.tokens_between(start, seq.num_tokens)
+            table = block_tables[seq.seq_id]
+            if len(tokens) > 2:
+                catch_up.append((seq, tokens[:-1], start, table))
+                start, tokens = seq.num_tokens - 1, tokens[-1:]
+            rows.append((tokens, start, table, it.num_spec_tokens))
+        if catch_up:
+            self._forward(catch_up, want_logits=False)
+        proposals = static.run(rows)
+        for it in items:
+            self._valid[it.seq.seq_id] = (it.seq, it.seq.num_tokens + it.num_spec_tokens - 1)
+        return {it.seq.seq_id: p for it, p in zip(items, proposals, strict=True)}
 
     def _forward(
         self, rows: list[tuple[Sequence, list[int], int, list[int]]], want_logits: bool

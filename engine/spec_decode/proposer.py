@@ -57,6 +57,10 @@ class Proposer(ABC):
     def allocate(self, config: EngineConfig) -> None:  # noqa: B027
         """Allocate what this proposer keeps on the device (its KV pool) for `config`."""
 
+    def use_static_steps(self, config: EngineConfig, ks: list[int], capture: bool) -> None:  # noqa: B027
+        """Propose over static buffers for proposals of up to each K in `ks` (CUDA graphs
+        captured when `capture`; engine/spec_decode/graphs.py). Nothing by default."""
+
 
 def make_proposer(
     config: SpeculativeConfig,

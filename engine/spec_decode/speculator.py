@@ -14,13 +14,14 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from splitserve.engine.sequence import Sequence, SequenceStatus
-from splitserve.engine.spec_decode.config import SpeculativeConfig
+from splitserve.engine.spec_decode.config import DEFAULT_MAX_BATCH_SIZE, SpeculativeConfig
 from splitserve.engine.spec_decode.proposer import Proposer
 
 if TYPE_CHECKING:
     from splitserve.engine.config import EngineConfig
     from splitserve.engine.model import CausalLM
     from splitserve.engine.model_config import ModelConfig
+    from splitserve.engine.model_runner import ModelRunner
     from splitserve.engine.outputs import SampledToken
     from splitserve.engine.platform import Platform
     from splitserve.engine.scheduler import SchedulerOutput
@@ -136,6 +137,35 @@ class Speculator:
         proposer.allocate(config)
         assert config.max_model_len is not None
         return cls(spec, proposer, config.max_model_len), config
+
+    def use_static_steps(self, runner: ModelRunner, capture: bool) -> None:
+        """Run verification (and a draft model's proposal) over static buffers per batch
+        bucket up to the largest batch that speculates; CUDA graphs of them when `capture`
+        (the engine's graphs are on). Off, both run eagerly (engine/spec_decode/graphs.py)."""
+        from splitserve.engine.spec_decode.graphs import VerifySteps
+
+        ks = self.config.ks
+        cfg = runner.config
+        max_len = cfg.max_model_len
+        if not ks or max_len is None:
+            return
+        rows = self.config.k_by_batch_size or ((DEFAULT_MAX_BATCH_SIZE, 1),)
+        max_batch = min(cfg.max_num_seqs, max(b for b, k in rows if k > 0))
+        cfg = dataclasses.replace(cfg, max_num_seqs=max_batch)
+        for k in ks:
+            steps = VerifySteps(
+                runner.model,
+                runner.kv_caches,
+                k + 1,
+                max_batch=max_batch,
+                max_blocks_per_seq=-(-max_len // cfg.block_size),
+                block_size=cfg.block_size,
+                max_model_len=max_len,
+            )
+            if capture:
+                steps.capture()
+            runner.verify_steps[k + 1] = steps
+        self.proposer.use_static_steps(cfg, ks, capture)
 
     def attach(self, out: SchedulerOutput, drafts: dict[str, list[int]]) -> SchedulerOutput:
         """`out` with each speculating sequence's drafts in place."""

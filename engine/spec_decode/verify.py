@@ -96,15 +96,17 @@ def verify(
 ) -> list[list[int]]:
     """Tokens each speculating sequence emits this step. `logits` holds len(drafts[i]) + 1 rows
     per sequence, in order."""
-    rows = [position_rows(seq, d, make_row) for seq, d in zip(seqs, drafts, strict=True)]
-    flat = [row for per_seq in rows for row in per_seq]
-    if all(_plain_greedy(row) for row in flat):
+    # NOTE: a sequence whose first position is plain greedy is so at every later one (its only
+    # per-position ban, min_tokens, lifts as the output grows): no per-position rows to build.
+    if all(_plain_greedy(make_row(seq)) for seq in seqs):
         argmax = logits.argmax(dim=-1).tolist()  # one read-back for the whole batch
         results, start = [], 0
         for d in drafts:
             results.append(accept_greedy(argmax[start : start + len(d) + 1], d))
             start += len(d) + 1
         return results
+    rows = [position_rows(seq, d, make_row) for seq, d in zip(seqs, drafts, strict=True)]
+    flat = [row for per_seq in rows for row in per_seq]
     probs = sampler.probs(logits, flat)
     results, start = [], 0
     for d, per_seq in zip(drafts, rows, strict=True):
