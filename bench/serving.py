@@ -4,6 +4,7 @@ disaggregated (1 prefill + 1 decode worker) against colocated workers on the sam
     python -m bench.serving                         # Llama-3-8B shape, two GPUs, both configs
     python -m bench.serving --workloads 1024/128@4,12 4096/256@2 --sweep
     python -m bench.serving --smoke                 # CPU, tiny model: checks that it runs
+    python -m bench.serving --phased --ratio-sweep  # four GPUs: static splits vs the planner
 
 Each configuration is started as a real stack (`splitserve.up`: redis-server, workers, gateway,
 each its own process) on dummy weights of the shape. Requests are random token-id prompts (no
@@ -29,6 +30,7 @@ from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from bench import serving_phased
 from bench.common import model_dir, table, write_results
 from bench.proc_cpu import CPUMeter
 from bench.serving_load import SLO_ATTAINMENT, SLO_TPOT_S, SLO_TTFT_S, Record, run_load
@@ -201,6 +203,7 @@ def _stack(args: argparse.Namespace, model: Path, config: str) -> Stack:
             extra_gateway_args=tuple(args.gateway_args),
             startup_timeout_s=900.0,
             metrics=True,
+            gateways=getattr(args, "gateways", 1),
         )
     )
 
@@ -291,6 +294,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     )  # fmt: skip
     parser.add_argument("--smoke", action="store_true", help="CPU, tiny model, tiny load")
     parser.add_argument("--out", type=Path, default=Path("bench/results/serving.json"))
+    serving_phased.add_flags(parser)
     args = parser.parse_args(argv)
     if args.smoke:
         args.workloads, args.rates, args.duration_s, args.min_requests = (
@@ -305,6 +309,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         else:
             model = model_dir(args.shape, Path(tmp))
             vocab = 128000
+        if args.ratio_sweep or args.phased:  # NOTE: one stack of role-switch workers
+            return serving_phased.run(args, model, vocab)
         results = []
         for config in args.configs:
             results += bench_config(args, model, config, vocab)

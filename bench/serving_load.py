@@ -70,6 +70,18 @@ def run_load(
         due += rng.expovariate(rate)
         offsets.append(due)
     items = [(p, m, o) for (p, m), o in zip(requests, offsets, strict=True)]
+    return run_schedule(address, items, timeout_s, client_processes, concurrency), (
+        offsets[-1] if offsets else 0.0
+    )
+
+
+def run_schedule(
+    address: str, items: Sequence[tuple[list[int], int, float]], timeout_s: float,
+    client_processes: int = 1, concurrency: int = 0,
+) -> list[Record]:  # fmt: skip
+    """Send each (prompt, max_tokens, arrival offset in seconds) at its offset (a schedule made
+    elsewhere, e.g. phases of different traffic); their records, in order."""
+    items = list(items)
     start = time.monotonic() + 0.5
     if client_processes <= 1:
         raw = _client(address, items, start, timeout_s, concurrency)
@@ -83,8 +95,7 @@ def run_load(
         raw = [None] * len(items)  # type: ignore[list-item]
         for i, part in enumerate(parts):
             raw[i::client_processes] = part
-    records = [Record(sent=sent, token_times=times, status=st) for sent, times, st in raw]
-    return records, offsets[-1] if offsets else 0.0
+    return [Record(sent=sent, token_times=times, status=st) for sent, times, st in raw]
 
 
 def _client(

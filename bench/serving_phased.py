@@ -1,0 +1,401 @@
+"""`bench/serving.py --ratio-sweep` and `--phased`: the P:D split against the traffic mix.
+
+One stack of four `--role-switch` workers is started once; each configuration sets the workers'
+roles (a switch of idle workers takes milliseconds), then runs the same schedule of requests:
+
+    static splits   4 colocated, 1P+3D, 2P+2D, 3P+1D (`--ratio-sweep`; or `--split-configs`)
+    planner         starts at 2P+2D; `splitserve planner`'s loop (in this process) moves workers
+
+`--phased` makes the schedule phases of different traffic back to back (default 512/512, then
+4096/256, then mixed, `--phase-s` each, Poisson arrivals at each phase's rate); without it, each
+`--workloads` entry at each rate is a schedule of its own. Goodput (requests meeting the SLO per
+second of arrivals) under three SLOs:
+
+    relaxed      TTFT <= 1 s, TPOT <= 40 ms
+    interactive  TTFT <= 1 s, TPOT <= 15 ms
+    smooth       TTFT <= 2 s, TPOT <= 20 ms, no gap between tokens over 100 ms
+
+and the split over time (sampled from the registry; the planner's moves with their reasons), as
+a JSON series, a text timeline and, when matplotlib is installed, a plot.
+"""
+
+from __future__ import annotations
+
+import argparse
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from bench.common import table, write_results
+from bench.serving_load import Record, run_schedule
+
+SLOS = {  # name: (TTFT s, TPOT s, largest gap s or None)
+    "relaxed": (1.0, 0.040, None),
+    "interactive": (1.0, 0.015, None),
+    "smooth": (2.0, 0.020, 0.100),
+}
+SPLITS = {  # name: (prefill, decode, colocated)
+    "4 colocated": (0, 0, 4),
+    "1P+3D": (1, 3, 0),
+    "2P+2D": (2, 2, 0),
+    "3P+1D": (3, 1, 0),
+}
+PLANNER = "planner"
+PLANNER_START = "2P+2D"
+DEFAULT_PHASES = ("512/512@48", "4096/256@16", "mixed@20")
+SMOKE_PHASES = ("24/16@3", "120/4@2", "48/8@3")
+
+
+@dataclass(frozen=True)
+class Phase:
+    spec: str  # IN/OUT@RATE or mixed@RATE
+    duration_s: float
+
+
+def meets(r: Record, slo: str) -> bool:
+    ttft, tpot, gap = SLOS[slo]
+    if r.status != "OK" or not r.token_times or r.ttft > ttft or r.tpot > tpot:
+        return False
+    if gap is None:
+        return True
+    times = r.token_times
+    return all(b - a <= gap for a, b in zip(times, times[1:], strict=False))
+
+
+def schedule(
+    phases: list[Phase], vocab: int, seed: int, workload_cls: Any
+) -> tuple[list[tuple[list[int], int, float]], list[int]]:
+    """Every request (prompt, max tokens, arrival offset) of the phases back to back, and the
+    phase index of each."""
+    import random
+
+    items, phase_of, start = [], [], 0.0
+    for i, phase in enumerate(phases):
+        workload = workload_cls.parse(phase.spec)
+        rate = workload.rates[0]
+        rng = random.Random(seed + i)
+        offsets, t = [], rng.expovariate(rate)
+        while t < phase.duration_s:
+            offsets.append(start + t)
+            t += rng.expovariate(rate)
+        for (prompt, out), offset in zip(
+            workload.requests(len(offsets), vocab, seed + 100 * i), offsets, strict=True
+        ):
+            items.append((prompt, out, offset))
+            phase_of.append(i)
+        start += phase.duration_s
+    return items, phase_of
+
+
+def _workers(stack: Any) -> list[Any]:
+    from splitserve.role_cli import live_workers
+
+    return sorted(live_workers(stack.redis_url), key=lambda w: w.worker_id)
+
+
+def _secret(stack: Any) -> str:
+    return stack.secrets.cluster_secret if stack.secrets is not None else ""
+
+
+def set_split(stack: Any, split: str, expected: int) -> None:
+    """Give the workers the roles of `split` (the first ones prefill, then decode, then
+    colocated, in worker-id order), and wait until the registry lists them so."""
+    from splitserve.role_cli import set_role
+
+    num_prefill, num_decode, num_colocated = SPLITS[split]
+    want = ["prefill"] * num_prefill + ["decode"] * num_decode + ["colocated"] * num_colocated
+    deadline = time.monotonic() + 60
+    while len(workers := _workers(stack)) != expected:
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{len(workers)} of {expected} workers in the registry")
+        time.sleep(0.2)
+    moves = [(w, k) for w, k in zip(workers, want, strict=True) if w.kind != k]
+    with ThreadPoolExecutor(max(1, len(moves))) as pool:
+        for f in [
+            pool.submit(set_role, w.address, w.worker_id, k, _secret(stack)) for w, k in moves
+        ]:
+            f.result()
+    while sorted(w.kind for w in _workers(stack)) != sorted(want):
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"the workers did not take the roles of {split}")
+        time.sleep(0.1)
+
+
+class SplitSampler:
+    """The split over time, from the registry, every `interval_s` (a thread)."""
+
+    def __init__(self, stack: Any, interval_s: float = 0.5) -> None:
+        self.stack, self.interval_s = stack, interval_s
+        self.series: list[dict[str, Any]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._t0 = time.monotonic()
+
+    def start(self) -> SplitSampler:
+        self._t0 = time.monotonic()
+        self._thread.start()
+        return self
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                kinds = [w.kind for w in _workers(self.stack)]
+            except Exception:  # noqa: BLE001 - a missed sample is a gap in the series
+                kinds = []
+            point = {k: kinds.count(k) for k in ("prefill", "decode", "colocated")}
+            if not self.series or {k: self.series[-1][k] for k in point} != point:
+                self.series.append({"t_s": round(time.monotonic() - self._t0, 2), **point})
+            self._stop.wait(self.interval_s)
+
+    def stop(self) -> list[dict[str, Any]]:
+        self._stop.set()
+        self._thread.join(5)
+        return self.series
+
+
+class PlannerThread:
+    """`splitserve planner`'s loop in this process, on the stack's registry and gateway."""
+
+    def __init__(self, stack: Any, args: argparse.Namespace) -> None:
+        from splitserve.planner import Planner, SignalSource
+        from splitserve.planner_policy import PlannerConfig
+
+        base = stack.metrics_ports["gateway"]
+        urls = [f"http://127.0.0.1:{base + i}/metrics" for i in range(args.gateways)]
+        self.source = SignalSource(stack.redis_url, urls, _secret(stack))
+        config = PlannerConfig(
+            args.planner_ttft_slo_s, args.planner_tpot_slo_s, min_dwell_s=args.planner_dwell_s
+        )
+        self.planner = Planner(self.source, config, _secret(stack), args.planner_drain_s)
+        self.interval_s = args.planner_interval_s
+        self.moves: list[dict[str, Any]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._t0 = time.monotonic()
+
+    def start(self) -> PlannerThread:
+        self.source.read()  # NOTE: the histograms' window starts now
+        self._t0 = time.monotonic()
+        self._thread.start()
+        return self
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            try:
+                d = self.planner.step()
+            except Exception as exc:  # noqa: BLE001 - reported, the run goes on
+                self.moves.append(
+                    {"t_s": round(time.monotonic() - self._t0, 2), "error": repr(exc)}
+                )
+                continue
+            if d.move is not None:
+                self.moves.append({"t_s": round(time.monotonic() - self._t0, 2), "move": d.move,
+                                   "reason": d.reason})  # fmt: skip
+                print(f"  planner at {self.moves[-1]['t_s']:.0f} s: {d.move} ({d.reason})")
+
+    def stop(self) -> list[dict[str, Any]]:
+        self._stop.set()
+        self._thread.join(self.interval_s + 120)
+        self.source.close()
+        return self.moves
+
+
+def summarize(records: list[Record], phase_of: list[int], phases: list[Phase]) -> dict[str, Any]:
+    from bench.serving import summarize as base
+
+    window = sum(p.duration_s for p in phases)
+    out = base(records, window)
+    out["goodput"] = {slo: sum(meets(r, slo) for r in records) / window for slo in SLOS}
+    out["attainment"] = {
+        slo: sum(meets(r, slo) for r in records) / max(1, len(records)) for slo in SLOS
+    }
+    out["phases"] = []
+    for i, phase in enumerate(phases):
+        mine = [r for r, p in zip(records, phase_of, strict=True) if p == i]
+        out["phases"].append({
+            "phase": phase.spec, "requests": len(mine),
+            **{f"goodput_{slo}": sum(meets(r, slo) for r in mine) / phase.duration_s
+               for slo in SLOS},
+        })  # fmt: skip
+    return out
+
+
+def timeline(series: list[dict[str, Any]], moves: list[dict[str, Any]]) -> str:
+    """The split over time as text: one entry per change, the planner's moves beside."""
+    parts = []
+    for p in series:
+        split = (f"{p['colocated']} colocated" if p["colocated"]
+                 else f"{p['prefill']}P+{p['decode']}D")  # fmt: skip
+        parts.append(f"{p['t_s']:.0f}s {split}")
+    text = " -> ".join(parts) or "(no samples)"
+    for m in moves:
+        text += f"\n    {m['t_s']:.0f}s {m.get('move', m.get('error'))}: {m.get('reason', '')}"
+    return text
+
+
+def plot(results: list[dict[str, Any]], path: Path) -> str:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return "matplotlib is not installed: no plot (the text timeline above)"
+    fig, ax = plt.subplots(figsize=(8, 3))
+    for r in results:
+        xs = [p["t_s"] for p in r["split_series"]] + [r["window_s"]]
+        ys = [p["prefill"] for p in r["split_series"]]
+        ax.step(xs, [*ys, ys[-1]] if ys else [0], where="post", label=r["config"])
+    ax.set_xlabel("seconds")
+    ax.set_ylabel("prefill workers")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path)
+    return f"plot: {path}"
+
+
+def _row(r: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "config": r["config"], "schedule": r["schedule"], "ok": f"{r['ok']}/{r['requests']}",
+        "TTFT p50/p90 ms": f"{r['ttft_p50_s'] * 1e3:.0f} / {r['ttft_p90_s'] * 1e3:.0f}",
+        "TPOT p50/p90 ms": f"{r['tpot_p50_s'] * 1e3:.1f} / {r['tpot_p90_s'] * 1e3:.1f}",
+        **{f"{slo} req/s": round(r["goodput"][slo], 2) for slo in SLOS},
+        "errors": ",".join(f"{k}:{v}" for k, v in r["errors"].items()) or "-",
+    }  # fmt: skip
+
+
+def verdict(results: list[dict[str, Any]]) -> list[str]:
+    """The issue's acceptance, read off this run: planner vs the best static split and
+    colocated, per schedule."""
+    lines = []
+    for name in dict.fromkeys(r["schedule"] for r in results):
+        runs = {r["config"]: r for r in results if r["schedule"] == name}
+        if PLANNER not in runs:
+            continue
+        planner = runs[PLANNER]["goodput"]
+        statics = {k: v["goodput"] for k, v in runs.items() if k not in (PLANNER, "4 colocated")}
+        if statics:
+            best = max(statics, key=lambda k: statics[k]["interactive"])
+            ratio = planner["interactive"] / max(statics[best]["interactive"], 1e-9)
+            lines.append(f"{name}: interactive goodput planner/best static ({best}) = {ratio:.2f}x "
+                         f"(want >= 1.2)")  # fmt: skip
+        if "4 colocated" in runs:
+            colo = runs["4 colocated"]["goodput"]
+            ratio = planner["interactive"] / max(colo["interactive"], 1e-9)
+            lines.append(f"{name}: interactive goodput planner/colocated = {ratio:.2f}x (want >= "
+                         f"1.5); relaxed {planner['relaxed']:.2f} vs {colo['relaxed']:.2f} req/s "
+                         "(want no worse)")  # fmt: skip
+    return lines
+
+
+def schedules(args: argparse.Namespace, workload_cls: Any) -> list[tuple[str, list[Phase]]]:
+    if args.phased:
+        specs = SMOKE_PHASES if args.smoke and not args.phases else (args.phases or DEFAULT_PHASES)
+        duration_s = min(args.phase_s, 2.0) if args.smoke else args.phase_s
+        phases = [Phase(s, duration_s) for s in specs]
+        return [("phased " + " | ".join(specs), phases)]
+    out = []
+    for spec in args.workloads:
+        w = workload_cls.parse(spec)
+        for rate in w.rates or args.rates:
+            out.append((f"{w.name}@{rate:g}", [Phase(f"{w.name}@{rate:g}", args.duration_s)]))
+    return out
+
+
+def run(args: argparse.Namespace, model: Path, vocab: int) -> dict[str, Any]:
+    """Every configuration on every schedule, on one stack of `--role-switch` workers."""
+    from bench.serving import Workload, _stack
+
+    configs = list(args.split_configs) or ([*SPLITS, PLANNER] if args.phased else [*SPLITS])
+    unknown = set(configs) - {*SPLITS, PLANNER}
+    if unknown:
+        raise SystemExit(f"--split-configs: unknown {sorted(unknown)}; choose from "
+                         f"{[*SPLITS, PLANNER]}")  # fmt: skip
+    args.worker_args = [*args.worker_args, "--role-switch"]
+    if args.local_prefill_tokens:
+        args.gateway_args = [*args.gateway_args, "--local-prefill-tokens",
+                             str(args.local_prefill_tokens)]  # fmt: skip
+    stack = _stack(args, model, PLANNER_START)
+    results: list[dict[str, Any]] = []
+    try:
+        for name, phases in schedules(args, Workload):
+            items, phase_of = schedule(phases, vocab, args.seed, Workload)
+            for config in configs:
+                set_split(stack, PLANNER_START if config == PLANNER else config, 4)
+                sampler = SplitSampler(stack).start()
+                planner = PlannerThread(stack, args).start() if config == PLANNER else None
+                t0 = time.monotonic()
+                records = run_schedule(stack.address, items, args.timeout_s, args.client_processes)
+                moves = planner.stop() if planner is not None else []
+                series = sampler.stop()
+                s = summarize(records, phase_of, phases)
+                r = {"config": config, "schedule": name, "wall_s": time.monotonic() - t0,
+                     "split_series": series, "planner_moves": moves, **s}  # fmt: skip
+                results.append(r)
+                print(table([_row(r)], list(_row(r))))
+                print("  split: " + timeline(series, moves), flush=True)
+                write_results(args.out, _result(args, results))
+    finally:
+        stack.stop()
+    rows = [_row(r) for r in results]
+    if rows:
+        print("\n" + table(rows, list(rows[0])))
+    for line in verdict(results):
+        print(line)
+    print(plot(results, args.out.with_suffix(".png")))
+    result = _result(args, results)
+    write_results(args.out, result)
+    return result
+
+
+def _result(args: argparse.Namespace, results: list[dict[str, Any]]) -> dict[str, Any]:
+    return {
+        "benchmark": "serving ratio sweep" + (" (phased)" if args.phased else ""),
+        "shape": "tiny llama" if args.smoke else args.shape,
+        "smoke": args.smoke,
+        "slos": {k: {"ttft_s": a, "tpot_s": b, "max_gap_s": c} for k, (a, b, c) in SLOS.items()},
+        "planner": {
+            "ttft_slo_s": args.planner_ttft_slo_s,
+            "tpot_slo_s": args.planner_tpot_slo_s,
+            "min_dwell_s": args.planner_dwell_s,
+            "start": PLANNER_START,
+        },  # fmt: skip
+        "local_prefill_tokens": args.local_prefill_tokens,
+        "workers": "4 --role-switch workers, one per GPU, roles set per configuration",
+        "prompts": "random token ids, no shared prefix; greedy; EOS ignored",
+        "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "results": results,
+        "verdict": verdict(results),
+    }
+
+
+def add_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--ratio-sweep", action="store_true",
+                        help="run the static splits (4 colocated, 1P+3D, 2P+2D, 3P+1D) on four "
+                        "role-switch workers")  # fmt: skip
+    parser.add_argument("--phased", action="store_true",
+                        help="phases of different traffic back to back, static splits and the "
+                        "planner")  # fmt: skip
+    parser.add_argument(
+        "--phases",
+        nargs="+",
+        default=[],
+        help=f"IN/OUT@RATE or mixed@RATE per phase (default {DEFAULT_PHASES})",
+    )
+    parser.add_argument("--phase-s", type=float, default=25.0, help="seconds of arrivals each")
+    parser.add_argument("--split-configs", nargs="+", default=[],
+                        help=f"of {[*SPLITS, PLANNER]} (default: all)")  # fmt: skip
+    parser.add_argument("--gateways", type=int, default=1, help="gateway processes")
+    parser.add_argument("--seed", type=int, default=7)
+    parser.add_argument("--planner-ttft-slo-s", type=float, default=1.0)
+    parser.add_argument("--planner-tpot-slo-s", type=float, default=0.015)
+    parser.add_argument("--planner-dwell-s", type=float, default=8.0)
+    parser.add_argument("--planner-interval-s", type=float, default=2.0)
+    parser.add_argument("--planner-drain-s", type=float, default=2.0,
+                        help="a planner switch's drain before streams move")  # fmt: skip
+    parser.add_argument("--local-prefill-tokens", type=int, default=0,
+                        help="the gateway prefills prompts this short on the decode worker "
+                        "(conditional disaggregation; 0: off, the default)")  # fmt: skip
