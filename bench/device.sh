@@ -29,8 +29,9 @@
 #   fp8-gemm        bench/fp8_gemm.py: FP8 matmuls at 2-256 rows against bf16 cuBLAS
 #   fp8-skinny      the skinny FP8 GEMM: its GPU tests, then its tile sweep at 1-256 rows
 #   async           overlapped decode steps: GPU parity, decode step and FP8 throughput, on/off
-#   tensor-parallel bench/tensor_parallel.py on two GPUs: TP=2 against TP=1, then a model too
-#                   big for one GPU served through the gateway (colocated, TP=2)
+#   tensor-parallel bench/tensor_parallel.py on two GPUs: TP=2 against TP=1 (< 8 min)
+#   tensor-parallel-serve  a model too big for one GPU served through the gateway by one
+#                   colocated worker at TP=2 (two GPUs, < 8 min)
 #   lora            multi-LoRA: the kernels' GPU tests, their cost per decode step (PDL on/off),
 #                   then bench/lora.py (decode/prefill with 1, 8, 32 adapters against the base)
 set -uo pipefail
@@ -154,7 +155,8 @@ for step in "$@"; do
       run lora 10 python3 -m bench.lora --out "$OUT/lora.json" ;;
     tensor-parallel)
       run tensor_parallel 40 python3 -m bench.tensor_parallel --tp 2 \
-        --out "$OUT/tensor_parallel.json"
+        --out "$OUT/tensor_parallel.json" ;;
+    tensor-parallel-serve)
       run tensor_parallel_serve 16 python3 -m bench.tensor_parallel --serve --prefill 0 \
         --decode-tp 2 --out "$OUT/tensor_parallel_serve.json" ;;
     *) echo "unknown step: $step" >&2 ;;

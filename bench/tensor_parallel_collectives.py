@@ -44,6 +44,14 @@ def _collective_rank(rank: int, size: int, port: int, device: str, spec: dict, o
     dev = torch.device(f"cuda:{rank}" if device == "cuda" else "cpu")
     if dev.type == "cuda":
         torch.cuda.set_device(dev)
+    extra: dict[str, Any] = {}
+    if rank == 0:  # NOTE: before the group: a peer's release of it need not wait for this
+        extra = {"device": device_name(), "copy_GB_per_s": None}
+        if dev.type == "cuda":
+            from bench.kernels import copy_bandwidth
+
+            extra["copy_GB_per_s"] = copy_bandwidth(2 << 30, dev)["GB_per_s"]
+            torch.cuda.empty_cache()
     timeout = spec["timeout_s"]
     group = TorchGroup(Shard(rank, size), Rendezvous("127.0.0.1", port, timeout, timeout), dev)
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
@@ -67,13 +75,7 @@ def _collective_rank(rank: int, size: int, port: int, device: str, spec: dict, o
             "bytes": x.numel() * elem,
         }
     if rank == 0:
-        result["device"] = device_name()
-        result["copy_GB_per_s"] = None
-        if dev.type == "cuda":
-            from bench.kernels import copy_bandwidth
-
-            result["copy_GB_per_s"] = copy_bandwidth(2 << 30, dev)["GB_per_s"]
-        out.put(result)
+        out.put({**result, **extra})
     group.close()
 
 

@@ -79,7 +79,8 @@ def serve_mode(args) -> dict:
         try:
             if stack is not None:
                 progress(f"serve: stack ready in {time.monotonic() - started:.1f} s")
-                rows = _requests(args, stack.address, vocab)
+                deadline = started + args.time_budget_s
+                rows = _requests(args, stack.address, vocab, deadline)
         except Exception as exc:  # noqa: BLE001
             error = f"requests failed: {exc!r}"[:600]
             progress(f"serve: {error}")
@@ -111,8 +112,9 @@ def weight_bytes(cfg: dict) -> int:
     return 2 * (layers * (2 * h * h + 2 * h * kv + 3 * h * inter) + 2 * cfg["vocab_size"] * h)
 
 
-def _requests(args, address: str, vocab: int) -> list[dict]:
-    """`--serve-requests` prompts one after another through the gateway: TTFT and tokens."""
+def _requests(args, address: str, vocab: int, deadline: float) -> list[dict]:
+    """`--serve-requests` prompts one after another through the gateway: TTFT and tokens
+    (each within what is left of the run's budget, and at most 120 s)."""
     import grpc
 
     from splitserve.client import stream
@@ -128,7 +130,10 @@ def _requests(args, address: str, vocab: int) -> list[dict]:
         start = time.perf_counter()
         first = None
         tokens = 0
-        for msg in stream(stub, prompt, params, timeout_s=120):
+        timeout_s = min(120.0, deadline - time.monotonic())
+        if timeout_s < 5:
+            raise RuntimeError(f"the time budget ran out after {i} requests")
+        for msg in stream(stub, prompt, params, timeout_s=timeout_s):
             if msg.HasField("chunk"):
                 first = first or time.perf_counter()
                 tokens += len(msg.chunk.token_ids)
