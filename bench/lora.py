@@ -185,6 +185,7 @@ def main() -> None:
                     "adapters": n or "base",
                     "decode tok/s": decode,
                     "decode x base": decode / base["decode"],
+                    "decode ms/step": args.batch / decode * 1e3,
                     "prefill tok/s": prefill,
                     "prefill x base": prefill / base["prefill"],
                 }
@@ -196,7 +197,8 @@ def main() -> None:
         f"{str(dtype).removeprefix('torch.')}, batch {args.batch}, rank {args.rank}, "
         f"context {args.context}, prompt {args.prompt_len}, EOS ignored"
     )
-    columns = ["adapters", "decode tok/s", "decode x base", "prefill tok/s", "prefill x base"]
+    columns = ["adapters", "decode tok/s", "decode x base", "decode ms/step", "prefill tok/s",
+               "prefill x base"]  # fmt: skip
     print(table(rows, columns))
     print(f"adapter swap-in: {swap:.2f} ms (median)")
     write_results(

@@ -128,7 +128,7 @@ def _expand_kernel(
             lo = tl.maximum(n_lo, n2)
             hi = n_hi
         if lo < hi:
-            # The K splits' partial sums, BLOCK_P at a time: one load's latency, not P.
+            # The K splits' partial sums, BLOCK_P at a time: one load's latency, not P's.
             s = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
             for p0 in range(0, P, BLOCK_P):
                 ps = p0 + tl.arange(0, BLOCK_P)
@@ -179,11 +179,11 @@ def _block_m(max_seg_len: int) -> int:
 
 
 def _split_k(num_programs: int, k: int, block_k: int, block_m: int) -> int:
-    """K splits for the shrink. Small tiles (decode): a few hundred K per program, whatever the
-    grid (most of a CUDA graph's segments may be empty). Prefill: enough programs to fill the
-    GPU (~256), each a few tiles long."""
+    """K splits for the shrink. Small tiles (decode): about 4 BLOCK_K tiles a program, whatever
+    the grid (most of a CUDA graph's segments may be empty), at most 16 splits. Prefill: enough
+    programs to fill the GPU (~256), each a few tiles long."""
     if block_m <= TILE_ROWS:
-        return max(1, min(8, k // 512))
+        return max(1, min(16, triton.cdiv(k, 4 * block_k)))
     want = max(1, 256 // max(1, num_programs))
     return max(1, min(want, k // (4 * block_k)))
 
@@ -209,7 +209,10 @@ def lora_shrink(
     if a.shape[2] != K:
         raise ValueError(f"a {tuple(a.shape)} does not fit x {tuple(x.shape)}")
     block_m, block_r = _block_m(max_seg_len), _pow2(RA, 16)
-    block_k = 64 if block_r <= 64 else 32
+    if block_m <= TILE_ROWS:  # decode: wide K tiles, few of them (a latency-bound loop)
+        block_k = max(64, min(256, 4096 // block_r))
+    else:
+        block_k = 64 if block_r <= 64 else 32
     m_tiles = triton.cdiv(max(1, max_seg_len), block_m)
     split = _split_k(num_segs * m_tiles, K, block_k, block_m)
     per = triton.cdiv(triton.cdiv(K, split), block_k) * block_k
@@ -265,7 +268,7 @@ def lora_expand(
     n_per = 512 if block_m <= TILE_ROWS else block_n
     grid = (triton.cdiv(max(1, max_seg_len), block_m), num_segs, triton.cdiv(N, n_per))
     P = s.shape[0]
-    block_p = min(triton.next_power_of_2(P), 8 if block_m <= TILE_ROWS else 2)
+    block_p = min(triton.next_power_of_2(P), 16 if block_m <= TILE_ROWS else 2)
     pdl = use_pdl(_expand_kernel, y.device, pdl)
     _expand_kernel[grid](
         y, s, b, scales, segments, segments if rows is None else rows,

@@ -79,7 +79,7 @@ def test_split_k_partial_sums_add_up(device):
     # K long enough to split the shrink: 3 partial sums in decode tiles (fewer than a block of
     # them), 4 in prefill tiles (two blocks of 2).
     spec, rows, max_len = _grouped([0, 2, -1, 2, 0, 0], 16)
-    _case(device, torch.float32, T=6, K=1536, R=8, slices=(16, 16), spec=spec, max_len=max_len,
+    _case(device, torch.float32, T=6, K=2560, R=8, slices=(16, 16), spec=spec, max_len=max_len,
           rows=rows)  # fmt: skip
     _case(device, torch.float32, T=40, K=1024, R=8, slices=(24,), spec=[(0, 40, 1)], max_len=40)
 
