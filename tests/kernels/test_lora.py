@@ -143,3 +143,23 @@ def test_shape_mismatch_is_a_clear_error(device):
     a = torch.zeros(2, 4, 9, device=device)
     with pytest.raises(ValueError, match="does not fit"):
         lora_shrink(x, a, _segments([(0, 1, 0)], device), 1)
+
+
+def test_lora_layer_runs_the_kernels_on_the_engines_batch(device):
+    # What a layer's hook does in an eager step: the batch `LoRABatch.build` groups (a prompt
+    # and decode rows on two adapters, a base row), through the kernels and the reference.
+    from splitserve.engine.lora.batch import LoRAContext, LoRALayer
+
+    gen = torch.Generator().manual_seed(3)
+    a = (torch.randn(3, 16, 64, generator=gen) / 8).to(device)
+    b = (torch.randn(3, 48, 8, generator=gen) / 4).to(device)
+    context = LoRAContext(torch.tensor([0.5, 1.0, 2.0], device=device))
+    views = {"gate_up": (a, b, (24, 24))}
+    x = torch.randn(9, 64, generator=gen).to(device)
+    y = torch.randn(9, 48, generator=gen).to(device)
+    outs = []
+    for triton in (True, False):
+        context.describe([5, 1, 1, 1, 1], [2, 0, None, 2, 0])
+        outs.append(LoRALayer(context, views, triton).apply("gate_up", x, y.clone()))
+    torch.testing.assert_close(outs[0], outs[1], atol=1e-4, rtol=1e-4)
+    assert torch.equal(outs[0][6], y[6]) and not torch.equal(outs[0][:6], y[:6])
