@@ -1,6 +1,7 @@
 """What the LoRA kernels add to a decode step, kernels only: every layer's base projections
 (q/k/v, o, gate/up, down GEMMs) with and without each group's shrink + expand, in one CUDA graph
-per configuration, as the engine's decode graphs run them.
+per configuration, as the engine's decode graphs run them; and the same with the per-row
+kernels they replaced (bench/lora_bgmv.py), in the same run.
 
     python -m bench.lora_kernels [--shape llama-3-8b] [--batch 64] [--adapters 1,8,32]
         [--rank 16] [--reps 20] [--out bench/results/lora_kernels.json]
@@ -11,7 +12,8 @@ of at most TILE_ROWS (`group_rows`), in a segment buffer of the decode graphs' c
 segments skipped), with `max_loras` = the largest N. Every layer has its own weights and
 adapter slots, so the L2 cache holds no more than in a real step. Prints the base graph's ms,
 each configuration's ms and the difference (the LoRA kernels' cost per step, 256 launches on
-32 layers), and writes JSON. bench/lora.py measures the whole engine.
+32 layers), for the grouped kernels and for the per-row ones (one segment per row), and writes
+JSON. bench/lora.py measures the whole engine.
 """
 
 from __future__ import annotations
@@ -65,18 +67,34 @@ def build(cfg: dict[str, Any], layers: int, slots: int, rank: int, batch: int, d
     return out
 
 
-def step(layers: list[dict[str, Any]], lora: Any | None, scales: torch.Tensor, pdl: bool) -> None:
-    """One decode step's projections; `lora` = (segments, max_seg_len, rows) or None (base)."""
+def step(
+    layers: list[dict[str, Any]], lora: Any | None, scales: torch.Tensor, pdl: bool, kind: str
+) -> None:
+    """One decode step's projections; `lora` = (segments, max_seg_len, rows) or None (base).
+    `kind`: "grouped" (kernels/lora.py) or "per-row" (bench/lora_bgmv.py)."""
+    from bench.lora_bgmv import bgmv_expand, bgmv_shrink
     from splitserve.kernels.lora import lora_expand, lora_shrink
 
     for layer in layers:
         for group in layer.values():
             torch.matmul(group["x"], group["w"].t(), out=group["y"])
-            if lora is not None:
-                segments, max_len, rows = lora
-                s = lora_shrink(group["x"], group["a"], segments, max_len, rows, pdl=pdl)
-                lora_expand(group["y"], s, group["b"], scales, segments, max_len,
-                            group["slices"], rows, pdl=pdl)  # fmt: skip
+            if lora is None:
+                continue
+            segments, max_len, rows = lora
+            if kind == "per-row":
+                s = bgmv_shrink(group["x"], group["a"], segments)
+                bgmv_expand(group["y"], s, group["b"], scales, segments, group["slices"])
+                continue
+            s = lora_shrink(group["x"], group["a"], segments, max_len, rows, pdl=pdl)
+            lora_expand(group["y"], s, group["b"], scales, segments, max_len,
+                        group["slices"], rows, pdl=pdl)  # fmt: skip
+
+
+def per_row_inputs(batch: int, adapters: int, device: str) -> tuple:
+    """The replaced kernels' inputs: one segment (row, 1, slot) per row."""
+    rows = torch.arange(batch, dtype=torch.int32)
+    segments = torch.stack([rows, torch.ones_like(rows), rows % adapters])
+    return segments.to(device), 1, None
 
 
 def lora_inputs(batch: int, adapters: int, max_loras: int, device: str) -> tuple:
@@ -124,6 +142,7 @@ def main() -> None:
     parser.add_argument("--rank", type=int, default=16)
     parser.add_argument("--reps", type=int, default=20)
     parser.add_argument("--no-pdl", action="store_true", help="launch the LoRA kernels plainly")
+    parser.add_argument("--skip-per-row", action="store_true", help="not the replaced kernels")
     parser.add_argument("--out", default="bench/results/lora_kernels.json")
     parser.add_argument("--smoke", action="store_true", help="tiny shape on the CPU")
     args = parser.parse_args()
@@ -145,27 +164,37 @@ def main() -> None:
         weights = build(cfg, layers, max_loras, args.rank, args.batch, device, dtype)
         scales = torch.full((max_loras,), 2.0, device=device)
         pdl = not args.no_pdl
-        base = time_step(lambda: step(weights, None, scales, pdl), args.reps, graphs)
+        base = time_step(lambda: step(weights, None, scales, pdl, ""), args.reps, graphs)
         rows: list[dict[str, Any]] = [{"adapters": "base", "step ms": base * 1e3}]
         for n in counts:
-            lora = lora_inputs(args.batch, n, max_loras, device)
-            seconds = time_step(lambda lora=lora: step(weights, lora, scales, pdl), args.reps,
-                                graphs)  # fmt: skip
-            rows.append(
-                {
-                    "adapters": n,
-                    "step ms": seconds * 1e3,
-                    "LoRA ms": (seconds - base) * 1e3,
-                    "LoRA us/layer": (seconds - base) * 1e6 / layers,
-                }
-            )
+            for kind in ("grouped", "per-row"):
+                if kind == "per-row" and args.skip_per_row:
+                    continue
+                if kind == "grouped":
+                    lora = lora_inputs(args.batch, n, max_loras, device)
+                else:
+                    lora = per_row_inputs(args.batch, n, device)
+                seconds = time_step(
+                    lambda lora=lora, kind=kind: step(weights, lora, scales, pdl, kind),
+                    args.reps,
+                    graphs,
+                )
+                rows.append(
+                    {
+                        "adapters": n,
+                        "kernels": kind,
+                        "step ms": seconds * 1e3,
+                        "LoRA ms": (seconds - base) * 1e3,
+                        "LoRA us/layer": (seconds - base) * 1e6 / layers,
+                    }
+                )
     print(
         f"{device_name()}, {'tiny (smoke)' if args.smoke else args.shape} projections x {layers} "
         f"layers, {str(dtype).removeprefix('torch.')}, batch {args.batch}, rank {args.rank}, "
         f"max_loras {max_loras}, PDL {'on (Hopper and newer)' if pdl else 'off'}, "
         f"{'CUDA graph' if graphs else 'eager'}"
     )
-    print(table(rows, ["adapters", "step ms", "LoRA ms", "LoRA us/layer"]))
+    print(table(rows, ["adapters", "kernels", "step ms", "LoRA ms", "LoRA us/layer"]))
     write_results(
         args.out,
         {

@@ -22,5 +22,6 @@ def test_lora_kernels_bench_smoke_run_writes_json(tmp_path: Path) -> None:
         cwd=Path(__file__).resolve().parents[2],
     )
     results = json.loads(out.read_text())
-    assert [r["adapters"] for r in results["rows"]] == ["base", 1, 2]
+    assert [r["adapters"] for r in results["rows"]] == ["base", 1, 1, 2, 2]
+    assert [r.get("kernels") for r in results["rows"]][1:3] == ["grouped", "per-row"]
     assert all(r["step ms"] > 0 for r in results["rows"])
