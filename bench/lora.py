@@ -172,6 +172,8 @@ def main() -> None:
         names = [f"lora{i}" for i in range(max(counts))]
         for i, name in enumerate(names):
             engine.lora.add(random_adapter(name, engine, args.rank, seed=i + 1))
+        for n in (0, max(counts)):  # NOTE: compile and autotune before any row is timed
+            prefill_tokens_per_s(engine, _names(8, n), args.prompt_len)
         rows: list[dict[str, Any]] = []
         base: dict[str, float] = {}
         for n in [0, *counts]:
@@ -190,6 +192,8 @@ def main() -> None:
                     "prefill x base": prefill / base["prefill"],
                 }
             )
+            print({k: round(v, 3) if isinstance(v, float) else v for k, v in rows[-1].items()},
+                  flush=True)  # fmt: skip
         swap = swap_in_ms(engine, names)
         engine.check_integrity()
     print(
