@@ -196,6 +196,7 @@ def engine_mode(args) -> dict:
     if on_gpu and torch.cuda.device_count() < args.tp:
         raise SystemExit(f"--tp {args.tp} needs {args.tp} GPUs; {torch.cuda.device_count()} seen")
     os.environ.update({k: v for k, v in _env().items() if k in NO_MULTICAST})
+    progress(f"torch {torch.__version__}, NCCL {_nccl_version(on_gpu)}, {args.tp} ranks")
     with tempfile.TemporaryDirectory() as tmp:
         path = _prepare_model(args, Path(tmp))
         cfg = json.loads((path / "config.json").read_text())
@@ -235,6 +236,16 @@ def engine_mode(args) -> dict:
     return summarize(args, rows, collectives, on_gpu)
 
 
+def _nccl_version(on_gpu: bool) -> str | None:
+    if not on_gpu:
+        return None
+    try:
+        version = torch.cuda.nccl.version()
+    except (AttributeError, RuntimeError):
+        return None
+    return ".".join(map(str, version)) if isinstance(version, tuple) else str(version)
+
+
 def summarize(args, rows: list[dict], collectives: dict, on_gpu: bool) -> dict:
     """Speedups against the TP=1 row, decode floors, and the acceptance's checks."""
     base = rows[0]
@@ -268,6 +279,8 @@ def summarize(args, rows: list[dict], collectives: dict, on_gpu: bool) -> dict:
         "benchmark": "tensor_parallel",
         "device": next((r["device"] for r in rows if "device" in r), device_name_cpu(on_gpu)),
         "num_devices": torch.cuda.device_count() if on_gpu else 0,
+        "torch": torch.__version__,
+        "nccl": _nccl_version(on_gpu),
         "shape": SMOKE_SHAPE if args.smoke else args.shape,
         "dtype": "bfloat16" if on_gpu else "float32",
         "weights": "dummy",

@@ -186,10 +186,14 @@ class TorchGroup(ParallelGroup):
     def broadcast(
         self, x: torch.Tensor, root: int = 0, *, wait_forever: bool = False
     ) -> torch.Tensor:
+        # NOTE: the options form, which every torch release binds (the (tensor, root, timeout)
+        # shorthand is recent).
+        opts = dist.BroadcastOptions()
+        opts.rootRank = root
+        opts.rootTensor = 0
         if wait_forever:
-            self._pg.broadcast(x, root, FOREVER).wait()
-        else:
-            self._pg.broadcast(x, root).wait()
+            opts.timeout = FOREVER
+        self._pg.broadcast([x], opts).wait()
         return x
 
     def min_int(self, value: int) -> int:
@@ -207,8 +211,11 @@ class TorchGroup(ParallelGroup):
         if self._closed:
             return
         self._closed = True
-        # NOTE: a group that failed to form has no backend to release.
-        release = getattr(getattr(self, "_pg", None), "abort" if abort else "shutdown", None)
+        # NOTE: a group that failed to form has no backend to release; older torch releases
+        # name the method with a leading underscore.
+        backend = getattr(self, "_pg", None)
+        name = "abort" if abort else "shutdown"
+        release = getattr(backend, name, None) or getattr(backend, f"_{name}", None)
         if release is None:
             return
 
