@@ -83,6 +83,16 @@ def schedule(
     return items, phase_of
 
 
+def fresh_prompts(
+    items: list[tuple[list[int], int, float]], vocab: int, seed: int
+) -> list[tuple[list[int], int, float]]:
+    """The same schedule with new random token ids in every prompt (same lengths)."""
+    import random
+
+    rng = random.Random(seed)
+    return [([rng.randrange(10, vocab) for _ in p], out, at) for p, out, at in items]
+
+
 def summarize(records: list[Record], phase_of: list[int], phases: list[Phase]) -> dict[str, Any]:
     from bench.serving import summarize as base
 
@@ -219,7 +229,10 @@ def run(args: argparse.Namespace, model: Path, vocab: int) -> dict[str, Any]:
         warm_up(stack, [p for _, ps in schedules(args, Workload) for p in ps], vocab, args)
         for name, phases in schedules(args, Workload):
             items, phase_of = schedule(phases, vocab, args.seed, Workload)
-            for config in configs:
+            for k, config in enumerate(configs):
+                # NOTE: the same lengths and arrivals, fresh token ids: no configuration finds
+                # another's prompts in a prefix cache.
+                items = fresh_prompts(items, vocab, args.seed + 1000 * (k + 1))
                 set_split(stack, PLANNER_START if config == PLANNER else config, 4)
                 sampler = SplitSampler(stack).start()
                 planner = PlannerThread(stack, args).start() if config == PLANNER else None
