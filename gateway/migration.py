@@ -2,7 +2,8 @@
 
 A Decode stream ends early in two ways: its worker dies (the call fails UNAVAILABLE: connection
 refused or reset), or it stops answering (frozen, swapped out: no message for
-`stall_timeout_s` while its heartbeat in the registry has lapsed). Either way the gateway knows
+`stall_timeout_s` while it is gone from the registry: its heartbeat lapsed, or its engine loop
+stopped turning and it left, `runtime/engine_watch.py`). Either way the gateway knows
 everything the stream depends on: the prompt, the sampling parameters, and the tokens the
 client already has. It resumes the stream on another decode worker:
 
@@ -21,8 +22,13 @@ D1 itself, should it wake up, never touch D2's.
 
 A Prefill whose KV goes to a decode worker that goes silent the same way is cancelled and
 fails ABORTED, which the orchestrator retries with a fresh reservation. A worker that misses a
-deadline (a Reserve not answered in `rpc_timeout_s`, a stalled stream or prefill) is *suspect*
-for `suspect_s`: new requests go to other workers while any is live.
+deadline (a Reserve not answered in `reserve_timeout_s`, a stalled stream or prefill) is
+*suspect* for `suspect_s`: new requests go to other workers while any is live.
+
+How long a freeze costs: a silent stream is first checked after `stall_timeout_s`, then every
+quarter of it, against the registry, which drops a frozen worker `--heartbeat-ttl-s` after its
+last heartbeat (a frozen process) or `--engine-stall-s` after its loop's last turn (a frozen
+engine core). A new request sent meanwhile waits `reserve_timeout_s` at most on that worker.
 """
 
 from __future__ import annotations
@@ -54,18 +60,21 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class FailoverSettings:
-    # Reserve and Abort: a healthy worker answers at once, so a silent one is given up on.
+    # Abort: a healthy worker answers at once, so a silent one is given up on.
     rpc_timeout_s: float = 5.0
-    # A Decode stream with no message for this long is checked: gone from the registry
-    # (heartbeat lapsed) means it moves to another decode worker.
-    stall_timeout_s: float = 10.0
+    # Reserve: a healthy worker answers within its longest step; one that does not is suspect,
+    # and another is asked (a frozen worker delays a new request this much at most).
+    reserve_timeout_s: float = 1.0
+    # A Decode stream with no message for this long is checked (then every quarter of it):
+    # gone from the registry (heartbeat lapsed, or its engine stalled) means it moves.
+    stall_timeout_s: float = 1.0
     # How long a worker that missed a deadline gets no new request (while others are live).
     suspect_s: float = 30.0
     # How many times one stream may move to another decode worker.
     max_migrations: int = 2
 
     def __post_init__(self) -> None:
-        for name in ("rpc_timeout_s", "stall_timeout_s", "suspect_s"):
+        for name in ("rpc_timeout_s", "reserve_timeout_s", "stall_timeout_s", "suspect_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")
         if self.max_migrations < 0:
@@ -77,19 +86,23 @@ class Suspects:
 
     NOTE: per gateway process, not shared with other replicas: each notices a silent worker
     itself (one missed deadline each), and a shared list would put a Redis call on every
-    routing decision."""
+    routing decision. `on_suspect(cause)` (if set) hears of each worker newly suspect, with
+    the deadline it missed: reserve, stream or prefill (`splitserve:worker_suspicions`)."""
 
     def __init__(self, hold_s: float) -> None:
         self.hold_s = hold_s
+        self.on_suspect: Callable[[str], None] | None = None
         self._until: dict[str, float] = {}
         self._lock = threading.Lock()
 
-    def mark(self, worker_id: str, why: str) -> None:
+    def mark(self, worker_id: str, why: str, cause: str) -> None:
         with self._lock:
             known = self._until.get(worker_id, 0.0) > time.monotonic()
             self._until[worker_id] = time.monotonic() + self.hold_s
         if not known:
             log.warning("worker %s is suspect for %.0f s: %s", worker_id, self.hold_s, why)
+            if self.on_suspect is not None:
+                self.on_suspect(cause)
 
     def current(self) -> set[str]:
         now = time.monotonic()
@@ -138,8 +151,8 @@ async def watched(
     stream: Any, stall_s: float, is_live: Callable[[], Any]
 ) -> AsyncIterator[worker_pb2.DecodeResponse]:
     """The messages of a Decode stream; raises WorkerLost when none arrives for `stall_s` and
-    `is_live()` (awaited) says its worker has left the registry. A slow but live worker is
-    waited for.
+    `is_live()` (awaited) says its worker has left the registry (asked again every quarter of
+    `stall_s` while the stream stays silent). A slow but live worker is waited for.
 
     NOTE: one watchdog task per stream, not a task or timer per message: the relay's cost is
     per token. It only counts time spent waiting for the worker (not while the consumer holds a
@@ -157,7 +170,8 @@ async def watched(
                 lost[0] = True
                 stream.cancel()
                 return
-            await asyncio.sleep(stall_s)  # NOTE: slow but live: asked again while it stays silent
+            # NOTE: slow but live (or its record not yet lapsed): asked again while it is silent
+            await asyncio.sleep(stall_s / 4)
 
     dog = asyncio.ensure_future(watchdog())
     try:
@@ -185,6 +199,10 @@ class StreamMover:
         self.orch = orchestrator
         self.settings = settings
         self._background: set[asyncio.Future[Any]] = set()
+        # kind -> (when asked, ids of its live workers); one registry read serves every stream
+        # checked within LIVE_CACHE_S (a freeze silences all of a worker's streams at once)
+        self._live: dict[str, tuple[float, frozenset[str] | None]] = {}
+        self._asking: dict[str, asyncio.Future[frozenset[str] | None]] = {}
 
     async def stream(
         self,
@@ -247,7 +265,7 @@ class StreamMover:
         """Reserve the resumed sample on another decode worker; `route` then points there."""
         orch = self.orch
         lost = route.decode
-        orch.suspects.mark(lost.worker_id, f"its Decode stream was lost ({reason})")
+        orch.suspects.mark(lost.worker_id, f"its Decode stream was lost ({reason})", "stream")
         self._abort_in_background(lost, route.worker_request_id or job.request_id)
         # A killed worker's prefix index is gone with it: routing must stop preferring it.
         await asyncio.to_thread(orch.registry.clear_prefix_blocks, lost.worker_id)
@@ -269,18 +287,22 @@ class StreamMover:
         the registry meanwhile (frozen: the pushes would wait out their send timeout), the call
         is cancelled and fails ABORTED, which the caller retries with a fresh reservation."""
         task = asyncio.ensure_future(_awaited(rpc))
+        wait_s = self.settings.stall_timeout_s
         try:
             while True:
-                done, _ = await asyncio.wait({task}, timeout=self.settings.stall_timeout_s)
+                done, _ = await asyncio.wait({task}, timeout=wait_s)
                 if done:
                     return task.result()
                 if not await self._is_live(decode):
                     break
+                wait_s = self.settings.stall_timeout_s / 4  # NOTE: as `watched` asks again
         except asyncio.CancelledError:
             task.cancel()
             raise
         rpc.cancel()
-        self.orch.suspects.mark(decode.worker_id, "it went silent while a prefill pushed to it")
+        self.orch.suspects.mark(
+            decode.worker_id, "it went silent while a prefill pushed to it", "prefill"
+        )
         raise grpc.aio.AioRpcError(
             grpc.StatusCode.ABORTED,
             grpc.aio.Metadata(),
@@ -289,13 +311,32 @@ class StreamMover:
         )
 
     async def _is_live(self, worker: WorkerInfo) -> bool:
+        kind = worker.kind
+        cached = self._live.get(kind)
+        if cached is not None and time.monotonic() - cached[0] < LIVE_CACHE_S:
+            ids = cached[1]
+        else:
+            asking = self._asking.get(kind)
+            if asking is None:
+                asking = asyncio.ensure_future(self._live_ids(kind))
+                self._asking[kind] = asking
+                asking.add_done_callback(lambda _: self._asking.pop(kind, None))
+            ids = await asyncio.shield(asking)
+        return ids is None or worker.worker_id in ids
+
+    async def _live_ids(self, kind: str) -> frozenset[str] | None:
+        """The ids of the live workers of `kind`; None if Redis did not answer."""
+        asked = time.monotonic()
         try:
-            live = await asyncio.to_thread(self.orch.registry.live_workers, worker.kind)
+            live = await asyncio.to_thread(self.orch.registry.live_workers, kind)
         except Exception:  # noqa: BLE001 - Redis down: no evidence that the worker is gone
             # NOTE: the registry client warns once per outage; no traceback per request here
-            log.debug("could not check whether %s is live", worker.worker_id, exc_info=True)
-            return True
-        return any(w.worker_id == worker.worker_id for w in live)
+            log.debug("could not check which %s workers are live", kind, exc_info=True)
+            ids = None
+        else:
+            ids = frozenset(w.worker_id for w in live)
+        self._live[kind] = (asked, ids)
+        return ids
 
     def _abort_in_background(self, worker: WorkerInfo, request_id: str) -> None:
         """Abort the request on the lost worker without waiting: a frozen one answers late."""
@@ -312,6 +353,9 @@ class StreamMover:
         task = asyncio.ensure_future(abort())
         self._background.add(task)
         task.add_done_callback(self._background.discard)
+
+
+LIVE_CACHE_S = 0.1  # how old a registry read may be when a silent stream's worker is checked
 
 
 def _remaining(deadline: float) -> float:

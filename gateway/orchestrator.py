@@ -181,7 +181,8 @@ class Orchestrator:
         resume: worker_pb2.ResumeFrom | None = None,
     ) -> worker_pb2.KVDestination:
         """Blocks on D for the prompt. A D that refuses (draining) or does not answer in time
-        (marked suspect) is replaced by another; one whose pool is full is asked again (another
+        (`reserve_timeout_s`: marked suspect) is replaced by another (one that did not answer
+        is asked again when no other is live); one whose pool is full is asked again (another
         D may be picked) with back-off until the deadline, so the request waits for memory."""
         request = worker_pb2.ReserveRequest(
             request_id=route.worker_request_id or job.request_id,
@@ -190,7 +191,7 @@ class Orchestrator:
             resume=resume,
             adapter=job.adapter or "",
         )
-        timeout_s = self.settings.failover.rpc_timeout_s
+        timeout_s = self.settings.failover.reserve_timeout_s
         wait, longest = self.settings.reserve_backoff_s
         refused: set[str] = set()
         route.reserving = True
@@ -212,7 +213,7 @@ class Orchestrator:
                     raise
                 if silent:
                     self.suspects.mark(
-                        route.decode.worker_id, f"no answer to Reserve in {timeout_s} s"
+                        route.decode.worker_id, f"no answer to Reserve in {timeout_s} s", "reserve"
                     )
                 if draining:
                     refused.add(route.decode.worker_id)
@@ -224,7 +225,11 @@ class Orchestrator:
                 try:
                     picked = await self._pick_decode(job, obs, exclude=refused)
                 except NoWorkerError:
-                    raise err from None
+                    if not silent:
+                        raise err from None
+                    # NOTE: slow, not gone (it is still live): with no other to ask, ask it again
+                    refused.discard(previous.worker_id)
+                    picked = await self._pick_decode(job, obs, exclude=refused)
                 route.decode, _, route.prefix_blocks = picked
                 self._count(previous.worker_id, -1)
                 self._count(route.decode.worker_id, +1)

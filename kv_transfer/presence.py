@@ -1,5 +1,6 @@
-"""A worker's presence in the registry: registration, heartbeats with its current load, and a
-periodic housekeeping call, on one background thread.
+"""A worker's presence in the registry: registration and heartbeats with its current load on
+one background thread, and a periodic housekeeping call on another (a housekeeping call that
+waits on a long engine step never delays a heartbeat).
 
 A draining worker `leave`s: it is out of the registry at once (so the gateway routes nothing
 new to it), while housekeeping (lease renewal, reclaiming) goes on until `stop`.
@@ -10,6 +11,12 @@ the worker's prefix index). A heartbeat that finds its record changed by someone
 it wrote last, e.g. with Redis's password but not the cluster secret) logs it and rewrites it
 (`registry_own.py`). While Redis is unreachable the registry logs the outage once; the
 heartbeats go on quietly.
+
+A worker that can't serve although its process runs (its engine loop has not stepped for a
+while: `runtime/engine_watch.py`) says so by raising `Stalled` from `info`: it leaves the
+registry at once, so the gateway moves its streams and routes nothing new to it, and joins
+again at the first heartbeat whose `info` answers. A frozen process can say nothing: its
+record lapses after `ttl_s`.
 """
 
 from __future__ import annotations
@@ -21,6 +28,10 @@ from collections.abc import Callable, Mapping
 from splitserve.kv_transfer.registry import Registry, RegistryUnavailable, WorkerInfo
 
 log = logging.getLogger(__name__)
+
+
+class Stalled(Exception):
+    """Raised by `info`: the worker can't serve now (e.g. its engine loop has not stepped)."""
 
 
 class Presence:
@@ -48,12 +59,18 @@ class Presence:
         self._left = False
         self._lock = threading.Lock()  # NOTE: a heartbeat never re-registers after `leave`
         self._thread = threading.Thread(target=self._run, name="presence", daemon=True)
+        self._housekeeper = threading.Thread(
+            target=self._housekeep, name="housekeeping", daemon=True
+        )
+        self._rejoined = threading.Event()  # NOTE: on_rejoin runs on the housekeeping thread
+        self._stalled = False
 
     def start(self) -> Presence:
         first = self.info()
         self._kind, self._worker_id = first.kind, first.worker_id
         self.registry.register_worker(first, self.ttl_s, self.kv_endpoint)
         self._thread.start()
+        self._housekeeper.start()
         return self
 
     def leave(self) -> None:
@@ -74,6 +91,7 @@ class Presence:
         self.leave()
         self._stop.set()
         self._thread.join(5.0)
+        self._housekeeper.join(5.0)
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval_s):
@@ -81,18 +99,39 @@ class Presence:
                 with self._lock:
                     if not self._left:
                         self._beat()
-                if self.on_tick is not None:
-                    self.on_tick()
             except RegistryUnavailable:
                 pass  # NOTE: the registry logs the outage once; the next tick tries again
             except Exception:  # noqa: BLE001 - keep beating through anything else
-                log.exception("heartbeat or housekeeping failed")
+                log.exception("heartbeat failed")
+
+    def _housekeep(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            try:
+                if self._rejoined.is_set() and self.on_rejoin is not None:
+                    self._rejoined.clear()
+                    self.on_rejoin()
+                if self.on_tick is not None:
+                    self.on_tick()
+            except RegistryUnavailable:
+                pass
+            except Exception:  # noqa: BLE001 - keep housekeeping through anything else
+                log.exception("housekeeping failed")
 
     def _beat(self) -> None:
-        info = self.info()
-        if self.registry.heartbeat(info, self.ttl_s):
+        try:
+            info = self.info()
+        except Stalled as why:
+            if not self._stalled:
+                self._stalled = True
+                log.warning("%s leaves the registry until it serves: %s", self._worker_id, why)
+                self.registry.deregister_worker(self._kind, self._worker_id)
             return
-        log.warning("%s was missing from the registry; registering again", info.worker_id)
+        if self._stalled:
+            self._stalled = False
+            log.warning("%s serves again; it rejoins the registry", info.worker_id)
+        elif self.registry.heartbeat(info, self.ttl_s):
+            return
+        else:
+            log.warning("%s was missing from the registry; registering again", info.worker_id)
         self.registry.register_worker(info, self.ttl_s, self.kv_endpoint)
-        if self.on_rejoin is not None:
-            self.on_rejoin()
+        self._rejoined.set()

@@ -17,6 +17,8 @@ _HELP = {
     "advertise_host": "the host others use to reach this one (default: --host)",
     "model_name": "the served model's name (default: the model directory's name)",
     "metrics_port": "serve Prometheus /metrics on this port (0: off)",
+    "metrics_host": "address /metrics listens on (default: --host); off loopback it asks for "
+    "the cluster secret as a bearer token",
     "drain_timeout_s": "on SIGTERM: seconds to wait for the requests in flight",
     "registry_retry_s": "seconds a registry call retries while Redis is unreachable",
     # WorkerSettings
@@ -34,6 +36,8 @@ _HELP = {
     "max_num_seqs": "sequences one engine step holds at most",
     "lease_s": "seconds a reservation is held for a request that has not come",
     "heartbeat_ttl_s": "seconds the registry keeps this worker without a heartbeat",
+    "engine_stall_s": "seconds the engine loop may go without a turn before the worker leaves "
+    "the registry (keep above the longest step)",
     "pdl": "programmatic dependent launch in the GPU kernels (true/false)",
     "async_scheduling": "overlapped decode steps: auto (on with CUDA graphs), on, off",
     "kv_transport": "how KV moves between workers: auto, nixl, grpc",
@@ -67,9 +71,11 @@ _HELP = {
     "(from the chat template), hermes, json",
     "request_timeout_s": "seconds a request may take before it fails DEADLINE_EXCEEDED",
     "max_prefill_tokens_per_worker": "prompt tokens given to one prefill worker at once",
-    "rpc_timeout_s": "deadline of the calls a healthy worker answers at once",
-    "stall_timeout_s": "a silent Decode stream from a worker whose heartbeat lapsed moves "
-    "elsewhere after this many seconds",
+    "rpc_timeout_s": "deadline of the calls a healthy worker answers at once (Abort)",
+    "reserve_timeout_s": "deadline of a Reserve; a decode worker that misses it is suspect and "
+    "another is asked",
+    "stall_timeout_s": "seconds of silence after which a Decode stream's worker is checked; "
+    "gone from the registry, the stream moves elsewhere",
     "suspect_s": "seconds a worker that missed a deadline gets no new requests",
     "max_migrations": "how often one stream may move to another decode worker",
     "http_port": "serve the OpenAI-compatible HTTP API on this port too (0: off)",

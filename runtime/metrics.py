@@ -10,12 +10,16 @@ carries `model_name`. Each service builds the groups it needs over one `Metrics`
 
 from __future__ import annotations
 
+import hmac
 import logging
+import socket
 import threading
-from collections.abc import Collection
-from wsgiref.simple_server import WSGIServer
+from collections.abc import Callable, Collection, Iterable
+from typing import Any
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Histogram, make_wsgi_app
+from prometheus_client.exposition import ThreadingWSGIServer
 
 log = logging.getLogger(__name__)
 
@@ -46,17 +50,55 @@ class Metrics:
         self._server: WSGIServer | None = None
         self._thread: threading.Thread | None = None
 
-    def serve(self, host: str, port: int) -> None:
-        """Serve /metrics over HTTP on `port` (0: not at all)."""
-        if port:
-            self._server, self._thread = start_http_server(port, host, registry=self.registry)
-            log.info("metrics on http://%s:%d/metrics", host, port)
+    def serve(self, host: str, port: int, secret: str = "") -> None:
+        """Serve /metrics over HTTP on `host`:`port` (0: not at all); with a `secret`, only to
+        a scraper that sends it (`Authorization: Bearer <secret>`; else 401)."""
+        if not port:
+            return
+        app = make_wsgi_app(self.registry)
+        if secret:
+            app = _bearer_only(app, secret)
+
+        class Server(ThreadingWSGIServer):
+            # NOTE: the family of `host` (an IPv6 address binds an AF_INET6 socket)
+            address_family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+
+        self._server = make_server(host, port, app, Server, handler_class=_Quiet)
+        self._thread = threading.Thread(
+            target=self._server.serve_forever, name="metrics", daemon=True
+        )
+        self._thread.start()
+        log.info("metrics on http://%s:%d/metrics%s", host, port, " (bearer)" if secret else "")
 
     def close(self) -> None:
         if self._server is not None:
             self._server.shutdown()
             self._server.server_close()
             self._server = None
+
+
+class _Quiet(WSGIRequestHandler):
+    """No access log line per scrape."""
+
+    def log_message(self, format: str, *args: Any) -> None:
+        pass
+
+
+def _bearer_only(app: Callable[..., Iterable[bytes]], secret: str) -> Callable[..., Any]:
+    """`app`, for callers whose Authorization header carries `secret` as a bearer token."""
+    expected = f"Bearer {secret}".encode()
+
+    def guarded(environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
+        given = environ.get("HTTP_AUTHORIZATION", "").encode("latin-1", "replace")
+        if hmac.compare_digest(given, expected):
+            return app(environ, start_response)
+        start_response(
+            "401 Unauthorized",
+            [("Content-Type", "text/plain"), ("WWW-Authenticate", 'Bearer realm="metrics"')],
+        )
+        return [b"/metrics needs the cluster secret as a bearer token\n"]
+
+    return guarded
 
 
 class _Unmeasured:
@@ -176,8 +218,20 @@ class RoutingMetrics:
             registry=metrics.registry,
         )
 
+        self._suspicions = Counter(
+            "splitserve:worker_suspicions",
+            "Workers newly suspect (no new requests for --suspect-s), by the deadline they "
+            "missed: reserve (no answer to Reserve), stream (a Decode stream lost) or prefill "
+            "(silent while a prefill pushed to it).",
+            ["model_name", "cause"],
+            registry=metrics.registry,
+        )
+
     def decided(self, kind: str, reason: str) -> None:
         self._decisions.labels(self.model_name, kind, reason).inc()
 
     def migrated(self, reason: str) -> None:
         self._migrations.labels(self.model_name, reason).inc()
+
+    def suspected(self, cause: str) -> None:
+        self._suspicions.labels(self.model_name, cause).inc()

@@ -106,6 +106,21 @@ class Security:
                 "--insecure to serve without it"
             )
 
+    def metrics_secret(self, host: str, port: int = 1) -> str:
+        """The bearer token /metrics asks for when it listens on `host`:`port`: none on
+        loopback (or with port 0: it does not listen), the cluster secret elsewhere (what it
+        shows, load, request counts, worker names, is for the operator). Raises ValueError off
+        loopback without a cluster secret, unless --insecure."""
+        if not port or is_loopback(host) or (self.insecure and not self.cluster_secret):
+            return ""
+        if not self.cluster_secret:
+            raise ValueError(
+                f"/metrics would answer anyone on {host}: give the service --cluster-secret-file "
+                "(or SPLITSERVE_CLUSTER_SECRET; scrapers send it as a bearer token), "
+                "--metrics-host 127.0.0.1, or --insecure"
+            )
+        return self.cluster_secret
+
 
 def is_loopback(host: str) -> bool:
     if host == "localhost":

@@ -72,11 +72,13 @@ def open_service(
     interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
     credentials: grpc.ServerCredentials | None = None,
     reuse_port: bool = False,
+    metrics_secret: str = "",
 ) -> Opened:
     """Start the service's gRPC server (its own event loop thread; health NOT_SERVING, every
     method UNAVAILABLE "loading") and its /metrics endpoint. `interceptors` check who calls
     (`runtime/security.py`); `credentials` serve TLS; `reuse_port` shares the port with the
-    other processes of one gateway (SO_REUSEPORT)."""
+    other processes of one gateway (SO_REUSEPORT). /metrics listens on the service's
+    `metrics_bind_host`, for callers that send `metrics_secret` (if any) as a bearer token."""
     lifecycle = Lifecycle([spec.name for spec in specs])
     gates = [lifecycle.gate(spec.admitting) for spec in specs]
 
@@ -96,7 +98,7 @@ def open_service(
     lifecycle.attach(server)
     metrics = Metrics(service.served_model_name)
     try:
-        metrics.serve(service.host, service.metrics_port)
+        metrics.serve(service.metrics_bind_host, service.metrics_port, metrics_secret)
     except BaseException:
         server.stop(0)
         raise

@@ -30,6 +30,9 @@ class ServiceSettings:
     advertise_host: str = ""  # the host others use to reach this one (default: `host`)
     model_name: str = ""  # the served model's name (default: the model directory's name)
     metrics_port: int = 0  # Prometheus /metrics on this port (0: off)
+    # /metrics listens on this address (default: `host`); off loopback it asks for the
+    # cluster secret as a bearer token (runtime/security.py)
+    metrics_host: str = ""
     drain_timeout_s: float = 30.0  # on SIGTERM: how long to wait for requests in flight
     # How long a registry call on a request's path retries while Redis is unreachable before
     # the request fails UNAVAILABLE.
@@ -47,6 +50,11 @@ class ServiceSettings:
     @property
     def public_host(self) -> str:
         return self.advertise_host or self.host
+
+    @property
+    def metrics_bind_host(self) -> str:
+        """Where /metrics listens: `metrics_host`, else `host`."""
+        return self.metrics_host or self.host
 
     @property
     def served_model_name(self) -> str:
@@ -69,7 +77,11 @@ class WorkerSettings:
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 256
     lease_s: float = 10.0
-    heartbeat_ttl_s: float = 3.0
+    # A frozen worker's record lapses after this long: the gateway moves its streams then
+    heartbeat_ttl_s: float = 1.5
+    # A worker whose engine loop has not turned for this long leaves the registry until it
+    # does (runtime/engine_watch.py); keep it above the longest step (step_seconds_max)
+    engine_stall_s: float = 2.0
     pdl: bool = True  # programmatic dependent launch in the GPU kernels (SPLITSERVE_PDL=0: off)
     # Overlapped decode steps (engine/overlap.py): auto turns them on with CUDA graphs
     async_scheduling: str = "auto"  # auto | on | off
@@ -106,6 +118,11 @@ class WorkerSettings:
     stream_interval: int = 1
 
     def __post_init__(self) -> None:
+        for name in ("heartbeat_ttl_s", "engine_stall_s"):
+            value = getattr(self, name)
+            if not math.isfinite(value) or value <= 0:
+                flag = f"--{name.replace('_', '-')}"
+                raise ValueError(f"{flag} must be a finite number of seconds > 0, got {value}")
         if self.engine_core not in ("process", "thread"):
             raise ValueError(f"--engine-core must be process or thread, got {self.engine_core!r}")
         if not 1 <= self.stream_interval <= 4096:
@@ -133,10 +150,14 @@ class GatewaySettings:
     block_size: int = 16
     # Prompt tokens given to one prefill worker at once; more requests wait in the gateway
     max_prefill_tokens_per_worker: int = 16384
-    # Deadline of the calls that a healthy worker answers at once (Reserve, Abort)
+    # Deadline of the calls that a healthy worker answers at once (Abort)
     rpc_timeout_s: float = 5.0
-    # A Decode stream silent this long, from a worker whose heartbeat lapsed, moves elsewhere
-    stall_timeout_s: float = 10.0
+    # Deadline of a Reserve: a decode worker that misses it is suspect and another is asked,
+    # so a frozen one delays a new request by this much at most (above the longest step)
+    reserve_timeout_s: float = 1.0
+    # A Decode stream silent this long has its worker's liveness checked (then every quarter
+    # of it): gone from the registry, the stream moves elsewhere
+    stall_timeout_s: float = 1.0
     # A worker that missed a deadline gets no new requests for this long (others are live)
     suspect_s: float = 30.0
     # How often one stream may move to another decode worker when its own is lost

@@ -55,6 +55,7 @@ def start_gateway(
         interceptors=security.gateway_interceptors(),
         credentials=security.server_credentials(),
         reuse_port=reuse_port,
+        metrics_secret=security.metrics_secret(service.metrics_bind_host, service.metrics_port),
     )
     metrics = opened.metrics
     try:
@@ -78,6 +79,7 @@ def start_gateway(
                 max_prefill_tokens_per_worker=gateway.max_prefill_tokens_per_worker,
                 failover=FailoverSettings(
                     rpc_timeout_s=gateway.rpc_timeout_s,
+                    reserve_timeout_s=gateway.reserve_timeout_s,
                     stall_timeout_s=gateway.stall_timeout_s,
                     suspect_s=gateway.suspect_s,
                     max_migrations=gateway.max_migrations,
@@ -97,7 +99,9 @@ def start_gateway(
             ("time_to_first_token", "inter_token_latency", "e2e_request_latency"),
             outcomes=True,
         )
-        observer = GatewayObserver(tracing, requests, RoutingMetrics(metrics), info.name)
+        routing = RoutingMetrics(metrics)
+        orchestrator.suspects.on_suspect = routing.suspected
+        observer = GatewayObserver(tracing, requests, routing, info.name)
         shared = SharedRequests(shared_redis, replica_id, registry.namespace)
         servicer = GatewayServicer(
             orchestrator,

@@ -8,6 +8,7 @@ A worker's engine runs in its engine core (`splitserve/engine_core.py`), a proce
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 from splitserve.decode_service.observer import DecodeObserver
@@ -30,6 +31,7 @@ from splitserve.protos.v1 import worker_pb2_grpc
 from splitserve.runtime.engine_core.client import CoreStartError, EngineCoreClient
 from splitserve.runtime.engine_core.protocol import endpoint_from_wire
 from splitserve.runtime.engine_metrics import EngineCollector
+from splitserve.runtime.engine_watch import EngineWatch
 from splitserve.runtime.metrics import KVTransferMetrics, RequestMetrics
 from splitserve.runtime.security import Security
 from splitserve.runtime.serving import Opened, Running, ServiceSpec, open_service
@@ -112,6 +114,7 @@ def start_decode(
             ),
         ],
         interceptors=security.worker_interceptors(),
+        metrics_secret=security.metrics_secret(service.metrics_bind_host, service.metrics_port),
     )
     address, metrics = opened.address, opened.metrics
     core: EngineCoreClient | None = None
@@ -143,9 +146,12 @@ def start_decode(
         )
         observer = DecodeObserver(tracing, requests, metrics.model_name)
         opened.gates[0].bind(DecodeServicer(decode, observer))
+        # NOTE: the heartbeat never waits on a step; a loop that stops turning takes the worker
+        # out of the registry (runtime/engine_watch.py)
+        watch = EngineWatch(functools.partial(core.submit, "stats"), worker.engine_stall_s)
         presence = Presence(
             registry,
-            lambda: worker_info(kind, service.worker_id, address, stats(), offered, limits),
+            lambda: worker_info(kind, service.worker_id, address, watch.latest(), offered, limits),
             ttl_s=worker.heartbeat_ttl_s,
             interval_s=worker.heartbeat_ttl_s / 6,
             on_tick=decode.housekeeping,
@@ -192,6 +198,7 @@ def start_prefill(
             )
         ],
         interceptors=security.worker_interceptors(),
+        metrics_secret=security.metrics_secret(service.metrics_bind_host, service.metrics_port),
     )
     address, metrics = opened.address, opened.metrics
     core: EngineCoreClient | None = None
@@ -222,10 +229,11 @@ def start_prefill(
         opened.gates[0].bind(servicer)
         # NOTE: Prefill is refused until `set_serving`, after `start` wrote this record: a
         # decode worker that reads the registry on a sender's first push finds its name.
+        watch = EngineWatch(functools.partial(core.submit, "stats"), worker.engine_stall_s)
         presence = Presence(
             registry,
             lambda: worker_info(
-                "prefill", service.worker_id, address, stats(), senders.names, limits
+                "prefill", service.worker_id, address, watch.latest(), senders.names, limits
             ),
             ttl_s=worker.heartbeat_ttl_s,
             interval_s=worker.heartbeat_ttl_s / 6,

@@ -4,6 +4,7 @@ one engine core with both roles' commands (`switchable_core.py`), both worker se
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 from splitserve.decode_service.observer import DecodeObserver
@@ -21,6 +22,7 @@ from splitserve.role_switch import RolePresence, RoleServicer, RoleSwitch
 from splitserve.runtime.engine_core.client import EngineCoreClient
 from splitserve.runtime.engine_core.protocol import endpoint_from_wire
 from splitserve.runtime.engine_metrics import EngineCollector
+from splitserve.runtime.engine_watch import EngineWatch
 from splitserve.runtime.metrics import KVTransferMetrics, RequestMetrics
 from splitserve.runtime.security import Security
 from splitserve.runtime.serving import Running, ServiceSpec, open_service
@@ -62,6 +64,7 @@ def start_switchable(
             ServiceSpec(ROLE_SERVICE, worker_pb2_grpc.add_WorkerRoleServicer_to_server),
         ],
         interceptors=security.worker_interceptors(),
+        metrics_secret=security.metrics_secret(service.metrics_bind_host, service.metrics_port),
     )
     address, metrics = opened.address, opened.metrics
     core: EngineCoreClient | None = None
@@ -118,9 +121,14 @@ def start_switchable(
         opened.gates[1].bind(switch.guard(prefill_servicer))
         opened.gates[2].bind(RoleServicer(switch))
 
+        # NOTE: the heartbeat never waits on a step (runtime/engine_watch.py)
+        watch = EngineWatch(functools.partial(core.submit, "stats"), worker.engine_stall_s)
+
         def info() -> object:
             transports = senders.names if switch.kind == "prefill" else received
-            return worker_info(switch.kind, service.worker_id, address, stats(), transports, limits)
+            return worker_info(
+                switch.kind, service.worker_id, address, watch.latest(), transports, limits
+            )
 
         presence = RolePresence(
             registry,

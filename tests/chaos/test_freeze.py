@@ -1,0 +1,212 @@
+"""A frozen decode worker costs seconds, and a busy one is never taken for a frozen one.
+
+With the gateway's defaults (no failover flag set): a decode worker SIGSTOPped under load has
+its streams resume on the other one within 3 s (tokens equal to the offline engine's), and new
+requests sent after the freeze take under 1.5 s each. A worker whose engine core alone is
+frozen (its front still answers) leaves the registry, its streams move, and it joins again when
+the core goes on. At full batch on the CPU, with the longest steps (2048-token chunks), no
+worker leaves the registry and none is suspected. Each test ends with the leak check.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+import urllib.request
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from splitserve.client import stream
+from splitserve.engine import LLM, SamplingParams
+from splitserve.up import Stack
+from tests.chaos.test_worker_death import _engine_core_pid, _wait_busy
+from tests.e2e.harness import assert_nothing_leaks, gateway, running_stack, workers
+from tests.engine.hf_oracle import random_prompts
+
+pytestmark = pytest.mark.slow
+
+RESUME_S = 3.0  # a frozen worker's streams go on elsewhere within this
+NEW_REQUEST_S = 1.5  # a request sent after the freeze takes at most this
+
+
+@dataclass
+class Timed:
+    """A streamed reply with when each of its chunks came."""
+
+    token_ids: list[int] = field(default_factory=list)
+    arrivals: list[float] = field(default_factory=list)
+    completion_tokens: int = 0
+    sent: float = 0.0
+    done: float = 0.0
+
+    def gap_after(self, when: float) -> float:
+        """Seconds from `when` to its first chunk after it (0: it had ended by then)."""
+        later = [t for t in self.arrivals if t > when]
+        return later[0] - when if later else 0.0
+
+
+def _timed(stack: Stack, prompt: list[int], params: SamplingParams, request_id: str) -> Timed:
+    out = Timed(sent=time.monotonic())
+    for msg in stream(gateway(stack), prompt, params, request_id, timeout_s=120):
+        if msg.HasField("chunk"):
+            out.token_ids.extend(msg.chunk.token_ids)
+            out.arrivals.append(time.monotonic())
+        else:
+            out.completion_tokens = msg.finished.usage.completion_tokens
+    out.done = time.monotonic()
+    return out
+
+
+def _greedy(max_tokens: int) -> SamplingParams:
+    return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+
+
+def _offline(llm: LLM, prompts: list[list[int]], params: SamplingParams) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+
+
+def _counter(stack: Stack, name: str) -> float:
+    port = stack.metrics_ports["gateway"]
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as reply:
+        text = reply.read().decode()
+    return sum(
+        s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+        if s.name == name
+    )
+
+
+def _until(what, timeout_s: float) -> float:
+    start = time.monotonic()
+    while not what():
+        assert time.monotonic() - start < timeout_s, f"not within {timeout_s} s"
+        time.sleep(0.02)
+    return time.monotonic() - start
+
+
+def _live_ids(stack: Stack) -> set[str]:
+    return {w.worker_id for w in workers(stack)}
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_models):
+    return LLM(tiny_models["llama"])
+
+
+def test_a_frozen_decode_worker_under_load_costs_seconds_with_default_deadlines(tiny_models, llm):
+    prompts = random_prompts([20 + 2 * i for i in range(24)], 500, seed=81)
+    long = _greedy(160)
+    fresh = random_prompts([24] * 8, 500, seed=82)
+    short = _greedy(4)
+    expected = _offline(llm, prompts, long)
+    expected_fresh = _offline(llm, fresh, short)
+    with (
+        running_stack(tiny_models["llama"], prefill=2, decode=2, metrics=True) as stack,
+        ThreadPoolExecutor(32) as pool,
+    ):
+        futures: list[Future[Timed]] = [
+            pool.submit(_timed, stack, p, long, f"load-{i}") for i, p in enumerate(prompts)
+        ]
+        _wait_busy(stack, "decode-0", 6)
+        frozen = stack.process("decode-0")
+        os.kill(frozen.pid, signal.SIGSTOP)
+        frozen_at = time.monotonic()
+        try:
+            time.sleep(0.5)
+            new = [pool.submit(_timed, stack, p, short, f"new-{i}") for i, p in enumerate(fresh)]
+            answered = [f.result(timeout=60) for f in new]
+            results = [f.result(timeout=120) for f in futures]
+        finally:
+            os.kill(frozen.pid, signal.SIGCONT)
+        for i, got in enumerate(answered):
+            assert got.token_ids == expected_fresh[i], f"new-{i}"
+            assert got.done - got.sent < NEW_REQUEST_S, f"new-{i} took {got.done - got.sent:.2f} s"
+        for i, got in enumerate(results):
+            assert got.token_ids == expected[i], f"load-{i}"
+            assert got.completion_tokens == long.max_tokens
+        gaps = sorted(got.gap_after(frozen_at) for got in results)
+        assert gaps[-1] < RESUME_S, f"silent for {gaps[-1]:.2f} s after the freeze: {gaps}"
+        assert _counter(stack, "splitserve:stream_migrations_total") >= 1
+        assert_nothing_leaks(stack, timeout_s=20)
+
+
+def test_a_frozen_engine_core_takes_its_worker_out_until_it_turns_again(tiny_models, llm):
+    """SIGSTOP of the engine core alone: the worker's front still heartbeats, but its loop
+    does not turn, so it leaves the registry (`--engine-stall-s`, default 2 s), its streams
+    move, and it is back once the core goes on."""
+    prompts = random_prompts([20 + 3 * i for i in range(12)], 500, seed=83)
+    params = _greedy(160)
+    expected = _offline(llm, prompts, params)
+    with (
+        running_stack(tiny_models["llama"], prefill=1, decode=2, metrics=True) as stack,
+        ThreadPoolExecutor(12) as pool,
+    ):
+        futures = [
+            pool.submit(_timed, stack, p, params, f"core-{i}") for i, p in enumerate(prompts)
+        ]
+        _wait_busy(stack, "decode-0", 4)
+        core = _engine_core_pid(stack.process("decode-0").pid)
+        os.kill(core, signal.SIGSTOP)
+        frozen_at = time.monotonic()
+        try:
+            left = _until(lambda: "decode-0" not in _live_ids(stack), timeout_s=10)
+            assert left < 2.0 + 1.0  # --engine-stall-s, and a heartbeat or so
+            results = [f.result(timeout=120) for f in futures]
+        finally:
+            os.kill(core, signal.SIGCONT)
+        _until(lambda: "decode-0" in _live_ids(stack), timeout_s=10)
+        for i, got in enumerate(results):
+            assert got.token_ids == expected[i], f"core-{i}"
+        gaps = sorted(got.gap_after(frozen_at) for got in results)
+        assert gaps[-1] < left + RESUME_S, f"silent {gaps[-1]:.2f} s; left after {left:.2f} s"
+        assert _counter(stack, "splitserve:stream_migrations_total") >= 1
+        assert_nothing_leaks(stack, timeout_s=20)
+
+
+def test_full_batch_on_the_cpu_with_the_longest_steps_raises_no_false_suspicion(tiny_models, llm):
+    """Both decode workers at their largest batch (more streams than --max-num-seqs), with
+    2048-token chunks (the longest steps on the CPU): no worker leaves the registry for a
+    moment, none is suspected, no stream moves."""
+    prompts = random_prompts([300 + 20 * (i % 10) for i in range(72)], 500, seed=84)
+    params = _greedy(48)
+    expected = _offline(llm, prompts, params)
+    with (
+        running_stack(
+            tiny_models["llama"], prefill=1, decode=2, metrics=True,
+            worker_args=("--max-num-batched-tokens", "2048", "--max-num-seqs", "32"),
+            extra_gateway_args=("--local-prefill-tokens", "400"),
+        ) as stack,
+        ThreadPoolExecutor(72) as pool,
+    ):  # fmt: skip
+        everyone = _live_ids(stack)
+        missing: list[set[str]] = []
+        stop = threading.Event()
+
+        def watch() -> None:
+            while not stop.wait(0.05):
+                gone = everyone - _live_ids(stack)
+                if gone:
+                    missing.append(gone)
+
+        watcher = threading.Thread(target=watch)
+        watcher.start()
+        try:
+            futures = [
+                pool.submit(_timed, stack, p, params, f"full-{i}") for i, p in enumerate(prompts)
+            ]
+            results = [f.result(timeout=300) for f in futures]
+        finally:
+            stop.set()
+            watcher.join()
+        for i, got in enumerate(results):
+            assert got.token_ids == expected[i], f"full-{i}"
+        assert not missing, f"workers left the registry under load: {missing[:5]}"
+        assert _counter(stack, "splitserve:worker_suspicions_total") == 0
+        assert _counter(stack, "splitserve:stream_migrations_total") == 0
+        assert_nothing_leaks(stack)
