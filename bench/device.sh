@@ -30,6 +30,8 @@
 #   fp8-skinny      the skinny FP8 GEMM: its GPU tests, then its tile sweep at 1-256 rows
 #   async           overlapped decode steps: GPU parity, decode step and FP8 throughput, on/off
 #   tensor-parallel bench/tensor_parallel.py on two GPUs: TP=2 against TP=1 (< 8 min)
+#   tensor-parallel-parity TP=2 float32 greedy tokens against HF on two GPUs, eager and with
+#                   the NCCL collectives captured in its decode graphs
 #   tensor-parallel-serve  a model too big for one GPU served through the gateway by one
 #                   colocated worker at TP=2 (two GPUs, < 8 min)
 #   lora            multi-LoRA: the kernels' GPU tests, their cost per decode step (PDL on/off),
@@ -156,6 +158,8 @@ for step in "$@"; do
     tensor-parallel)
       run tensor_parallel 40 python3 -m bench.tensor_parallel --tp 2 \
         --out "$OUT/tensor_parallel.json" ;;
+    tensor-parallel-parity)
+      run tensor_parallel_parity 8 pytest_q -s tests/engine/test_gpu_tp_parity.py ;;
     tensor-parallel-serve)
       run tensor_parallel_serve 16 python3 -m bench.tensor_parallel --serve --prefill 0 \
         --decode-tp 2 --out "$OUT/tensor_parallel_serve.json" ;;
