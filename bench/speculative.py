@@ -162,12 +162,15 @@ def part_a(args: argparse.Namespace) -> list[dict[str, Any]]:
                 # what speculation gives with the graphs out of the picture.
                 off = dataclasses.replace(spec_or_none, cuda_graphs=False)
                 configs.insert(0, (f"{name} eager", off, rate))
-    plain = {r["batch"]: r for r in rows if r["config"] == "plain" and "error" not in r}
+    plain = {r["batch"]: r for r in rows if r["config"] == "plain" and "ITL ms" in r}
+    plain_pd = next((r for r in rows if r["config"] == "plain" and "P/D 2nd token ms" in r), None)
     for r in rows:
         base = plain.get(r["batch"])
-        if base is not None and "error" not in r:
+        if base is not None and "ITL ms" in r:
             r["speedup"] = base["ITL ms"] / r["ITL ms"]
             r["throughput x"] = r["tok/s"] / base["tok/s"]
+        if plain_pd is not None and "P/D 2nd token ms" in r:
+            r["P/D x plain"] = r["P/D 2nd token ms"] / plain_pd["P/D 2nd token ms"]
     return rows
 
 
@@ -216,8 +219,45 @@ def _run_config(
         row = {"config": name, "batch": batch, **measured}
         rows.append(row)
         print(table([row], list(row)), flush=True)
+    if args.pd_reps:
+        try:
+            ms = _second_token_after_admission(engine, args.context, args.pd_reps, gen)
+        except Exception as exc:
+            return rows + _failed(f"{name} P/D", [1], exc), True
+        row = {"config": name, "batch": 1, "P/D 2nd token ms": ms}
+        rows.append(row)
+        print(table([row], list(row)), flush=True)
     del engine
     return rows, False
+
+
+def _second_token_after_admission(
+    engine: Any, context: int, reps: int, gen: random.Random
+) -> float:
+    """Median time (ms) from admitting a prefilled request on a decode engine (the
+    disaggregated path: its prompt KV written by a prefill worker, not computed here) to its
+    second token. With a draft model this includes the draft's catch-up on the prompt."""
+    from splitserve.engine import SamplingParams
+    from splitserve.engine.outputs import SampledToken
+
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    vocab = engine.model_config.vocab_size
+    times = []
+    for rep in range(reps):
+        prompt = [gen.randrange(3, vocab) for _ in range(context)]
+        rid = f"pd-{rep}"
+        engine.reserve(rid, prompt, params)  # NOTE: the KV's values do not matter for timing
+        sync()
+        start = time.perf_counter()
+        engine.admit(rid, params, [SampledToken(gen.randrange(3, vocab))])
+        while not any(len(o.outputs[0].token_ids) >= 2 for o in engine.step()):
+            pass
+        sync()
+        times.append((time.perf_counter() - start) * 1e3)
+        engine.abort_request(rid)
+        while engine.has_unfinished_requests():
+            engine.step()
+    return sorted(times)[len(times) // 2]
 
 
 def _failed(name: str, batches: list[int], exc: Exception) -> list[dict[str, Any]]:
@@ -314,6 +354,12 @@ def main() -> None:
     )
     parser.add_argument("--context", type=int, default=512, help="prompt tokens (part a)")
     parser.add_argument("--max-new", type=int, default=128, help="output tokens (part a)")
+    parser.add_argument(
+        "--pd-reps",
+        type=int,
+        default=5,
+        help="admissions of a prefilled request per configuration (time to its 2nd token; 0: off)",
+    )
     parser.add_argument("--real-model", default="default", help="default | PATH | none")
     parser.add_argument("--real-max-new", type=int, default=192)
     parser.add_argument("--out", default="bench/results/speculative.json")
@@ -322,6 +368,7 @@ def main() -> None:
     if args.smoke:
         args.batches, args.context, args.max_new, args.real_max_new = [1, 2], 24, 8, 8
         args.corrupt, args.draft_layers = [0.0, 1.0], 1
+        args.pd_reps = min(args.pd_reps, 2)
     elif not torch.cuda.is_available():
         parser.error("part (a) needs a GPU (or --smoke)")
     rows_a = part_a(args)
@@ -342,7 +389,11 @@ def main() -> None:
     }
     write_results(args.out, results)
     cols = ["config", "batch", "ITL ms", "tokens/step", "acceptance", "mean acc len", "speedup"]
-    print(table(rows_a, cols + ["throughput x"]))
+    timed = [r for r in rows_a if "P/D 2nd token ms" not in r]
+    print(table(timed, cols + ["throughput x", "error"]))
+    pd = [r for r in rows_a if "P/D 2nd token ms" in r]
+    if pd:
+        print(table(pd, ["config", "P/D 2nd token ms", "P/D x plain"]))
     if rows_b:
         print(
             table(

@@ -423,7 +423,7 @@ class LLMEngine:
         prev, self._inflight = self._inflight, None
         outputs: list[RequestOutput] = []
         plan: dict[Sequence, int] = {}
-        if self.speculator is not None and self.speculator.wants(len(self.scheduler.running)):
+        if self.speculator is not None and self.speculator.due(self.scheduler.running):
             # NOTE: proposals need every token known: no overlap while speculation is on.
             if prev is not None:
                 outputs, prev = self._settle(prev), None

@@ -31,6 +31,9 @@ class SpeculativeConfig:
         k_by_batch_size: rows (max running sequences, K) in ascending order: a step with B
             running sequences proposes the K of the first row whose bound is >= B, and nothing
             above the last row. None: `((DEFAULT_MAX_BATCH_SIZE, num_speculative_tokens),)`.
+        min_accepted: a sequence whose mean accepted drafts per verification falls below
+            this sits out speculation for a while, probing again after 2, 4, ... 64 steps
+            (spec_decode/backoff.py), so hopeless drafts cost little; 0 turns that off.
         cuda_graphs: whether the draft's proposal and the target's verification replay CUDA
             graphs (per batch bucket) when the engine captures graphs; off: they run eagerly.
     """
@@ -42,6 +45,7 @@ class SpeculativeConfig:
     ngram_max: int = 4
     ngram_min: int = 1
     k_by_batch_size: tuple[tuple[int, int], ...] | None = None
+    min_accepted: float = 0.5
     cuda_graphs: bool = True
 
     def __post_init__(self) -> None:
@@ -66,6 +70,8 @@ class SpeculativeConfig:
             )
         if not 1 <= self.ngram_min <= self.ngram_max:
             raise ValueError("need 1 <= ngram_min <= ngram_max")
+        if not 0 <= self.min_accepted <= self.num_speculative_tokens:
+            raise ValueError("min_accepted must be in [0, num_speculative_tokens]")
         rows = self.k_by_batch_size
         if rows is not None:
             bounds = [b for b, _ in rows]

@@ -4,7 +4,8 @@ proposer, and the counters vLLM reports (`spec_decode_*`).
 NOTE: which sequences may speculate is decided here, in one place: a running sequence with
 exactly one token to compute (a decode), no pending fork, not prefill-only, no grammar
 (structured outputs decode plainly) and no logprobs. Its K is capped so that no draft lies past
-`max_tokens` or the context.
+`max_tokens` or the context. A sequence whose drafts keep being rejected sits out a few steps
+(spec_decode/backoff.py).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from splitserve.engine.sequence import Sequence, SequenceStatus
+from splitserve.engine.spec_decode.backoff import AcceptanceBackoff
 from splitserve.engine.spec_decode.config import DEFAULT_MAX_BATCH_SIZE, SpeculativeConfig
 from splitserve.engine.spec_decode.proposer import Proposer
 
@@ -54,10 +56,21 @@ class Speculator:
         self.proposer = proposer
         self.max_model_len = max_model_len
         self.counters = SpecDecodeCounters(accepted_per_pos=[0] * config.num_speculative_tokens)
+        self.backoff = AcceptanceBackoff(config.min_accepted) if config.min_accepted > 0 else None
 
     def wants(self, batch_size: int) -> bool:
         """Whether a step with `batch_size` running sequences speculates at all."""
         return self.config.num_tokens_for(batch_size) > 0
+
+    def due(self, running: list[Sequence]) -> bool:
+        """A new step: whether any of `running` may speculate in it (the batch size's K is not
+        0 and some sequence is not sitting out its acceptance backoff). Called once per step."""
+        backoff = self.backoff
+        if backoff is not None:
+            backoff.tick(s.seq_id for s in running)
+        if not self.wants(len(running)):
+            return False
+        return backoff is None or any(backoff.due(s.seq_id) for s in running)
 
     def plan(self, running: list[Sequence]) -> dict[Sequence, int]:
         """Draft slots per running sequence for the coming step (absent: none)."""
@@ -65,7 +78,10 @@ class Speculator:
         if k == 0:
             return {}
         plan = {}
+        backoff = self.backoff
         for seq in running:
+            if backoff is not None and not backoff.due(seq.seq_id):
+                continue
             room = self._room(seq, k)
             if room > 0:
                 n = self.proposer.plan(seq, room)
@@ -111,6 +127,8 @@ class Speculator:
             c.num_drafts += 1
             c.num_draft_tokens += len(proposal)
             c.num_accepted_tokens += accepted
+            if self.backoff is not None:
+                self.backoff.record(seq_id, accepted)
             for j in range(accepted):
                 c.accepted_per_pos[j] += 1
 

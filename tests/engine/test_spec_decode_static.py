@@ -47,7 +47,9 @@ def _assert_clean(engine: LLMEngine) -> None:
 
 def test_static_truncated_draft_matches_hf_with_mixed_k_and_prefix_hits(tiny_models):
     model_dir = tiny_models["llama"]
-    spec = SpeculativeConfig("draft", 4, draft_layers=1)
+    # NOTE: no acceptance backoff: this 1-layer draft is rarely right, and every step should
+    # still speculate here.
+    spec = SpeculativeConfig("draft", 4, draft_layers=1, min_accepted=0)
     llm = LLM(model_dir, speculative=spec, max_num_batched_tokens=24)
     verify, draft = _static(llm.engine)
     vocab = llm.engine.model_config.vocab_size
@@ -111,7 +113,7 @@ def test_static_draft_on_a_decode_engine_catches_up_on_the_prompt(tiny_models):
 
 def test_static_ngram_verification_matches_hf_next_to_seeded_sampling(tiny_models):
     model_dir = tiny_models["llama"]
-    spec = SpeculativeConfig("ngram", 4)
+    spec = SpeculativeConfig("ngram", 4, min_accepted=0)  # every step speculates
     llm = LLM(model_dir, speculative=spec)
     verify, _ = _static(llm.engine)
     vocab = llm.engine.model_config.vocab_size
