@@ -31,24 +31,18 @@ needs prefill_tp + decode_tp GPUs (`--prefill 0` serves a colocated worker at `-
 from __future__ import annotations
 
 import argparse
-import collections
-import contextlib
 import json
 import os
-import signal
-import subprocess
-import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
-from typing import Any
 
 import torch
 
 from bench.common import SHAPES, device_name, model_dir, table, write_results
+from bench.row_process import NO_MULTICAST, child_env, run_row
 from bench.tensor_parallel_collectives import measure_collectives
-from bench.tensor_parallel_row import RESULT_PREFIX, progress
+from bench.tensor_parallel_row import progress
 
 SMOKE_SHAPE = "tiny"
 BIG_ALL_REDUCE_BYTES = 256 << 20
@@ -62,95 +56,7 @@ def _tiny_dir(root: Path) -> Path:
 
 # -- engine --------------------------------------------------------------------------------
 
-ROOT = Path(__file__).resolve().parents[1]
-# NOTE: NVLink multicast (NVLS) stays off on a shared host: a program that uses it can put the
-# host's GPUs out of service. Every process this benchmark starts inherits these.
-NO_MULTICAST = {
-    "NCCL_NVLS_ENABLE": "0",
-    "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
-    "NVSHMEM_DISABLE_NVLS": "1",
-}
-_STOP_GRACE_S = 30.0  # a row that measured everything gets this long to stop its engine
 _MIN_ROW_S = 45.0  # a row is not started with less of the time budget left
-
-
-def _env() -> dict[str, str]:
-    env = dict(os.environ)
-    for key, value in NO_MULTICAST.items():
-        env.setdefault(key, value)
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
-    env["PYTHONUNBUFFERED"] = "1"
-    return env
-
-
-def _group_alive(pgid: int) -> bool:
-    """Whether a process of group `pgid` is still running (zombies don't count: a follower
-    whose parent died waits for init to reap it, and holds no GPU memory)."""
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except (OSError, IndexError):
-            continue
-        if int(fields[2]) == pgid and fields[0] != "Z":
-            return True
-    return False
-
-
-def _kill_group(proc: subprocess.Popen[str]) -> None:
-    """SIGKILL a row's process group (its engine and the engine's follower ranks), reap it,
-    and wait until no process of it runs, so that the next row finds the GPUs' memory free."""
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait()
-    deadline = time.monotonic() + 30
-    while _group_alive(proc.pid) and time.monotonic() < deadline:
-        time.sleep(0.1)
-
-
-def run_row(spec: dict, timeout_s: float) -> dict:
-    """One configuration in a process of its own (bench/tensor_parallel_row.py), its lines
-    echoed as they come: what it measured, plus `error` if it failed or ran out of time."""
-    row: dict[str, Any] = {"config": spec["name"], "tp": spec["tp"]}
-    cmd = [sys.executable, "-m", "bench.tensor_parallel_row", json.dumps(spec)]
-    proc = subprocess.Popen(
-        cmd,
-        cwd=ROOT,
-        env=_env(),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,  # NOTE: its own process group, followers included
-    )
-    tail: collections.deque[str] = collections.deque(maxlen=12)
-
-    def pump() -> None:
-        assert proc.stdout is not None
-        for line in proc.stdout:
-            if line.startswith(RESULT_PREFIX):
-                row.update(json.loads(line[len(RESULT_PREFIX) :]))
-            else:
-                print(f"    {line}", end="", flush=True)
-                tail.append(line.rstrip())
-
-    reader = threading.Thread(target=pump, daemon=True)
-    reader.start()
-    deadline = time.monotonic() + timeout_s
-    while proc.poll() is None and time.monotonic() < deadline:
-        if row.get("complete"):
-            deadline = min(deadline, time.monotonic() + _STOP_GRACE_S)
-        time.sleep(0.2)
-    code = proc.poll()
-    _kill_group(proc)
-    reader.join(5)
-    last = tail[-1] if tail else "(no output)"
-    if code is None and row.pop("complete", False):
-        row["stop_error"] = f"measured, but did not stop within {_STOP_GRACE_S:.0f} s"
-    elif code is None:
-        row["error"] = f"timed out after {timeout_s:.0f} s; its last line: {last}"
-    elif code != 0:
-        row["error"] = f"exit code {code}: " + " | ".join(tail)[-600:]
-    row.pop("complete", None)
-    return row
 
 
 def _specs(args, path: Path, on_gpu: bool) -> list[dict]:
@@ -195,7 +101,7 @@ def engine_mode(args) -> dict:
     on_gpu = torch.cuda.is_available() and not args.cpu
     if on_gpu and torch.cuda.device_count() < args.tp:
         raise SystemExit(f"--tp {args.tp} needs {args.tp} GPUs; {torch.cuda.device_count()} seen")
-    os.environ.update({k: v for k, v in _env().items() if k in NO_MULTICAST})
+    os.environ.update({k: v for k, v in child_env().items() if k in NO_MULTICAST})
     progress(f"torch {torch.__version__}, NCCL {_nccl_version(on_gpu)}, {args.tp} ranks")
     with tempfile.TemporaryDirectory() as tmp:
         path = _prepare_model(args, Path(tmp))

@@ -12,7 +12,8 @@ from pathlib import Path
 import torch
 
 from bench.common import SHAPES, device_name, model_dir
-from bench.tensor_parallel import NO_MULTICAST, SMOKE_SHAPE, _tiny_dir
+from bench.row_process import NO_MULTICAST
+from bench.tensor_parallel import SMOKE_SHAPE, _tiny_dir
 from bench.tensor_parallel_row import progress, random_prompt
 
 

@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from bench.tensor_parallel import main, run_row
+from bench.row_process import run_row
+from bench.tensor_parallel import main
 
 pytestmark = pytest.mark.slow
 
