@@ -25,7 +25,8 @@ from splitserve.engine.parallel.step_plan import StepPlan, StepPlanChannel
 from splitserve.engine.platform import Platform
 from splitserve.engine.weights import load_model
 
-log = logging.getLogger(__name__)
+# NOTE: named, not __name__: this module runs as __main__ in the follower's process.
+log = logging.getLogger("splitserve.engine.parallel.follower")
 
 _PARENT_POLL_S = 1.0
 
