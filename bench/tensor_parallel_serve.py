@@ -31,6 +31,12 @@ def serve_mode(args) -> dict:
     from splitserve.up import StackSettings, start_stack
 
     on_gpu = torch.cuda.is_available() and not args.cpu
+    need = args.decode_tp + (args.prefill_tp if args.prefill else 0)
+    if on_gpu and torch.cuda.device_count() < need:
+        raise SystemExit(
+            f"--serve with P TP={args.prefill_tp} x{args.prefill} and D TP={args.decode_tp} needs "
+            f"{need} GPUs; {torch.cuda.device_count()} seen (--prefill 0: one colocated worker)"
+        )
     started = time.monotonic()
     rows: list[dict] = []
     error = None
