@@ -74,3 +74,12 @@ def test_a_row_that_fails_is_recorded_with_its_error(tmp_path):
     row = run_row(_row_spec(str(tmp_path / "no-such-model")), timeout_s=120.0)
     assert row["error"].startswith("exit code 1")
     assert "no-such-model" in row["error"]
+
+
+def test_serve_mode_smoke_run_serves_through_the_gateway_at_tp2(tmp_path, capsys):
+    out = tmp_path / "serve.json"
+    main(["--serve", "--smoke", "--cpu", "--prefill", "0", "--decode-tp", "2", "--out", str(out)])
+    result = json.loads(out.read_text())
+    assert result["error"] is None
+    assert [row["tokens"] for row in result["rows"]] == [8, 8]
+    assert "serve: stack ready in" in capsys.readouterr().out
