@@ -476,6 +476,8 @@ class LLMEngine:
         ):
             del self.kv_cache  # NOTE: freed before the smaller pool is allocated
             self.kv_cache = KVCache.allocate(self.model.cfg, self.config)
+        if getattr(self, "kv_cache", None) is not None:
+            speculator.proposer.bind_target_kv(self.kv_cache)
         return speculator
 
     def _settle(self, inflight: InFlight) -> list[RequestOutput]:

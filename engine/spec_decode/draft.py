@@ -4,10 +4,16 @@ The draft is any supported checkpoint sharing the target's vocabulary (`--specul
 or the target's own first k layers with its final norm and LM head
 (`--speculative-draft-layers k`: no extra weights, the modules are shared).
 
-Its KV pool mirrors the target's: the same number of blocks, indexed by the target's block
-tables, so the block manager's rules (allocation, copy-on-write, rollback, preemption) hold
-for it unchanged. Per sequence the draft remembers how many leading positions of its pool are
-valid; anything past the target's computed tokens is stale (rejected drafts) and rewritten.
+A truncated draft keeps no KV of its own: its layers' keys and values are the target's first
+layers' (same weights, tokens and positions), so it attends over the target's pool, and the
+prompt KV a decode worker receives (or a prefix hit reuses) serves it as is. It writes only the
+slots of this step's positions, which the target's verification then overwrites.
+
+A draft checkpoint's KV pool mirrors the target's: the same number of blocks, indexed by the
+target's block tables, so the block manager's rules (allocation, copy-on-write, rollback,
+preemption) hold for it unchanged. Per sequence the draft remembers how many leading
+positions of its pool are valid; anything past the target's computed tokens is stale (rejected
+drafts) and rewritten.
 
     target computed  |0 ............................. c)  c = tokens with target KV
     draft valid      |0 ..................... v)           v <= c: catch up on [v, c] first
@@ -62,8 +68,21 @@ def truncated_model(target: CausalLM, num_layers: int) -> CausalLM:
 
 
 class DraftModelProposer(Proposer):
-    def __init__(self, model: CausalLM, target_cfg: ModelConfig, block_size: int, device: str):
+    def __init__(
+        self,
+        model: CausalLM,
+        target_cfg: ModelConfig,
+        block_size: int,
+        device: str,
+        shares_target_kv: bool = False,
+    ):
         self.model = model
+        # A truncated draft's keys and values ARE the target's first layers' (same weights, same
+        # tokens, same positions): it attends over the target's pool, so nothing is duplicated
+        # and nothing is ever caught up (prompt chunks, prefix hits, a decode worker's admitted
+        # prompt). It writes only slots the target's verification then overwrites.
+        self.shares_target_kv = shares_target_kv
+        self._kv_layers: list[torch.Tensor] = []
         self.target_cfg = target_cfg  # the target's (this rank's) shape, for the pool split
         self.block_size = block_size
         self.device = torch.device(device)
@@ -84,14 +103,14 @@ class DraftModelProposer(Proposer):
         if config.model is None:
             assert config.draft_layers is not None
             model = truncated_model(target, config.draft_layers)
-        else:
-            draft_cfg = ModelConfig.from_pretrained(config.model)
-            if draft_cfg.vocab_size != model_config.vocab_size:
-                raise ValueError(
-                    f"the draft model's vocabulary ({draft_cfg.vocab_size}) is not the "
-                    f"target's ({model_config.vocab_size}): they must share a tokenizer"
-                )
-            model = load_model(config.model, draft_cfg, engine_config, platform)
+            return cls(model, target.cfg, engine_config.block_size, engine_config.device, True)
+        draft_cfg = ModelConfig.from_pretrained(config.model)
+        if draft_cfg.vocab_size != model_config.vocab_size:
+            raise ValueError(
+                f"the draft model's vocabulary ({draft_cfg.vocab_size}) is not the "
+                f"target's ({model_config.vocab_size}): they must share a tokenizer"
+            )
+        model = load_model(config.model, draft_cfg, engine_config, platform)
         return cls(model, target.cfg, engine_config.block_size, engine_config.device)
 
     def plan(self, seq: Sequence, k: int) -> int:
@@ -100,8 +119,8 @@ class DraftModelProposer(Proposer):
     def share_kv_budget(
         self, config: EngineConfig, asked_num_kv_blocks: int | None
     ) -> EngineConfig:
-        if asked_num_kv_blocks is not None:
-            return config  # both pools hold the number of blocks asked for
+        if asked_num_kv_blocks is not None or self.shares_target_kv:
+            return config  # both pools hold the number of blocks asked for, or one pool
         assert config.num_kv_blocks is not None
         target = bytes_per_block(self.target_cfg, config.block_size, config.cache_dtype)
         draft = bytes_per_block(self.model.cfg, config.block_size, config.cache_dtype)
@@ -109,14 +128,20 @@ class DraftModelProposer(Proposer):
         return dataclasses.replace(config, num_kv_blocks=max(1, blocks))
 
     def allocate(self, config: EngineConfig) -> None:
-        self.kv_cache = KVCache.allocate(self.model.cfg, config)
+        if not self.shares_target_kv:
+            self.kv_cache = KVCache.allocate(self.model.cfg, config)
+            self._kv_layers = list(self.kv_cache.layers)
+
+    def bind_target_kv(self, kv_cache: KVCache) -> None:
+        if self.shares_target_kv:
+            self._kv_layers = list(kv_cache.layers[: self.model.cfg.num_layers])
 
     def use_static_steps(self, config: EngineConfig, ks: list[int], capture: bool) -> None:
-        assert self.kv_cache is not None and config.max_model_len is not None
+        assert self._kv_layers and config.max_model_len is not None
         for k in ks:
             steps = DraftSteps(
                 self.model,
-                list(self.kv_cache.layers),
+                self._kv_layers,
                 k,
                 max_batch=config.max_num_seqs,
                 max_blocks_per_seq=-(-config.max_model_len // config.block_size),
@@ -131,6 +156,8 @@ class DraftModelProposer(Proposer):
         self._valid.pop(seq.seq_id, None)
 
     def _valid_len(self, seq: Sequence) -> int:
+        if self.shares_target_kv:
+            return seq.num_computed_tokens
         entry = self._valid.get(seq.seq_id)
         valid = entry[1] if entry is not None and entry[0] is seq else 0
         return min(valid, seq.num_computed_tokens)
@@ -138,6 +165,8 @@ class DraftModelProposer(Proposer):
     @torch.inference_mode()
     def observe(self, out: SchedulerOutput, block_tables: dict[str, list[int]]) -> None:
         """The step's prompt chunks and plain decodes, run through the draft (its KV only)."""
+        if self.shares_target_kv:
+            return  # the target computes these layers' KV itself
         assert self.kv_cache is not None
         self.kv_cache.copy_blocks(out.block_copies)
         self._valid = {k: v for k, v in self._valid.items() if not v[0].is_finished}
@@ -227,7 +256,7 @@ class DraftModelProposer(Proposer):
     ) -> list[int]:
         """Run the draft over (sequence, tokens, first position, block table) rows; record
         the KV it wrote; return each row's argmax after its last token when asked."""
-        assert self.kv_cache is not None
+        assert self._kv_layers, "the draft's KV pool is not bound"
         bs = self.block_size
         ids: list[int] = []
         positions: list[int] = []
@@ -255,7 +284,7 @@ class DraftModelProposer(Proposer):
             seq_lens_cpu=tuple(seq_lens),
             block_size=bs,
         )
-        hidden = self.model(self._dev(ids), self._dev(positions), list(self.kv_cache.layers), meta)
+        hidden = self.model(self._dev(ids), self._dev(positions), self._kv_layers, meta)
         if not want_logits:
             return []
         logits = self.model.compute_logits(hidden[self._dev(last)])

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from splitserve.engine.config import EngineConfig
+    from splitserve.engine.kv_cache import KVCache
     from splitserve.engine.model import CausalLM
     from splitserve.engine.model_config import ModelConfig
     from splitserve.engine.platform import Platform
@@ -56,6 +57,9 @@ class Proposer(ABC):
 
     def allocate(self, config: EngineConfig) -> None:  # noqa: B027
         """Allocate what this proposer keeps on the device (its KV pool) for `config`."""
+
+    def bind_target_kv(self, kv_cache: KVCache) -> None:  # noqa: B027
+        """The target's KV pool, once allocated (a draft that shares it attends over it)."""
 
     def use_static_steps(self, config: EngineConfig, ks: list[int], capture: bool) -> None:  # noqa: B027
         """Propose over static buffers for proposals of up to each K in `ks` (CUDA graphs

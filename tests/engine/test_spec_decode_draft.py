@@ -89,3 +89,39 @@ def test_draft_on_a_decode_engine_computes_the_prompt_kv_after_admission(tiny_mo
     assert stats.spec_decode_num_draft_tokens > 0
     assert stats.spec_decode_num_accepted_tokens == stats.spec_decode_num_draft_tokens
     assert stats.num_free_blocks == stats.num_total_blocks
+
+
+def test_truncated_draft_shares_the_target_pool_and_catches_up_nothing_after_admission(
+    tiny_models,
+):
+    from splitserve.engine import LLMEngine
+    from splitserve.engine.config import EngineConfig
+    from tests.engine.test_kv_connector import _prefill_elsewhere
+
+    model_dir = tiny_models["llama"]
+    prefill = LLMEngine(model_dir, EngineConfig())
+    spec = SpeculativeConfig("draft", 3, draft_layers=1, min_accepted=0)
+    decode = LLMEngine(model_dir, EngineConfig(speculative=spec))
+    assert decode.config.num_kv_blocks == prefill.config.num_kv_blocks  # no pool of its own
+    proposer = decode.speculator.proposer
+    assert proposer._kv_layers[0].data_ptr() == decode.kv_cache.layers[0].data_ptr()
+    widths: list[int] = []
+    forward = proposer._forward
+
+    def counted(rows, want_logits):  # type: ignore[no-untyped-def]
+        widths.extend(len(tokens) for _, tokens, _, _ in rows)
+        return forward(rows, want_logits)
+
+    proposer._forward = counted
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    prompt = random_prompts([45], prefill.model_config.vocab_size, seed=36)[0]
+    first, data = _prefill_elsewhere(prefill, prompt, "r")
+    decode.kv_connector.write_blocks(decode.reserve("r", prompt, params).block_ids, data)
+    outputs = decode.admit("r", params, first)
+    while decode.has_unfinished_requests():
+        outputs = decode.step()
+    assert outputs[-1].outputs[0].token_ids == hf_greedy(model_dir, tuple(prompt), 10)
+    assert decode.stats().spec_decode_num_drafts > 0
+    # The draft ran only on the newest token and its own drafts: never on the prompt.
+    assert widths and max(widths) == 1
+    assert decode.stats().num_free_blocks == decode.stats().num_total_blocks
