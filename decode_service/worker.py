@@ -258,9 +258,11 @@ class DecodeWorker:
         on another decode worker, as when a worker dies (`gateway/migration.py`); this worker
         aborts them and frees their blocks. Safe from any thread; how many it ended."""
         streams = list(self._streams.values())
+        # NOTE: "changing role" tells the gateway this worker is not lost (gateway/migration.py)
+        error = Unavailable(f"changing role: {why}")
         for loop, outputs in streams:
             with contextlib.suppress(RuntimeError):  # NOTE: a closed loop: nobody reads it
-                loop.call_soon_threadsafe(outputs.put_nowait, Unavailable(why))
+                loop.call_soon_threadsafe(outputs.put_nowait, error)
         return len(streams)
 
     async def stats(self) -> EngineStats:

@@ -116,6 +116,19 @@ class WorkerLost(Exception):
     """A decode stream's worker went silent and left the registry."""
 
 
+# NOTE: what a decode worker that changes role (`--role-switch`) says as it ends the streams it
+# hands off (decode_service/worker.py, `DecodeWorker.move_streams`): it is not lost, so it is
+# not made suspect (it may serve as a decode worker again a moment later).
+ROLE_CHANGE = "changing role"
+
+
+def _why_moved(err: BaseException) -> str:
+    if isinstance(err, WorkerLost):
+        return "stalled"
+    details = err.details() if isinstance(err, grpc.RpcError) else ""  # type: ignore[attr-defined]
+    return ROLE_CHANGE if ROLE_CHANGE in (details or "") else "unavailable"
+
+
 def is_worker_lost(err: BaseException) -> bool:
     """Whether a failed call means its worker is gone (dead, or unreachable), not the request."""
     if isinstance(err, WorkerLost):
@@ -245,7 +258,7 @@ class StreamMover:
                         ) from None
                     raise
                 stream.cancel()  # NOTE: should the worker wake up, it frees the request
-                reason = "stalled" if isinstance(err, WorkerLost) else "unavailable"
+                reason = _why_moved(err)
                 resume = ledger.resume_from(0)
                 await self._move(job, route, resume, moves + 1, deadline, obs, reason, ledger)
                 first = []
@@ -265,7 +278,8 @@ class StreamMover:
         """Reserve the resumed sample on another decode worker; `route` then points there."""
         orch = self.orch
         lost = route.decode
-        orch.suspects.mark(lost.worker_id, f"its Decode stream was lost ({reason})", "stream")
+        if reason != ROLE_CHANGE:
+            orch.suspects.mark(lost.worker_id, f"its Decode stream was lost ({reason})", "stream")
         self._abort_in_background(lost, route.worker_request_id or job.request_id)
         # A killed worker's prefix index is gone with it: routing must stop preferring it.
         await asyncio.to_thread(orch.registry.clear_prefix_blocks, lost.worker_id)

@@ -134,9 +134,7 @@ class RoleSwitch:
                 await self._drained("prefill", timeout_s)
             elif kind == "prefill":
                 if not await self._drained("decode", timeout_s):
-                    moved = self.decode.move_streams(
-                        f"decode worker changing role to {kind}: the stream moves elsewhere"
-                    )
+                    moved = self.decode.move_streams(f"to {kind}; the stream moves elsewhere")
                     await self._drained("decode", timeout_s)
                 await asyncio.to_thread(self.decode.leave_prefix_index)
             self.kind = kind

@@ -37,7 +37,15 @@ def test_streams_survive_workers_flipping_roles_under_load(tiny_models):
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in lengths]
     llm = LLM(model_dir)
     expected = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
-    with running_stack(model_dir, prefill=1, decode=2, worker_args=("--role-switch",)) as stack:
+    # NOTE: flips every few hundred ms can hand one stream off more often than the default
+    # --max-migrations (2) allows; the planner's dwell keeps real switches far apart.
+    with running_stack(
+        model_dir,
+        prefill=1,
+        decode=2,
+        worker_args=("--role-switch",),
+        extra_gateway_args=("--max-migrations", "8"),
+    ) as stack:
         stub = gateway(stack)
         done = threading.Event()
         switches: list = []

@@ -4,10 +4,12 @@ tokens equal the offline engine's), nothing is left behind, and it can switch ba
 from __future__ import annotations
 
 import time
+import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from splitserve.client import collect, stream
 from splitserve.engine import LLM, SamplingParams
@@ -54,8 +56,23 @@ def model_and_expected(tiny_models):
 @pytest.fixture(scope="module")
 def stack(model_and_expected):
     model_dir = model_and_expected[0]
-    with running_stack(model_dir, prefill=1, decode=2, worker_args=("--role-switch",)) as s:
+    with running_stack(
+        model_dir, prefill=1, decode=2, worker_args=("--role-switch",), metrics=True
+    ) as s:
         yield s
+
+
+def _suspicions(stack) -> float:
+    """How many times the gateway took a worker for lost or silent (its /metrics)."""
+    port = stack.metrics_ports["gateway"]
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as reply:
+        text = reply.read().decode()
+    return sum(
+        s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+        if s.name == "splitserve:worker_suspicions_total"
+    )
 
 
 def test_switch_under_load_loses_no_request_and_switching_back_restores_the_split(
@@ -105,6 +122,7 @@ def test_streams_running_at_the_drain_timeout_move_and_finish_with_the_same_toke
     assert [r.token_ids[0] for r in results] == expected_long
     assert switched.kind == "prefill"
     assert switched.num_streams_moved >= 1
+    assert _suspicions(stack) == 0  # NOTE: a worker that hands its streams off is not lost
     _switch(stack, busiest, "decode")
     assert_nothing_leaks(stack)
 
