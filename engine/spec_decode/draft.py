@@ -165,11 +165,11 @@ class DraftModelProposer(Proposer):
     @torch.inference_mode()
     def observe(self, out: SchedulerOutput, block_tables: dict[str, list[int]]) -> None:
         """The step's prompt chunks and plain decodes, run through the draft (its KV only)."""
+        self._valid = {k: v for k, v in self._valid.items() if not v[0].is_finished}
         if self.shares_target_kv:
             return  # the target computes these layers' KV itself
         assert self.kv_cache is not None
         self.kv_cache.copy_blocks(out.block_copies)
-        self._valid = {k: v for k, v in self._valid.items() if not v[0].is_finished}
         rows = []
         for item in out.scheduled:
             # NOTE: a prefill-only sequence (a prefill worker) never decodes here.

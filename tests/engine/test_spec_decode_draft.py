@@ -125,3 +125,11 @@ def test_truncated_draft_shares_the_target_pool_and_catches_up_nothing_after_adm
     # The draft ran only on the newest token and its own drafts: never on the prompt.
     assert widths and max(widths) == 1
     assert decode.stats().num_free_blocks == decode.stats().num_total_blocks
+
+
+def test_a_truncated_draft_keeps_nothing_for_finished_requests(tiny_models):
+    llm = LLM(tiny_models["llama"], speculative=SpeculativeConfig("draft", 3, draft_layers=1))
+    prompts = random_prompts([9, 14, 20], llm.engine.model_config.vocab_size, seed=37)
+    _generate(llm, prompts[:2])
+    _generate(llm, prompts[2:])  # a step after the first ones finished forgets them
+    assert len(llm.engine.speculator.proposer._valid) <= 1
