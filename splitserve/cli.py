@@ -93,6 +93,7 @@ def _serve(args: argparse.Namespace, env: Mapping[str, str]) -> int:
     security.check_exposure(
         service.host, gateway=args.command == "gateway", http=bool(getattr(args, "http_port", 0))
     )
+    security.metrics_secret(service.metrics_bind_host, service.metrics_port)  # NOTE: fails early
     if args.command != "gateway":  # NOTE: before NIXL starts here or in the engine core
         from splitserve.kv_transfer.nixl_ucx import bind_ucx_to
 
@@ -105,7 +106,7 @@ def _serve(args: argparse.Namespace, env: Mapping[str, str]) -> int:
             return run_gateway_processes(
                 args.argv, processes, service.host, service.port, args.http_port,
                 service.metrics_port, service.worker_id, args.max_inflight,
-                service.drain_timeout_s,
+                service.drain_timeout_s, metrics_host=service.metrics_bind_host,
             )  # fmt: skip
     # NOTE: the password joins the URL in memory only (never argv, never printed).
     service = dataclasses.replace(

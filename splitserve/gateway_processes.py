@@ -136,9 +136,11 @@ class _Child:
 def run_gateway_processes(
     argv: Sequence[str], processes: int, host: str, port: int, http_port: int,
     metrics_port: int, worker_id: str, max_inflight: int, drain_timeout_s: float,
+    metrics_host: str = "",
 ) -> int:  # fmt: skip
     """Run `processes` gateways (the `splitserve gateway` command line `argv`, each told its
-    ports, id and share) until SIGTERM; see the module doc. The exit code."""
+    ports, id and share) until SIGTERM; see the module doc. The exit code. `metrics_host`:
+    where their /metrics ports are (default `host`)."""
     held = [hold_port(host, port, "--port")]
     if http_port:
         held.append(hold_port(host, http_port, "--http-port"))
@@ -146,7 +148,8 @@ def run_gateway_processes(
     if len(held) > 1:
         http_port = held[1].getsockname()[1]
     for i in range(processes if metrics_port else 0):  # NOTE: a clear error before any starts
-        hold_port(host, metrics_port + i, f"--metrics-port (+{i}, process {i}'s /metrics)").close()
+        where = metrics_host or host
+        hold_port(where, metrics_port + i, f"--metrics-port (+{i}, process {i}'s /metrics)").close()
     share = inflight_share(max_inflight, processes)
     children = []
     for i in range(processes):

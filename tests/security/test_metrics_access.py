@@ -5,6 +5,7 @@ secret unless told `--insecure`."""
 
 from __future__ import annotations
 
+import os
 import socket
 import urllib.error
 import urllib.request
@@ -12,6 +13,7 @@ import urllib.request
 import pytest
 from prometheus_client import Counter
 
+from splitserve.cli import main
 from splitserve.runtime.metrics import Metrics
 from splitserve.runtime.security import Security
 from splitserve.runtime.settings import ServiceSettings
@@ -104,3 +106,19 @@ def test_every_services_metrics_on_an_outside_metrics_host_need_the_cluster_secr
             assert _scrape(url, secret) == 200, name
             with pytest.raises(urllib.error.URLError):  # NOTE: not on --host (loopback)
                 _scrape(f"http://127.0.0.1:{port}/metrics", secret)
+
+
+@pytest.mark.slow  # NOTE: the command's imports take about 10 s on a loaded CPU
+def test_a_service_refuses_metrics_off_loopback_without_a_cluster_secret(
+    tiny_models, monkeypatch, capsys
+):
+    """Before it loads anything: exit code 2 and what to do, not a service open to anyone."""
+    for name in [n for n in os.environ if n.startswith("SPLITSERVE_")]:
+        monkeypatch.delenv(name)
+    code = main(
+        ["decode", "--model", str(tiny_models["llama"]), "--redis-url", "redis://127.0.0.1:1",
+         "--metrics-host", "0.0.0.0", "--metrics-port", str(_free_port())]
+    )  # fmt: skip
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert "/metrics would answer anyone on 0.0.0.0" in err and "--metrics-host 127.0.0.1" in err
