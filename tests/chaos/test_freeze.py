@@ -210,3 +210,28 @@ def test_full_batch_on_the_cpu_with_the_longest_steps_raises_no_false_suspicion(
         assert _counter(stack, "splitserve:worker_suspicions_total") == 0
         assert _counter(stack, "splitserve:stream_migrations_total") == 0
         assert_nothing_leaks(stack)
+
+
+def test_a_reserve_past_its_deadline_asks_the_only_decode_worker_again(tiny_models, llm):
+    """With one decode worker, a Reserve it answers late (frozen for a moment, not gone from
+    the registry) is asked again, not failed DEADLINE_EXCEEDED: the request completes."""
+    prompt = random_prompts([40], 500, seed=85)[0]
+    params = _greedy(8)
+    expected = _offline(llm, [prompt], params)[0]
+    with running_stack(
+        tiny_models["llama"], prefill=1, decode=1, metrics=True,
+        extra_gateway_args=("--reserve-timeout-s", "0.3"),
+    ) as stack:  # fmt: skip
+        decode = stack.process("decode-0")
+        os.kill(decode.pid, signal.SIGSTOP)  # NOTE: shorter than its heartbeat TTL (1.5 s)
+        try:
+            with ThreadPoolExecutor(1) as pool:
+                asked = pool.submit(_timed, stack, prompt, params, "late")
+                time.sleep(0.8)
+                os.kill(decode.pid, signal.SIGCONT)
+                got = asked.result(timeout=60)
+        finally:
+            os.kill(decode.pid, signal.SIGCONT)
+        assert got.token_ids == expected
+        assert _counter(stack, "splitserve:worker_suspicions_total") >= 1  # it was late
+        assert_nothing_leaks(stack)
