@@ -5,7 +5,8 @@ its streams resume on the other one within 3 s (tokens equal to the offline engi
 requests sent after the freeze take under 1.5 s each. A worker whose engine core alone is
 frozen (its front still answers) leaves the registry, its streams move, and it joins again when
 the core goes on. At full batch on the CPU, with the longest steps (2048-token chunks), no
-worker leaves the registry and none is suspected. Each test ends with the leak check.
+worker leaves the registry and none is suspected. With one decode worker, a Reserve it answers
+past its deadline is asked again rather than failed. Each test ends with the leak check.
 """
 
 from __future__ import annotations
