@@ -41,6 +41,11 @@ from typing import Any
 import torch
 
 from bench.common import device_name, model_dir, sync, table, write_results
+from bench.speculative_workload import (
+    corrupt_drafts,
+    quiet_deep_layers,
+    second_token_after_admission,
+)
 
 PASSAGE = (
     "The committee met on Tuesday to review the budget for the coming year. After a long "
@@ -54,36 +59,6 @@ CHATS = [
     "What are three good habits for learning a new language?",
     "Describe a walk through a forest in autumn.",
 ]
-
-
-def quiet_deep_layers(model: Any, first: int, factor: float) -> None:
-    """Scale the output projections (o_proj, down_proj) of layers `first`.. of `model` by
-    `factor`: the residual stream after layer `first` then decides the greedy token, so a draft
-    of the first `first` layers agrees with the target, while every layer still reads the same
-    bytes and does the same FLOPs (the plain baseline's step time is unchanged)."""
-    with torch.no_grad():
-        for layer in list(model.model.layers)[first:]:
-            layer.self_attn.o_proj.weight.mul_(factor)
-            layer.mlp.down_proj.weight.mul_(factor)
-
-
-def _corrupt(engine: Any, rate: float, vocab: int, seed: int = 0) -> None:
-    """Replace each draft token by a random one with probability `rate` (acceptance on
-    purpose); the draft model still runs."""
-    if rate <= 0:
-        return
-    proposer = engine.speculator.proposer
-    propose = proposer.propose
-    rng = random.Random(seed)
-
-    def corrupted(items, tables):  # type: ignore[no-untyped-def]
-        drafts = propose(items, tables)
-        return {
-            sid: [rng.randrange(vocab) if rng.random() < rate else t for t in toks]
-            for sid, toks in drafts.items()
-        }
-
-    proposer.propose = corrupted
 
 
 def _decode_run(engine: Any, prompts: list[list[int]], max_new: int) -> dict[str, float]:
@@ -208,7 +183,7 @@ def _run_config(
         engine.speculator.use_static_steps(engine.runner, capture=False)
     # Every engine, the plain baseline included, gets the same quiet deep layers.
     quiet_deep_layers(engine.model, args.draft_layers, args.deep_scale)
-    _corrupt(engine, rate, engine.model_config.vocab_size)
+    corrupt_drafts(engine, rate, engine.model_config.vocab_size)
     gen = random.Random(1)
     vocab = engine.model_config.vocab_size
     rows: list[dict[str, Any]] = []
@@ -223,7 +198,7 @@ def _run_config(
         print(table([row], list(row)), flush=True)
     if args.pd_reps:
         try:
-            ms = _second_token_after_admission(engine, args.context, args.pd_reps, gen)
+            ms = second_token_after_admission(engine, args.context, args.pd_reps, gen)
         except Exception as exc:
             return rows + _failed(f"{name} P/D", [1], exc), True
         row = {"config": name, "batch": 1, "P/D 2nd token ms": ms}
@@ -231,35 +206,6 @@ def _run_config(
         print(table([row], list(row)), flush=True)
     del engine
     return rows, False
-
-
-def _second_token_after_admission(
-    engine: Any, context: int, reps: int, gen: random.Random
-) -> float:
-    """Median time (ms) from admitting a prefilled request on a decode engine (the
-    disaggregated path: its prompt KV written by a prefill worker, not computed here) to its
-    second token. With a draft model this includes the draft's catch-up on the prompt."""
-    from splitserve.engine import SamplingParams
-    from splitserve.engine.outputs import SampledToken
-
-    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
-    vocab = engine.model_config.vocab_size
-    times = []
-    for rep in range(reps):
-        prompt = [gen.randrange(3, vocab) for _ in range(context)]
-        rid = f"pd-{rep}"
-        engine.reserve(rid, prompt, params)  # NOTE: the KV's values do not matter for timing
-        sync()
-        start = time.perf_counter()
-        engine.admit(rid, params, [SampledToken(gen.randrange(3, vocab))])
-        while not any(len(o.outputs[0].token_ids) >= 2 for o in engine.step()):
-            pass
-        sync()
-        times.append((time.perf_counter() - start) * 1e3)
-        engine.abort_request(rid)
-        while engine.has_unfinished_requests():
-            engine.step()
-    return sorted(times)[len(times) // 2]
 
 
 def _failed(name: str, batches: list[int], exc: Exception) -> list[dict[str, Any]]:
