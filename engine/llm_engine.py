@@ -114,8 +114,10 @@ class LLMEngine:
         self.runner.lora = self.lora
         if self.platform.cuda_graphs:
             self.runner.capture_cuda_graphs()
-            if self.speculator is not None and self.speculator.config.cuda_graphs:
-                self.speculator.use_static_steps(self.runner, capture=True)
+            # NOTE: not with tensor parallelism: a capture's collectives need the followers.
+            spec = self.speculator
+            if spec is not None and spec.config.cuda_graphs and self.followers is None:
+                spec.use_static_steps(self.runner, capture=True)
         self.outputs = OutputProcessor(self.tokenizer, self.config.stream_text)
         self._reserved: dict[str, Sequence] = {}
         self._sent_prefills: list[str] = []  # watched prefills whose last blocks are pinned
