@@ -30,7 +30,7 @@ from typing import Any
 
 from splitserve.decode_service.worker import DecodeWorker
 from splitserve.engine.errors import FailedPrecondition, InvalidRequest, Unavailable
-from splitserve.kv_transfer.presence import Presence
+from splitserve.kv_transfer.presence import Presence, Stalled
 from splitserve.prefill_service.worker import PrefillWorker
 from splitserve.protos.v1 import worker_pb2
 
@@ -139,7 +139,7 @@ class RoleSwitch:
                 await asyncio.to_thread(self.decode.leave_prefix_index)
             self.kind = kind
             if presence is not None:
-                await asyncio.to_thread(presence.rejoin)
+                await asyncio.to_thread(presence.rejoin, kind)
         finally:
             self.switching = False
         seconds = time.monotonic() - started
@@ -161,15 +161,18 @@ class RoleSwitch:
 class RolePresence(Presence):
     """A worker's presence that can join again, under another kind, after `leave`."""
 
-    def rejoin(self) -> None:
-        """Register as whatever `info` now says (its new role); heartbeats resume."""
+    def rejoin(self, kind: str) -> None:
+        """Register under `kind` (its new role); heartbeats resume. A worker that can't serve
+        just now (`info` raises `Stalled`) is left to the heartbeats, which join it once it
+        can."""
         with self._lock:
-            info = self.info()
+            self._kind, self._left = kind, False
+            try:
+                info = self.info()
+            except Stalled:
+                return
             self.registry.register_worker(info, self.ttl_s, self.kv_endpoint)
-            self._kind, self._worker_id = info.kind, info.worker_id
-            self._left = False
-        if self.on_rejoin is not None:
-            self.on_rejoin()
+        self._rejoined.set()  # NOTE: on_rejoin (prefix index) runs on the housekeeping thread
 
 
 class RoleGuard:

@@ -1,7 +1,7 @@
-"""Role switches while streams run: workers flip between prefill and decode over and over (short
-drains, so streams are moved mid-stream and prefills are refused mid-routing) under a load of
-streams of many lengths; every stream still ends with the offline engine's tokens, and nothing
-is left behind."""
+"""Role switches while streams run: a worker goes round prefill, decode and colocated over and
+over (short drains, so streams are moved mid-stream and calls are refused mid-routing) under a
+load of streams of many lengths; every stream still ends with the offline engine's tokens, and
+nothing is left behind."""
 
 from __future__ import annotations
 
@@ -18,10 +18,11 @@ from tests.engine.hf_oracle import random_prompts
 
 pytestmark = pytest.mark.slow
 
-# decode-0 and prefill-0 trade places and back: at every moment one prefill and one decode
-# worker stay (decode-1 never moves).
-FLIPS = [("decode-0", "prefill"), ("prefill-0", "decode"), ("prefill-0", "prefill"),
-         ("decode-0", "decode")]  # fmt: skip
+# decode-0 goes round every role and back, again and again (prefill-0 and decode-1 stay, so a
+# prefill and a decode worker are always there): leaving decode hands its streams off, leaving
+# prefill drains its prefills.
+FLIPS = [("decode-0", "prefill"), ("decode-0", "decode"), ("decode-0", "colocated"),
+         ("decode-0", "prefill"), ("decode-0", "colocated"), ("decode-0", "decode")]  # fmt: skip
 
 
 def _switch(stack, worker_id: str, kind: str, drain_timeout_s: float):
@@ -56,23 +57,23 @@ def test_streams_survive_workers_flipping_roles_under_load(tiny_models):
                     if done.is_set():
                         return
                     switches.append(_switch(stack, worker_id, kind, 0.1))
+                    done.wait(0.3)  # NOTE: long enough in each role for work to arrive
 
         with ThreadPoolExecutor(len(prompts) + 1) as pool:
             flipper = pool.submit(flip)
-            results = list(
-                pool.map(
-                    lambda job: collect(stream(stub, job[0], job[1], timeout_s=180)),
-                    zip(prompts, params, strict=True),
+            try:
+                results = list(
+                    pool.map(
+                        lambda job: collect(stream(stub, job[0], job[1], timeout_s=180)),
+                        zip(prompts, params, strict=True),
+                    )
                 )
-            )
-            done.set()
+            finally:
+                done.set()  # NOTE: also when a stream failed, or the flipper would go on
             flipper.result()
         assert [r.token_ids[0] for r in results] == expected
-        assert len(switches) >= 4
+        assert len(switches) >= 3
         assert sum(s.num_streams_moved for s in switches) >= 1
-        kinds = {w.worker_id: w.kind for w in workers(stack)}
-        if kinds["decode-0"] != "decode":
+        if {w.worker_id: w.kind for w in workers(stack)}["decode-0"] != "decode":
             _switch(stack, "decode-0", "decode", 0.1)
-        if kinds["prefill-0"] != "prefill":
-            _switch(stack, "prefill-0", "prefill", 0.1)
         assert_nothing_leaks(stack)
