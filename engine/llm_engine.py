@@ -19,7 +19,6 @@ from splitserve.engine.config import EngineConfig
 from splitserve.engine.errors import (
     AlreadyExists,
     Cancelled,
-    FailedPrecondition,
     InvalidRequest,
     NotFound,
     Overloaded,
@@ -27,8 +26,8 @@ from splitserve.engine.errors import (
 from splitserve.engine.grammar import Grammars
 from splitserve.engine.kv_cache import KVCache, size_kv_pool
 from splitserve.engine.kv_connector import KVConnector
-from splitserve.engine.lora.manager import LoRAConfig, LoRAManager
-from splitserve.engine.lora.request import LoRARequest, check_adapter_name
+from splitserve.engine.lora.engine_mixin import LoRAEngineMixin
+from splitserve.engine.lora.request import LoRARequest
 from splitserve.engine.model_config import ModelConfig
 from splitserve.engine.model_runner import ModelRunner
 from splitserve.engine.output_processor import OutputProcessor, RequestState
@@ -63,7 +62,7 @@ class Reservation:
     num_cached_tokens: int
 
 
-class LLMEngine:
+class LLMEngine(LoRAEngineMixin):
     """Owns the model, the KV pool, the scheduler and the request states of one worker."""
 
     def __init__(self, model_dir: str | Path, config: EngineConfig | None = None) -> None:
@@ -269,67 +268,6 @@ class LLMEngine:
         )
         touched = self.scheduler.admit_prefilled(seq, first_tokens)
         return self._process_outputs(touched)
-
-    # -- LoRA adapters (engine/lora) -------------------------------------------------------------
-
-    def _start_lora(self, config: EngineConfig) -> LoRAManager | None:
-        if not config.lora_enabled:
-            return None
-        lora_config = LoRAConfig(config.max_loras, config.max_lora_rank)
-        manager = LoRAManager(self.model_config, lora_config, config.dtype, self.platform.device)
-        manager.attach(self.model)
-        for name, path in config.lora_modules:
-            manager.load(name, path)
-        return manager
-
-    def _resolve_lora(self, request: LoRARequest | str | None) -> tuple[str | None, bytes | None]:
-        """(adapter name, prefix-cache root) of a request's adapter, loading it first if the
-        request names a path; (None, None) for the base model."""
-        if request is None:
-            return None, None
-        if isinstance(request, str):
-            request = LoRARequest(request)
-        if self.lora is None:
-            raise InvalidRequest(
-                f"LoRA adapter {request.lora_name!r} requested, but this engine serves no "
-                "adapters (start it with --enable-lora or --lora-modules)"
-            )
-        if request.lora_path is not None and request.lora_name not in self.lora.adapters:
-            self.lora.load(request.lora_name, request.lora_path)
-        return request.lora_name, self.lora.prefix_root(request.lora_name)
-
-    def add_lora(self, name: str, path: str) -> None:
-        """Load a PEFT adapter at run time (into host memory; it takes a device slot when a
-        step first uses it)."""
-        if self.lora is None:
-            raise InvalidRequest(
-                "this engine serves no LoRA adapters (start it with --enable-lora)"
-            )
-        self.lora.load(check_adapter_name(name), path)
-
-    def remove_lora(self, name: str) -> None:
-        """Unload an adapter. Refused (FailedPrecondition) while a request still uses it: no
-        request in flight fails because of an unload."""
-        if self.lora is None or name not in self.lora.adapters:
-            raise NotFound(f"LoRA adapter {name!r} is not loaded")
-        using = [
-            seq.request_id
-            for seq in itertools.chain(
-                self._reserved.values(),
-                (s for state in self.outputs.requests.values() for s in state.sequences),
-            )
-            if seq.lora_name == name and not seq.is_finished
-        ]
-        if using:
-            raise FailedPrecondition(
-                f"LoRA adapter {name!r} is in use by {len(set(using))} request(s); unload it "
-                "when they finish"
-            )
-        self.lora.unload(name)
-
-    def list_loras(self) -> list[str]:
-        """Names of the adapters this engine serves."""
-        return [] if self.lora is None else self.lora.names()
 
     def block_table(self, request_id: str) -> tuple[int, ...]:
         """Blocks of a request's first sequence (a reservation, or a running request)."""
