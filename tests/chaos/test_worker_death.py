@@ -260,16 +260,18 @@ def test_a_push_to_a_dead_decode_worker_fails_aborted_not_unavailable(tiny_model
         os.kill(victim.pid, signal.SIGKILL)
         victim.wait(10)
         stack.processes.remove(victim)
-        with grpc.insecure_channel(live["prefill-0"].address) as channel:
-            with pytest.raises(grpc.RpcError) as failed:
-                worker_pb2_grpc.PrefillWorkerStub(channel).Prefill(
-                    worker_pb2.PrefillRequest(
-                        request_id="orphan", prompt_token_ids=prompt, sampling=sampling,
-                        destination=dest,
-                    ),
-                    timeout=60,
-                    metadata=member,
-                )  # fmt: skip
+        with (
+            grpc.insecure_channel(live["prefill-0"].address) as channel,
+            pytest.raises(grpc.RpcError) as failed,
+        ):
+            worker_pb2_grpc.PrefillWorkerStub(channel).Prefill(
+                worker_pb2.PrefillRequest(
+                    request_id="orphan", prompt_token_ids=prompt, sampling=sampling,
+                    destination=dest,
+                ),
+                timeout=60,
+                metadata=member,
+            )  # fmt: skip
         assert failed.value.code() == grpc.StatusCode.ABORTED, failed.value
         assert "decode-0" in failed.value.details()
         _wait_gone(stack, "decode-0")
