@@ -70,7 +70,9 @@ class AdapterAdmin:
         if not workers:
             raise NotFound(f"LoRA adapter {quoted(name)} is not served by any live worker")
         request = worker_pb2.UnloadAdapterRequest(name=name)
-        ids = await self._each("UnloadAdapter", request, workers)
+        # NOTE: a worker that says NOT_FOUND has it unloaded already (an earlier unload it
+        # took while another worker refused, not yet in its heartbeat): that is the goal.
+        ids = await self._each("UnloadAdapter", request, workers, done=grpc.StatusCode.NOT_FOUND)
         await self._advertised(name, ids, present=False)
         return ids
 
@@ -82,8 +84,14 @@ class AdapterAdmin:
         ]
 
     async def _each(
-        self, method: str, request: object, workers: list[WorkerInfo] | None = None
+        self,
+        method: str,
+        request: object,
+        workers: list[WorkerInfo] | None = None,
+        done: grpc.StatusCode | None = None,
     ) -> list[str]:
+        """Call `method` on every worker (all live ones by default); their ids. A worker's error
+        fails the whole call, unless its code is `done` (the state asked for holds there)."""
         workers = workers if workers is not None else await self._workers()
         if not workers:
             raise Unavailable("no live worker to load the adapter on")
@@ -95,8 +103,9 @@ class AdapterAdmin:
         results = await asyncio.gather(*(one(w) for w in workers), return_exceptions=True)
         for worker, result in zip(workers, results, strict=True):
             if isinstance(result, grpc.RpcError):
-                raise _domain(result.code(), f"{worker.worker_id}: {result.details()}")
-            if isinstance(result, BaseException):
+                if result.code() != done:
+                    raise _domain(result.code(), f"{worker.worker_id}: {result.details()}")
+            elif isinstance(result, BaseException):
                 raise result
         return [w.worker_id for w in workers]
 
