@@ -166,7 +166,7 @@ def test_a_frozen_engine_core_takes_its_worker_out_until_it_turns_again(tiny_mod
             assert got.token_ids == expected[i], f"core-{i}"
         gaps = sorted(got.gap_after(frozen_at) for got in results)
         # NOTE: all 12 streams move to the one decode worker left at once; on two CPU cores
-        # their re-prefills and Reserves queued behind its steps once took 6 s beyond RESUME_S.
+        # their re-prefills and Reserves queued behind its steps once took 6 s after it left.
         # The bound is what says the move is driven by the stall, not by a 30 s failover.
         assert gaps[-1] < left + 3 * RESUME_S, f"silent {gaps[-1]:.2f} s; left after {left:.2f} s"
         assert _counter(stack, "splitserve:stream_migrations_total") >= 1
