@@ -73,7 +73,9 @@ def test_streams_survive_workers_flipping_roles_under_load(tiny_models):
             flipper.result()
         assert [r.token_ids[0] for r in results] == expected
         assert len(switches) >= 3
-        assert sum(s.num_streams_moved for s in switches) >= 1
+        # NOTE: whether a flip catches streams on decode-0 is up to timing; the hand-off itself
+        # is proven deterministically in tests/e2e/test_role_switch.py (streams at the drain
+        # timeout move). Here: whatever the flips hit, no stream is lost and nothing leaks.
         if {w.worker_id: w.kind for w in workers(stack)}["decode-0"] != "decode":
             _switch(stack, "decode-0", "decode", 0.1)
         assert_nothing_leaks(stack)
