@@ -175,16 +175,21 @@ def test_a_frozen_engine_core_takes_its_worker_out_until_it_turns_again(tiny_mod
 
 def test_full_batch_on_the_cpu_with_the_longest_steps_raises_no_false_suspicion(tiny_models, llm):
     """Both decode workers at their largest batch (more streams than --max-num-seqs), with
-    2048-token chunks (the longest steps on the CPU): no worker leaves the registry for a
-    moment, none is suspected, no stream moves."""
+    2048-token chunks (the longest steps on the CPU) and deadlines set by the documented rule:
+    no worker leaves the registry for a moment, none is suspected, no stream moves."""
     prompts = random_prompts([300 + 20 * (i % 10) for i in range(72)], 500, seed=84)
     params = _greedy(48)
     expected = _offline(llm, prompts, params)
     with (
         running_stack(
             tiny_models["llama"], prefill=1, decode=2, metrics=True,
-            worker_args=("--max-num-batched-tokens", "2048", "--max-num-seqs", "32"),
-            extra_gateway_args=("--local-prefill-tokens", "400"),
+            # NOTE: deadlines by docs/deploy.md's rule (twice the longest step) for this CPU: its
+            # 2048-token steps under a full suite's load reach about 1 s, so the defaults, sized
+            # for GPU steps, once took a busy worker for a frozen one here.
+            worker_args=("--max-num-batched-tokens", "2048", "--max-num-seqs", "32",
+                         "--engine-stall-s", "4"),
+            extra_gateway_args=("--local-prefill-tokens", "400", "--reserve-timeout-s", "2",
+                                "--stall-timeout-s", "2"),
         ) as stack,
         ThreadPoolExecutor(72) as pool,
     ):  # fmt: skip
