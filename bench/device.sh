@@ -34,6 +34,13 @@
 #                   the NCCL collectives captured in its decode graphs
 #   tensor-parallel-serve  a model too big for one GPU served through the gateway by one
 #                   colocated worker at TP=2 (two GPUs, < 8 min)
+#   serving4-targets issue 26's four-GPU points: 1P+3D at 48 and 60 req/s with the defaults and
+#                   with 8192-token prefill steps, 2P+2D (tokens/s per decode GPU); then one
+#                   decode worker's serving step (GPUs 0-1) beside the offline step (GPU 2) and
+#                   multi-LoRA (GPU 3), in parallel
+#   phased          the P:D planner against static splits on the phased workload (four GPUs)
+#   singles4        on four GPUs at once: TP=2 bench (GPUs 0-1), speculative decoding (GPU 2),
+#                   its GPU tests (GPU 3), TP=2 parity (GPUs 2-3), then a P/D pair at TP=2
 #   lora            multi-LoRA: the kernels' GPU tests, their cost per decode step (PDL on/off),
 #                   then bench/lora.py (decode/prefill with 1, 8, 32 adapters against the base)
 set -uo pipefail
@@ -162,6 +169,46 @@ for step in "$@"; do
       run tensor_parallel_parity 8 pytest_q -s tests/engine/test_gpu_tp_parity.py ;;
     tensor-parallel-serve)
       run tensor_parallel_serve 16 python3 -m bench.tensor_parallel --serve --prefill 0 \
+        --decode-tp 2 --out "$OUT/tensor_parallel_serve.json" ;;
+    serving4-targets)
+      load=(--duration-s 15 --client-processes 8 --timeout-s 300)
+      run serving4_1p3d 14 python3 -m bench.serving --configs 1P+3D "${load[@]}" \
+        --workloads 512/512@48,60 --out "$OUT/serving4_1p3d.json"
+      run serving4_1p3d_p8k 14 python3 -m bench.serving --configs 1P+3D "${load[@]}" \
+        --label p8k --workloads 512/512@60,68 --worker-args=--max-num-batched-tokens=8192 \
+        --out "$OUT/serving4_1p3d_p8k.json"
+      run serving4_2p2d 14 python3 -m bench.serving --configs 2P+2D "${load[@]}" \
+        --workloads 512/512@44,52 --out "$OUT/serving4_2p2d.json"
+      (export CUDA_VISIBLE_DEVICES=2
+       run roofline_768 12 python3 -m bench.decode_roofline --batches 128 256 --context 768 \
+         --pdl on --async-scheduling on --out "$OUT/roofline_768.json"
+       run spec_gpu_tests 6 pytest_q tests/engine/test_spec_decode_gpu.py) &
+      (export CUDA_VISIBLE_DEVICES=3
+       run lora_tests 4 pytest_q tests/kernels/test_lora.py
+       run lora_kernels 8 python3 -m bench.lora_kernels --out "$OUT/lora_kernels.json"
+       run lora 10 python3 -m bench.lora --out "$OUT/lora.json") &
+      for c in 128 256; do
+        CUDA_VISIBLE_DEVICES=0,1 run "serving_step_$c" 20 python3 -m bench.serving \
+          --configs 1P+1D --label "c$c" --workloads 512/512@$((c / 4)) --duration-s 12 \
+          --concurrency "$c" --client-processes 8 --timeout-s 300 --out "$OUT/serving_step_$c.json"
+      done
+      wait ;;
+    phased)
+      run phased 60 python3 -m bench.serving --phased --split-configs planner 1P+3D 2P+2D \
+        "4 colocated" 3P+1D --phase-s 20 --gateways 4 --client-processes 8 --timeout-s 30 \
+        --out "$OUT/phased.json" ;;
+    singles4)
+      (export CUDA_VISIBLE_DEVICES=0,1
+       run tensor_parallel 40 python3 -m bench.tensor_parallel --tp 2 --prompt-lens 4096 \
+         --batches 1 64 --time-budget-s 300 --out "$OUT/tensor_parallel.json") &
+      (export CUDA_VISIBLE_DEVICES=2
+       run speculative 40 python3 -m bench.speculative --batches 1 8 128 --k 4 \
+         --draft-layers 2 --corrupt 0 0.3 1 --real-model none --out "$OUT/speculative.json") &
+      (export CUDA_VISIBLE_DEVICES=3
+       run spec_gpu_tests 6 pytest_q tests/engine/test_spec_decode_gpu.py) &
+      wait
+      CUDA_VISIBLE_DEVICES=0,1 run tensor_parallel_parity 8 pytest_q -s tests/engine/test_gpu_tp_parity.py
+      run tensor_parallel_serve 16 python3 -m bench.tensor_parallel --serve --prefill-tp 2 \
         --decode-tp 2 --out "$OUT/tensor_parallel_serve.json" ;;
     *) echo "unknown step: $step" >&2 ;;
   esac
