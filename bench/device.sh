@@ -193,6 +193,20 @@ for step in "$@"; do
           --concurrency "$c" --client-processes 8 --timeout-s 300 --out "$OUT/serving_step_$c.json"
       done
       wait ;;
+    round2)
+      run serving4_1p3d 14 python3 -m bench.serving --configs 1P+3D --duration-s 15 \
+        --client-processes 8 --timeout-s 120 --workloads 512/512@48 --out "$OUT/serving4_1p3d.json"
+      (export CUDA_VISIBLE_DEVICES=0,1
+       run tensor_parallel 40 python3 -m bench.tensor_parallel --tp 2 --prompt-lens 4096 \
+         --batches 1 --time-budget-s 270 --out "$OUT/tensor_parallel.json") &
+      (export CUDA_VISIBLE_DEVICES=2
+       run speculative 40 python3 -m bench.speculative --batches 1 128 --k 4 \
+         --draft-layers 2 --corrupt 0 1 --real-model none --out "$OUT/speculative.json") &
+      (export CUDA_VISIBLE_DEVICES=3
+       run lora 10 python3 -m bench.lora --out "$OUT/lora.json") &
+      wait
+      run serving4_2p2d 14 python3 -m bench.serving --configs 2P+2D --duration-s 15 \
+        --client-processes 8 --timeout-s 120 --workloads 512/512@52 --out "$OUT/serving4_2p2d.json" ;;
     phased)
       run phased 60 python3 -m bench.serving --phased --split-configs planner 1P+3D 2P+2D \
         "4 colocated" 3P+1D --phase-s 20 --gateways 4 --client-processes 8 --timeout-s 30 \

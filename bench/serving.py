@@ -203,7 +203,9 @@ def _stack(args: argparse.Namespace, model: Path, config: str) -> Stack:
             extra_gateway_args=tuple(args.gateway_args),
             startup_timeout_s=900.0,
             metrics=True,
-            gateways=getattr(args, "gateways", 1),
+            # NOTE: 0 is what `splitserve gateway` defaults to (sized to the host); a stack
+            # started from code asks for one process unless told.
+            gateways=getattr(args, "gateways", 0),
         )
     )
 

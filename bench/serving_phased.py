@@ -297,7 +297,10 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--phase-s", type=float, default=25.0, help="seconds of arrivals each")
     parser.add_argument("--split-configs", nargs="+", default=[],
                         help=f"of {[*SPLITS, PLANNER]} (default: all)")  # fmt: skip
-    parser.add_argument("--gateways", type=int, default=1, help="gateway processes")
+    parser.add_argument(
+        "--gateways", type=int, default=0,
+        help="gateway processes (0: sized to the host, as `splitserve up` does)",
+    )
     parser.add_argument("--seed", type=int, default=7)
     parser.add_argument("--planner-ttft-slo-s", type=float, default=1.0)
     parser.add_argument("--planner-tpot-slo-s", type=float, default=0.015)
