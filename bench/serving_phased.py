@@ -239,10 +239,12 @@ def run(args: argparse.Namespace, model: Path, vocab: int) -> dict[str, Any]:
                 t0 = time.monotonic()
                 records = run_schedule(stack.address, items, args.timeout_s, args.client_processes)
                 moves = planner.stop() if planner is not None else []
+                pages = len(planner.source.metrics_urls) if planner is not None else 0
                 series = sampler.stop()
                 s = summarize(records, phase_of, phases)
                 r = {"config": config, "schedule": name, "wall_s": time.monotonic() - t0,
-                     "split_series": series, "planner_moves": moves, **s}  # fmt: skip
+                     "split_series": series, "planner_moves": moves,
+                     "planner_metrics_pages": pages, **s}  # fmt: skip
                 results.append(r)
                 print(table([_row(r)], list(_row(r))))
                 print("  split: " + timeline(series, moves), flush=True)

@@ -91,7 +91,9 @@ class PlannerThread:
         from splitserve.planner_policy import PlannerConfig
 
         base = stack.metrics_ports["gateway"]
-        urls = [f"http://127.0.0.1:{base + i}/metrics" for i in range(args.gateways)]
+        urls = [f"http://127.0.0.1:{base + i}/metrics" for i in range(stack.gateway_processes)]
+        if not urls:  # NOTE: with no latency signal the planner never moves: say so at once
+            raise SystemExit("the planner has no gateway /metrics to read (start with metrics)")
         self.source = SignalSource(stack.redis_url, urls, _secret(stack))
         config = PlannerConfig(
             args.planner_ttft_slo_s, args.planner_tpot_slo_s, min_dwell_s=args.planner_dwell_s

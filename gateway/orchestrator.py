@@ -80,6 +80,7 @@ class Route:
     calls: list[Any] = field(default_factory=list)  # cancellable futures / streams
     cancelled: bool = False
     reserving: bool = False  # a Reserve was sent: D may hold blocks for the request
+    silent_reserves: int = 0  # Reserves that went unanswered in time (each took a new id)
 
 
 class Orchestrator:
@@ -215,6 +216,13 @@ class Orchestrator:
                     self.suspects.mark(
                         route.decode.worker_id, f"no answer to Reserve in {timeout_s} s", "reserve"
                     )
+                    # NOTE: the silent Reserve may still be granted (a busy worker answers
+                    # late): the next one takes a new id, so it can't meet that one's block
+                    # record or claim. The late one is undone by its worker (its caller left)
+                    # or lapses with its lease.
+                    route.silent_reserves += 1
+                    route.worker_request_id = f"{job.request_id}~q{route.silent_reserves}"
+                    request.request_id = route.worker_request_id
                 if draining:
                     refused.add(route.decode.worker_id)
                 else:

@@ -115,6 +115,7 @@ class Stack:
     redis: RedisKeeper | None = None
     ports: dict[str, int] = field(default_factory=dict)  # "decode-0", "gateway" … -> gRPC port
     metrics_ports: dict[str, int] = field(default_factory=dict)  # the same names -> /metrics
+    gateway_processes: int = 1  # the gateway's processes; process i's /metrics: port + i
     http_url: str | None = None  # the OpenAI-compatible API's base URL, e.g. http://host:port/v1
     stop_timeout_s: float = 35.0
     secrets: StackSecrets | None = None  # the services' shared secrets (files of its own)
@@ -289,6 +290,8 @@ def start_stack(
             if settings.metrics:
                 # NOTE: gateway process i serves /metrics on the gateway's port + i
                 count = (settings.gateways or default_processes()) if kind == "gateway" else 1
+                if kind == "gateway":
+                    stack.gateway_processes = count
                 stack.metrics_ports[name] = _new_ports(settings.host, taken, count)
                 args += ["--metrics-port", str(stack.metrics_ports[name])]
             # NOTE: a session of their own, so that a Ctrl-C at the terminal reaches only

@@ -244,3 +244,31 @@ def test_a_reserve_past_its_deadline_asks_the_only_decode_worker_again(tiny_mode
         assert got.token_ids == expected
         assert _counter(stack, "splitserve:worker_suspicions_total") >= 1  # it was late
         assert_nothing_leaks(stack)
+
+
+def test_a_reserve_granted_after_its_deadline_does_not_collide_with_the_next(tiny_models, llm):
+    """A busy decode worker (its engine core held for a moment; its front answers) takes the
+    Reserve in but grants it after the gateway's deadline. The gateway asks again, under a new
+    id, so the late grant can't meet the next one's claim or block record (which failed such
+    requests ALREADY_EXISTS / FAILED_PRECONDITION under load on GPUs): the request completes
+    with the offline engine's tokens and the late grant leaves nothing behind."""
+    prompt = random_prompts([40], 500, seed=86)[0]
+    params = _greedy(8)
+    expected = _offline(llm, [prompt], params)[0]
+    with running_stack(
+        tiny_models["llama"], prefill=1, decode=1, metrics=True,
+        extra_gateway_args=("--reserve-timeout-s", "0.3"),
+    ) as stack:  # fmt: skip
+        core = _engine_core_pid(stack.process("decode-0").pid)
+        os.kill(core, signal.SIGSTOP)  # NOTE: shorter than --engine-stall-s (2 s)
+        try:
+            with ThreadPoolExecutor(1) as pool:
+                asked = pool.submit(_timed, stack, prompt, params, "granted-late")
+                time.sleep(0.8)
+                os.kill(core, signal.SIGCONT)
+                got = asked.result(timeout=60)
+        finally:
+            os.kill(core, signal.SIGCONT)
+        assert got.token_ids == expected
+        assert _counter(stack, "splitserve:worker_suspicions_total") >= 1  # it was late
+        assert_nothing_leaks(stack, timeout_s=20)

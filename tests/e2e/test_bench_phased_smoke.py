@@ -30,4 +30,6 @@ def test_phased_smoke_runs_static_splits_and_the_planner_and_reports_the_split_o
     first = runs["1P+3D"]["split_series"][0]
     assert (first["prefill"], first["decode"], first["colocated"]) == (1, 3, 0)
     assert runs["planner"]["split_series"][0]["prefill"] == 2
+    # every gateway process's /metrics feeds the planner (none read: it can never move)
+    assert runs["planner"]["planner_metrics_pages"] >= 1
     assert result["verdict"]
