@@ -108,7 +108,8 @@ def write_results(path: str | Path, results: dict[str, Any]) -> None:
 
 
 def table(rows: list[dict[str, Any]], columns: list[str]) -> str:
-    widths = {c: max(len(c), *(len(_fmt(r.get(c))) for r in rows)) for c in columns}
+    # NOTE: no rows (a run that failed first) prints the header alone
+    widths = {c: max([len(c), *(len(_fmt(r.get(c))) for r in rows)]) for c in columns}
     lines = ["  ".join(c.rjust(widths[c]) for c in columns)]
     lines += ["  ".join(_fmt(r.get(c)).rjust(widths[c]) for c in columns) for r in rows]
     return "\n".join(lines)
