@@ -54,18 +54,15 @@ class Served:
 
 @dataclass(frozen=True)
 class Loaded:
-    """What `start_worker` hands a role's wiring: the opened server, the loaded core, the
+    """What `start_worker` hands a role's wiring: the opened server, the loaded core and what
+    it reported when it loaded (`limits`: its transports, KV endpoint and engine limits), the
     registry and the engine watch its heartbeat reads."""
 
     opened: Opened
     core: EngineCoreClient
+    limits: dict[str, Any]
     registry: Registry
     watch: EngineWatch
-
-    @property
-    def limits(self) -> dict[str, Any]:
-        """What the core reported when it loaded (`info`: transports, endpoint, limits)."""
-        return self.core.info
 
 
 def start_core(
@@ -155,7 +152,7 @@ def start_worker(
         # NOTE: the heartbeat never waits on a step; a loop that stops turning takes the worker
         # out of the registry (runtime/engine_watch.py)
         watch = EngineWatch(functools.partial(core.submit, "stats"), worker.engine_stall_s)
-        served = wire(Loaded(opened, core, registry, watch))
+        served = wire(Loaded(opened, core, core.info, registry, watch))
         when_core_dies(core, opened, served.presence, on_core_death)
     except BaseException:
         if core is not None:
