@@ -11,18 +11,14 @@ import dataclasses
 import itertools
 import time
 from collections.abc import Sequence as SequenceABC
-from dataclasses import dataclass
 from pathlib import Path
 
 from splitserve.engine.block_manager import BlockManager, KVUsage
 from splitserve.engine.config import EngineConfig
-from splitserve.engine.errors import (
-    AlreadyExists,
-    Cancelled,
-    InvalidRequest,
-    NotFound,
-    Overloaded,
-)
+from splitserve.engine.disaggregation import CapacityError as CapacityError
+from splitserve.engine.disaggregation import DisaggregationMixin
+from splitserve.engine.disaggregation import Reservation as Reservation
+from splitserve.engine.errors import AlreadyExists, Cancelled, InvalidRequest
 from splitserve.engine.grammar import Grammars
 from splitserve.engine.kv_cache import KVCache, size_kv_pool
 from splitserve.engine.kv_connector import KVConnector
@@ -31,7 +27,7 @@ from splitserve.engine.lora.request import LoRARequest
 from splitserve.engine.model_config import ModelConfig
 from splitserve.engine.model_runner import ModelRunner
 from splitserve.engine.output_processor import OutputProcessor, RequestState
-from splitserve.engine.outputs import RequestOutput, Resume, SampledToken
+from splitserve.engine.outputs import RequestOutput
 from splitserve.engine.overlap import PLACEHOLDER, InFlight
 from splitserve.engine.parallel.follower import agree_on_kv_pool
 from splitserve.engine.parallel.kv_shards import ShardedKVConnector
@@ -50,19 +46,7 @@ from splitserve.engine.weights import load_model
 Prompt = str | SequenceABC[int]
 
 
-class CapacityError(Overloaded):
-    """The KV pool can't take this request now (a retryable condition, not a bad request)."""
-
-
-@dataclass(frozen=True)
-class Reservation:
-    """Blocks held on a decode worker for a prompt, and how many leading tokens it caches."""
-
-    block_ids: tuple[int, ...]
-    num_cached_tokens: int
-
-
-class LLMEngine(LoRAEngineMixin):
+class LLMEngine(LoRAEngineMixin, DisaggregationMixin):
     """Owns the model, the KV pool, the scheduler and the request states of one worker."""
 
     def __init__(self, model_dir: str | Path, config: EngineConfig | None = None) -> None:
@@ -206,73 +190,6 @@ class LLMEngine(LoRAEngineMixin):
         self.outputs.add(RequestState(request_id, text, token_ids, [root, *root.pending_children]))
         return root
 
-    def reserve(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-        resume: Resume | None = None, lora_name: str | None = None,
-    ) -> Reservation:  # fmt: skip
-        """Decode side of disaggregation: hold blocks for a prompt whose KV will be pushed here
-        (or, with `resume`, for a broken-off sample's prompt and tokens, computed here).
-
-        Blocks this worker already caches for the prompt's prefix are reused; only the rest
-        need to be sent. Raises InvalidRequest on bad input, CapacityError when full."""
-        lora = self._resolve_lora(lora_name)  # NOTE: a prefill under another adapter is refused
-        seq = self._new_sequence(request_id, prompt_token_ids, params)
-        seq.lora_name, seq.prefix_root = lora
-        if self._inflight is not None:
-            # NOTE: blocks freed while a step was in flight may still take its KV writes;
-            # remote writers fill a reservation outside the GPU stream's order.
-            self._inflight.wait()
-        if resume is not None:
-            seq.resume(resume, self.model_config.vocab_size)
-        bm = self.block_manager
-        hit = bm.find_prefix_hit(seq.token_ids, seq.prefix_root)
-        if bm.allocate(seq.seq_id, seq.num_tokens, hit) is None:
-            raise CapacityError(
-                f"no room for {seq.num_tokens} prompt tokens: "
-                f"{bm.usage().num_free_blocks + bm.usage().num_cached_blocks} blocks available"
-            )
-        seq.num_computed_tokens = hit.num_tokens(bm.block_size) if hit else 0
-        seq.num_cached_prompt_tokens = min(seq.num_computed_tokens, len(prompt_token_ids))
-        self._reserved[request_id] = seq
-        return Reservation(tuple(bm.block_table(seq.seq_id)), seq.num_computed_tokens)
-
-    def admit(
-        self,
-        request_id: str,
-        params: SamplingParams,
-        first_tokens: list[SampledToken] | None,
-        priority: int = 0,
-    ) -> list[RequestOutput]:
-        """Start a reserved request. With `first_tokens` its whole prompt KV has been written
-        into the reserved blocks and it joins the running batch; without, it is prefilled here.
-        Returns the request's output if the first tokens already finish it."""
-        seq = self._reserved.get(request_id)
-        if seq is None:
-            raise NotFound(f"no reservation for request {request_id!r}")
-        self._validate(seq.prompt_token_ids, params)  # NOTE: the reservation's were others
-        seq.params, seq.priority = params, priority
-        seq.pending_children = [seq.make_child(i) for i in range(1, params.n)]
-        # NOTE: resumed tokens the grammar refuses leave the reservation in place (an abort
-        # frees it).
-        self.grammars.attach([seq, *seq.pending_children], params.structured)
-        del self._reserved[request_id]
-        self.outputs.add(
-            RequestState(request_id, None, seq.prompt_token_ids, [seq, *seq.pending_children])
-        )
-        if not first_tokens:
-            self.scheduler.add(seq)
-            return []
-        seq.num_computed_tokens = seq.num_tokens
-        self.block_manager.cache_blocks(
-            seq.seq_id, seq.token_ids, seq.num_computed_tokens, seq.prefix_root
-        )
-        touched = self.scheduler.admit_prefilled(seq, first_tokens)
-        return self._process_outputs(touched)
-
-    def block_table(self, request_id: str) -> tuple[int, ...]:
-        """Blocks of a request's first sequence (a reservation, or a running request)."""
-        return tuple(self.block_manager.block_table(f"{request_id}#0"))
-
     def _forget(self, request_id: str) -> None:
         """Drop a finished request; free blocks a prefill-only one still held (blocks pinned
         for a transfer stay pinned)."""
@@ -280,22 +197,6 @@ class LLMEngine(LoRAEngineMixin):
         if state is not None:
             for seq in state.sequences:
                 self.block_manager.free(seq.seq_id)
-
-    def _prompt_progress(self, request_id: str) -> tuple[int, int, list[int]] | None:
-        state = self.outputs.requests.get(request_id)
-        if state is None:
-            return None
-        seq = state.sequences[0]
-        if not self.block_manager.has_seq(seq.seq_id):
-            return None
-        prompt_len = len(seq.prompt_token_ids)
-        computed = min(seq.num_computed_tokens, prompt_len)
-        return computed, prompt_len, self.block_manager.block_table(seq.seq_id)
-
-    def num_computed_prompt_tokens(self, request_id: str) -> int | None:
-        """How much of a request's prompt is computed (None if unknown or without blocks)."""
-        progress = self._prompt_progress(request_id)
-        return None if progress is None else progress[0]
 
     def _tokenize(self, prompt: Prompt) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
@@ -424,11 +325,6 @@ class LLMEngine(LoRAEngineMixin):
         """Wait for a step left in flight and apply its tokens."""
         touched = self.scheduler.settle(inflight.advanced, inflight.token_ids())
         return self._process_outputs(touched)
-
-    def take_prefix_events(self) -> list[tuple[bool, bytes]]:
-        """Prefix-cache insertions (True) and evictions (False) of block hashes since the last
-        call, in order (recorded only with `record_prefix_events`)."""
-        return self.block_manager.pool.drain_events()
 
     def housekeeping(self) -> None:
         """Work that must not wait for the next step (the engine may be idle): unpin blocks

@@ -12,11 +12,9 @@ from dataclasses import dataclass, field
 from splitserve.decode_service.core import DecodeCoreHandler
 from splitserve.decode_service.reservations import ReservationBook
 from splitserve.engine.engine_loop import EngineLoop
-from splitserve.kv_transfer.registry import Registry
-from splitserve.kv_transfer.transport import KVReceiver, KVSender, ReceiverBind
-from splitserve.kv_transports import start_receivers, start_senders
+from splitserve.kv_transfer.transport import KVReceiver
+from splitserve.kv_transports import start_core_receivers, start_core_senders
 from splitserve.prefill_service.core import PrefillCoreHandler
-from splitserve.prefill_service.observed_transport import ObservedSender
 from splitserve.runtime.engine_core.server import CoreHandler, Emitter, serve
 from splitserve.runtime.settings import ServiceSettings, TracingSettings, WorkerSettings
 from splitserve.runtime.tracing import Tracing, make_tracing
@@ -59,36 +57,16 @@ def _build(spec: CoreSpec, emitter: Emitter) -> tuple[EngineLoop, CoreHandler]:
         )
     if spec.role == "prefill":
         loop = EngineLoop(engine, on_failure=failed).start()
-        senders: dict[str, KVSender] = {
-            name: ObservedSender(sender, tracing, emitter.kv)
-            for name, sender in start_senders(
-                worker.kv_transport, engine.kv_connector, service.worker_id, spec.cluster_secret
-            ).items()
-        }
+        senders = start_core_senders(
+            service, worker, engine.kv_connector, spec.cluster_secret, tracing, emitter.kv
+        )
         return loop, PrefillCoreHandler(loop, emitter, senders, tracing)
     loop = EngineLoop(engine, sink=emitter.outputs, on_failure=failed).start()
     book = ReservationBook()  # NOTE: per-caller limits are counted in the front
     receivers: list[KVReceiver] = []
     offered: tuple[str, ...] = ()
     if spec.role != "colocated":
-        # NOTE: the receivers vet NIXL senders by what members published: a registry read on
-        # a new sender's first push, not on the token path.
-        registry = Registry(
-            service.redis_url, retry_s=service.registry_retry_s, secret=spec.cluster_secret
-        )
-        receivers, offered = start_receivers(  # type: ignore[assignment]
-            worker.kv_transport,
-            engine.kv_connector,
-            book,
-            service.worker_id,
-            tracing.tracer if tracing.enabled else None,
-            emitter.kv,
-            ReceiverBind(
-                service.host,
-                worker.kv_port,
-                service.public_host,
-                spec.cluster_secret,
-                vouch=registry.kv_endpoint_values,
-            ),
+        receivers, offered = start_core_receivers(
+            service, worker, engine.kv_connector, book, spec.cluster_secret, tracing, emitter.kv
         )
     return loop, DecodeCoreHandler(loop, emitter, book, receivers, tuple(offered))

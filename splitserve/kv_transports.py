@@ -13,6 +13,7 @@ import logging
 from opentelemetry import trace
 
 from splitserve.engine.kv_connector import KVConnector
+from splitserve.kv_transfer.registry import Registry
 from splitserve.kv_transfer.transport import (
     PREFERENCE,
     KVReceiver,
@@ -22,6 +23,9 @@ from splitserve.kv_transfer.transport import (
     ReceiverBind,
     transport_kind,
 )
+from splitserve.prefill_service.observed_transport import ObservedSender
+from splitserve.runtime.settings import ServiceSettings, WorkerSettings
+from splitserve.runtime.tracing import Tracing
 
 log = logging.getLogger(__name__)
 
@@ -75,3 +79,52 @@ def start_senders(
             log.warning("KV transport %s could not start (%s); not using it", name, exc)
     log.warning("%s sends KV with %s", worker_id, ", ".join(senders))
     return senders
+
+
+def start_core_receivers(
+    service: ServiceSettings,
+    worker: WorkerSettings,
+    connector: KVConnector,
+    landing: Landing,
+    cluster_secret: str,
+    tracing: Tracing,
+    on_push: PushObserver,
+) -> tuple[list[KVReceiver], tuple[str, ...]]:
+    """An engine core's receivers (`start_receivers`), listening where the worker's settings
+    say and vetting NIXL senders by what the cluster's members published."""
+    # NOTE: the receivers vet NIXL senders by what members published: a registry read on a new
+    # sender's first push, not on the token path.
+    registry = Registry(service.redis_url, retry_s=service.registry_retry_s, secret=cluster_secret)
+    return start_receivers(
+        worker.kv_transport,
+        connector,
+        landing,
+        service.worker_id,
+        tracing.tracer if tracing.enabled else None,
+        on_push,
+        ReceiverBind(
+            service.host,
+            worker.kv_port,
+            service.public_host,
+            cluster_secret,
+            vouch=registry.kv_endpoint_values,
+        ),
+    )
+
+
+def start_core_senders(
+    service: ServiceSettings,
+    worker: WorkerSettings,
+    connector: KVConnector,
+    cluster_secret: str,
+    tracing: Tracing,
+    on_push: PushObserver,
+) -> dict[str, KVSender]:
+    """An engine core's senders (`start_senders`), each push traced and reported to the front
+    (`on_push`: the transfer metrics live there)."""
+    return {
+        name: ObservedSender(sender, tracing, on_push)
+        for name, sender in start_senders(
+            worker.kv_transport, connector, service.worker_id, cluster_secret
+        ).items()
+    }

@@ -19,11 +19,8 @@ from splitserve.decode_service.core import DecodeCoreHandler
 from splitserve.decode_service.reservations import ReservationBook
 from splitserve.engine.engine_loop import EngineLoop
 from splitserve.engine.outputs import RequestOutput
-from splitserve.kv_transfer.registry import Registry
-from splitserve.kv_transfer.transport import KVSender, ReceiverBind
-from splitserve.kv_transports import start_receivers, start_senders
+from splitserve.kv_transports import start_core_receivers, start_core_senders
 from splitserve.prefill_service.core import PrefillCoreHandler
-from splitserve.prefill_service.observed_transport import ObservedSender
 from splitserve.runtime.engine_core.protocol import endpoint_to_wire
 from splitserve.runtime.engine_core.server import Command, CoreHandler, Emitter
 from splitserve.runtime.settings import ServiceSettings, WorkerSettings
@@ -117,28 +114,12 @@ def build_switchable(
     """The loop and handler of a `--role-switch` core: KV receivers and senders both."""
     sink = PrefillFilter(emitter)
     loop = EngineLoop(engine, sink=sink, on_failure=failed).start()
-    senders: dict[str, KVSender] = {
-        name: ObservedSender(sender, tracing, emitter.kv)
-        for name, sender in start_senders(
-            worker.kv_transport, engine.kv_connector, service.worker_id, cluster_secret
-        ).items()
-    }
+    senders = start_core_senders(
+        service, worker, engine.kv_connector, cluster_secret, tracing, emitter.kv
+    )
     book = ReservationBook()  # NOTE: per-caller limits are counted in the front
-    registry = Registry(service.redis_url, retry_s=service.registry_retry_s, secret=cluster_secret)
-    receivers, offered = start_receivers(
-        worker.kv_transport,
-        engine.kv_connector,
-        book,
-        service.worker_id,
-        tracing.tracer if tracing.enabled else None,
-        emitter.kv,
-        ReceiverBind(
-            service.host,
-            worker.kv_port,
-            service.public_host,
-            cluster_secret,
-            vouch=registry.kv_endpoint_values,
-        ),
+    receivers, offered = start_core_receivers(
+        service, worker, engine.kv_connector, book, cluster_secret, tracing, emitter.kv
     )
     decode = DecodeCoreHandler(loop, emitter, book, receivers, tuple(offered))
     prefill = PrefillCoreHandler(loop, emitter, senders, tracing)

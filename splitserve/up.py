@@ -10,14 +10,14 @@ service gets its second signal and `HURRY_S` to exit, then is killed.
 A Ctrl-C during start-up stops what has started.
 
 Every service gets an explicit free port (and, with `metrics`, a free /metrics port), so that
-its health can be watched from the moment it starts.
+its health can be watched from the moment it starts (`stack_ports.py`). The running stack and
+its stop order are `stack.py`'s `Stack`.
 """
 
 from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -25,7 +25,6 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import cast
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -39,8 +38,11 @@ from splitserve.runtime.secrets import redacted_url, with_redis_password
 from splitserve.runtime.security import is_loopback
 from splitserve.runtime.settings import check_port
 from splitserve.runtime.stack_secrets import StackSecrets
-
-HURRY_S = 0.5  # after a second Ctrl-C: how long services get to exit before they are killed
+from splitserve.stack import HURRY_S as HURRY_S
+from splitserve.stack import Stack as Stack
+from splitserve.stack import service_id, service_name
+from splitserve.stack_ports import can_listen, new_port, new_ports
+from splitserve.stack_ports import free_port as free_port
 
 
 class StackError(RuntimeError):
@@ -104,114 +106,12 @@ class StackSettings:
             raise ValueError(f"--gateways must be >= 0 (0: sized to the host), got {self.gateways}")
 
 
-@dataclass
-class Stack:
-    """A running stack; `stop()` tears it down in reverse order."""
-
-    address: str
-    redis_url: str
-    model: str
-    processes: list[subprocess.Popen] = field(default_factory=list)
-    redis: RedisKeeper | None = None
-    ports: dict[str, int] = field(default_factory=dict)  # "decode-0", "gateway" … -> gRPC port
-    metrics_ports: dict[str, int] = field(default_factory=dict)  # the same names -> /metrics
-    gateway_processes: int = 1  # the gateway's processes; process i's /metrics: port + i
-    http_url: str | None = None  # the OpenAI-compatible API's base URL, e.g. http://host:port/v1
-    stop_timeout_s: float = 35.0
-    secrets: StackSecrets | None = None  # the services' shared secrets (files of its own)
-
-    def process(self, name: str) -> subprocess.Popen:
-        """The process of service `name` ("gateway", "decode-0", "prefill-1", …)."""
-        return next(p for p in self.processes if _service_id(p) == name)
-
-    def stop(self, timeout_s: float | None = None, hurry: threading.Event | None = None) -> None:
-        """SIGTERM the gateway and wait for it to drain, then the workers; kill what is still
-        running after `timeout_s`. Once `hurry` is set, every service gets a second SIGTERM
-        (which cuts its drain short) and `HURRY_S` to exit before it is killed."""
-        deadline = time.monotonic() + (timeout_s or self.stop_timeout_s)
-        hurry = hurry or threading.Event()
-        gateways = [p for p in self.processes if _name(p) == "gateway"]
-        workers = [p for p in self.processes if _name(p) != "gateway"]
-        for group in (gateways, workers):
-            _signal(group)
-            _wait(group, deadline, hurry)
-            if hurry.is_set():
-                break
-            _kill(group)
-        if hurry.is_set():
-            _signal(workers)  # NOTE: a first signal for any not yet stopping, so that …
-            time.sleep(0.1)
-            _signal(self.processes)  # … this second one cuts every drain short
-            if self.redis is not None:
-                self.redis.terminate()  # NOTE: meanwhile, not after
-            _wait(self.processes, time.monotonic() + HURRY_S, threading.Event())
-            _kill(self.processes)
-        if self.redis is not None:
-            self.redis.stop(0.5 if hurry.is_set() else 10.0)
-        if self.secrets is not None:
-            self.secrets.close()
-
-
-def _signal(procs: list[subprocess.Popen]) -> None:
-    for proc in procs:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-
-
-def _wait(procs: list[subprocess.Popen], deadline: float, hurry: threading.Event) -> None:
-    """Until every process has exited, `deadline` passed or `hurry` is set."""
-    while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
-        if hurry.wait(0.05):
-            return
-
-
-def _kill(procs: list[subprocess.Popen]) -> None:
-    for proc in procs:
-        if proc.poll() is None:
-            proc.kill()
-        proc.wait()
-
-
-def _name(proc: subprocess.Popen) -> str:
-    """The service a child runs: `python -m splitserve.cli <service> …`."""
-    return str(cast(list[str], proc.args)[3])
-
-
-def _service_id(proc: subprocess.Popen) -> str:
-    args = cast(list[str], proc.args)
-    return args[args.index("--worker-id") + 1] if "--worker-id" in args else _name(proc)
-
-
 def ensure_default_model() -> str:
     """The tiny random-weight model's directory (`--model tiny`), built on first use.
 
     NOTE: the name predates the real default model (`default_model.resolve_model_arg`);
     new code calls `default_model.ensure_tiny_model`."""
     return ensure_tiny_model()
-
-
-def free_port(host: str) -> int:
-    with socket.socket() as sock:
-        sock.bind((host, 0))
-        return int(sock.getsockname()[1])
-
-
-def _new_port(host: str, taken: set[int]) -> int:
-    """A free port not yet handed to another service of this stack."""
-    while (port := free_port(host)) in taken:
-        pass
-    taken.add(port)
-    return port
-
-
-def _new_ports(host: str, taken: set[int], count: int) -> int:
-    """The first of `count` consecutive free ports not yet handed out."""
-    while True:
-        first = _new_port(host, taken)
-        rest = range(first + 1, first + count)
-        if all(p not in taken and p <= 65535 and _can_listen(host, p) for p in rest):
-            taken.update(rest)
-            return first
 
 
 def start_stack(
@@ -221,7 +121,7 @@ def start_stack(
 
     Raises StackError if `settings.port` is in use, and KeyboardInterrupt once `interrupt` is
     set while waiting (what started is stopped either way)."""
-    if settings.port and not _can_listen(settings.host, settings.port):
+    if settings.port and not can_listen(settings.host, settings.port):
         raise StackError(
             f"port {settings.port} on {settings.host} is in use (another splitserve, or another "
             "server?); stop it or pick another --port"
@@ -271,7 +171,7 @@ def start_stack(
     try:
         taken = {port}
         for i, (kind, name, extra) in enumerate(services):
-            stack.ports[name] = port if kind == "gateway" else _new_port(settings.host, taken)
+            stack.ports[name] = port if kind == "gateway" else new_port(settings.host, taken)
             args = [kind, *common, "--port", str(stack.ports[name])]
             if kind == "gateway" and settings.tls_cert_file and settings.tls_key_file:
                 args += ["--tls-cert-file", settings.tls_cert_file]
@@ -283,7 +183,7 @@ def start_stack(
             if kind == "gateway":
                 args += ["--processes", str(settings.gateways)]
             if kind == "gateway" and settings.http_port is not None:
-                http_port = settings.http_port or _new_port(settings.host, taken)
+                http_port = settings.http_port or new_port(settings.host, taken)
                 args += ["--http-port", str(http_port)]
                 scheme = "https" if settings.tls_cert_file and settings.tls_key_file else "http"
                 stack.http_url = f"{scheme}://{settings.host}:{http_port}/v1"
@@ -292,7 +192,7 @@ def start_stack(
                 count = (settings.gateways or default_processes()) if kind == "gateway" else 1
                 if kind == "gateway":
                     stack.gateway_processes = count
-                stack.metrics_ports[name] = _new_ports(settings.host, taken, count)
+                stack.metrics_ports[name] = new_ports(settings.host, taken, count)
                 args += ["--metrics-port", str(stack.metrics_ports[name])]
             # NOTE: a session of their own, so that a Ctrl-C at the terminal reaches only
             # `splitserve up`, which stops the gateway before the workers.
@@ -311,15 +211,6 @@ def start_stack(
     return stack
 
 
-def _can_listen(host: str, port: int) -> bool:
-    with socket.socket() as sock:
-        try:
-            sock.bind((host, port))
-        except OSError:
-            return False
-    return True
-
-
 def wait_ready(
     stack: Stack, settings: StackSettings, interrupt: threading.Event | None = None
 ) -> None:
@@ -332,7 +223,7 @@ def wait_ready(
         while time.monotonic() < deadline:
             if interrupt is not None and interrupt.is_set():
                 raise KeyboardInterrupt
-            dead = [_service_id(p) for p in stack.processes if p.poll() is not None]
+            dead = [service_id(p) for p in stack.processes if p.poll() is not None]
             if dead:
                 raise StackError(
                     f"{', '.join(dead)} exited during start-up (its error is above); "
@@ -405,7 +296,7 @@ def run_until_interrupted(settings: StackSettings) -> int:
     print("press Ctrl-C to stop", flush=True)
     try:
         while not stop.wait(0.5):
-            dead = [_name(p) for p in stack.processes if p.poll() is not None]
+            dead = [service_name(p) for p in stack.processes if p.poll() is not None]
             if dead:
                 print(f"service(s) exited: {dead}; shutting down", file=sys.stderr)
                 return 1

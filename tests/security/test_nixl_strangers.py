@@ -24,7 +24,7 @@ from splitserve.kv_transfer.transport import Peer, Push
 from splitserve.protos import convert
 from splitserve.protos.v1 import worker_pb2, worker_pb2_grpc
 from tests.e2e.harness import assert_nothing_leaks, member_metadata, running_stack, workers
-from tests.e2e.test_kv_nixl_transport import (
+from tests.e2e.nixl_peer import (
     BLOCK_BYTES,
     BLOCK_SIZE,
     TIMEOUT_S,
@@ -227,9 +227,10 @@ def test_in_a_stack_a_strangers_nixl_write_is_not_heard_and_the_victim_gets_the_
     member = member_metadata(stack)
     sampling = convert.sampling_to_proto(GREEDY)
     try:
-        with grpc.insecure_channel(decode.address) as d, grpc.insecure_channel(
-            prefill.address
-        ) as p:
+        with (
+            grpc.insecure_channel(decode.address) as d,
+            grpc.insecure_channel(prefill.address) as p,
+        ):
             dstub, pstub = worker_pb2_grpc.DecodeWorkerStub(d), worker_pb2_grpc.PrefillWorkerStub(p)
             request = worker_pb2.ReserveRequest(
                 request_id="planted", prompt_token_ids=PROMPT, sampling=sampling
