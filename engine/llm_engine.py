@@ -108,6 +108,7 @@ class LLMEngine(LoRAEngineMixin, DisaggregationMixin):
         self.overlap = self.platform.cuda_graphs if overlap is None else overlap
         self.overlap = self.overlap and self.followers is None  # NOTE: model_runner.launch
         self._inflight: InFlight | None = None  # a decode step launched, not yet settled
+        self._spec_due = False  # speculation was due when a step in flight had to settle first
         self._ids = itertools.count()
 
     def _load(self, model_dir: str | Path, config: EngineConfig) -> None:
@@ -264,11 +265,18 @@ class LLMEngine(LoRAEngineMixin, DisaggregationMixin):
         prev, self._inflight = self._inflight, None
         outputs: list[RequestOutput] = []
         plan: dict[Sequence, int] = {}
-        if self.speculator is not None and self.speculator.due(self.scheduler.running):
-            # NOTE: proposals need every token known: no overlap while speculation is on.
+        due, self._spec_due = self._spec_due, False
+        if not due and self.speculator is not None:
+            due = self.speculator.due(self.scheduler.running)  # NOTE: one backoff tick a step
+        if due:
+            # NOTE: proposals need every token known: no overlap while speculation is on. The
+            # step in flight settles and its tokens go out now (a just-admitted request's
+            # second token waits for no draft); the speculative step runs on the next call.
             if prev is not None:
-                outputs, prev = self._settle(prev), None
-            plan = self.speculator.plan(self.scheduler.running)
+                outputs, self._spec_due = self._settle(prev), True
+                self._sent_prefills += self.kv_connector.after_step(self._prompt_progress)
+                return outputs
+            plan = self.speculator.plan(self.scheduler.running)  # type: ignore[union-attr]
         out = self.scheduler.schedule(plan) if plan else self.scheduler.schedule()
         if out.is_empty and prev is None:
             return outputs

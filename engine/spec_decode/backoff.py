@@ -25,6 +25,7 @@ class _State:
     mean: float  # running mean of accepted drafts per verification
     wait: int = FIRST_WAIT  # the next pause, in steps
     resume_at: int = 0  # the first step this sequence may speculate again
+    probing: bool = False  # paused before and not yet back above the bar
 
 
 class AcceptanceBackoff:
@@ -46,6 +47,12 @@ class AcceptanceBackoff:
         state = self._states.get(seq_id)
         return state is None or state.resume_at <= self._step
 
+    def probing(self, seq_id: str) -> bool:
+        """Whether `seq_id` is due only to probe (its drafts failed before): one draft token
+        tells as well as K whether they came right again, at a fraction of the step."""
+        state = self._states.get(seq_id)
+        return state is not None and state.probing
+
     def record(self, seq_id: str, accepted: int) -> None:
         """A verification of `seq_id` accepted `accepted` drafts."""
         state = self._states.get(seq_id)
@@ -55,7 +62,9 @@ class AcceptanceBackoff:
         state.mean = 0.5 * (state.mean + accepted)
         if state.mean >= self.min_accepted:
             state.wait = FIRST_WAIT
+            state.probing = False
             return
+        state.probing = True
         state.resume_at = self._step + 1 + state.wait
         state.wait = min(2 * state.wait, MAX_WAIT)
         state.mean = self.min_accepted  # the probe alone decides: below the bar pauses again

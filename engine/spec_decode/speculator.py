@@ -48,6 +48,13 @@ class SpecDecodeCounters:
         return 1.0 + self.num_accepted_tokens / self.num_drafts
 
 
+def _first_decode_step(seq: Sequence) -> bool:
+    """A sequence's first decode step is a plain one: its second token comes as soon as it
+    would without speculation (on a decode worker: the step right after its KV landed, which a
+    speculative step would make slower by its draft and wider verification)."""
+    return len(seq.output_token_ids) <= 1
+
+
 class Speculator:
     """Plans, proposes and counts; the scheduler, runner and verifier do the rest."""
 
@@ -70,7 +77,8 @@ class Speculator:
             backoff.tick(s.seq_id for s in running)
         if not self.wants(len(running)):
             return False
-        return backoff is None or any(backoff.due(s.seq_id) for s in running)
+        ready = [s for s in running if not _first_decode_step(s)]
+        return bool(ready) and (backoff is None or any(backoff.due(s.seq_id) for s in ready))
 
     def plan(self, running: list[Sequence]) -> dict[Sequence, int]:
         """Draft slots per running sequence for the coming step (absent: none)."""
@@ -80,9 +88,13 @@ class Speculator:
         plan = {}
         backoff = self.backoff
         for seq in running:
+            if _first_decode_step(seq):
+                continue
             if backoff is not None and not backoff.due(seq.seq_id):
                 continue
             room = self._room(seq, k)
+            if backoff is not None and backoff.probing(seq.seq_id):
+                room = min(room, 1)
             if room > 0:
                 n = self.proposer.plan(seq, room)
                 if n > 0:

@@ -42,3 +42,25 @@ def test_rejected_drafts_back_off_without_changing_outputs(tiny_models, min_acce
     else:
         assert stats.spec_decode_num_drafts >= 2 * 40  # no backoff: every step speculates
     llm.engine.check_integrity()
+
+
+def test_the_first_decode_step_is_plain_and_a_probe_drafts_one_token(tiny_models):
+    """A sequence's first decode step proposes nothing (its second token comes as fast as
+    without speculation: a decode worker's first step after the KV landed), and once its drafts
+    failed, each probe proposes one token, not K."""
+    model_dir = tiny_models["llama"]
+    spec = SpeculativeConfig("draft", 3, draft_layers=1, min_accepted=0.5)
+    llm = LLM(model_dir, speculative=spec)
+    _always_wrong(llm)
+    prompt = random_prompts([16], llm.engine.model_config.vocab_size, seed=52)[0]
+    params = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
+    llm.generate([prompt], params, use_tqdm=False)
+    assert llm.engine.stats().spec_decode_num_drafts == 0  # its one decode step was plain
+    params = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
+    got = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids
+    assert got == hf_greedy(model_dir, tuple(prompt), 48)
+    stats = llm.engine.stats()
+    full, probes = 2, stats.spec_decode_num_drafts - 2  # two of K, then pauses and probes
+    assert probes >= 3
+    assert stats.spec_decode_num_draft_tokens == 3 * full + probes
+    llm.engine.check_integrity()

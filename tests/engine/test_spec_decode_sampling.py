@@ -89,7 +89,9 @@ def test_seeded_verification_is_deterministic_per_position():
 def test_speculative_sampling_matches_plain_sampling_end_to_end(tiny_models):
     model_dir = tiny_models["llama"]
     prompt = random_prompts([12], 500, seed=21)[0]
-    params = SamplingParams(temperature=1.0, top_k=4, top_p=0.95, max_tokens=3, n=250)
+    # NOTE: 4 tokens: the first comes from the prefill, the second from a plain first decode
+    # step; the third and fourth from a speculative step (one draft, one bonus token).
+    params = SamplingParams(temperature=1.0, top_k=4, top_p=0.95, max_tokens=4, n=250)
     # The draft is the target itself: its argmax is proposed at every position (a point mass,
     # accepted with the target's probability of it), so rejection sampling runs at each one.
     table = ((256, 2),)
@@ -97,7 +99,7 @@ def test_speculative_sampling_matches_plain_sampling_end_to_end(tiny_models):
     plain, spec = LLM(model_dir), LLM(model_dir, speculative=draft)
 
     def positions(llm: LLM) -> list[Counter]:
-        counts: list[Counter] = [Counter(), Counter(), Counter()]
+        counts: list[Counter] = [Counter() for _ in range(4)]
         # NOTE: 2000 samples per engine here (the acceptance function gets 20k above): the
         # tiny model on the CPU takes minutes for more.
         for out in llm.generate([prompt] * 8, params, use_tqdm=False):
@@ -110,7 +112,7 @@ def test_speculative_sampling_matches_plain_sampling_end_to_end(tiny_models):
     want, got = positions(plain), positions(spec)
     stats = spec.engine.stats()
     assert 0 < stats.spec_decode_num_accepted_tokens < stats.spec_decode_num_draft_tokens
-    for j in range(3):
+    for j in range(4):
         keys = sorted(set(want[j]) | set(got[j]))
         keys = [k for k in keys if want[j][k] + got[j][k] >= 10]  # chi-square needs counts
         table_ = [[want[j][k] for k in keys], [got[j][k] for k in keys]]

@@ -45,3 +45,17 @@ def test_min_accepted_is_validated():
     with pytest.raises(ValueError, match="min_accepted"):
         SpeculativeConfig("ngram", 2, min_accepted=3)
     assert SpeculativeConfig("ngram", 2, min_accepted=0).min_accepted == 0
+
+
+def test_a_paused_sequence_probes_until_a_probe_is_accepted():
+    backoff = AcceptanceBackoff(0.5)
+    spoke = {}  # step -> whether it was a probe (one draft token)
+    for step in range(60):
+        backoff.tick(["s"])
+        if backoff.due("s"):
+            spoke[step] = backoff.probing("s")
+            backoff.record("s", 0 if step < 30 else 1)
+    assert [step for step, probe in spoke.items() if probe] == [4, 9, 18, 35]
+    assert not spoke[0] and not spoke[1]  # full drafts until the first pause
+    assert all(not spoke[step] for step in range(36, 60))  # the probe at 35 was taken
+    assert not AcceptanceBackoff(0.5).probing("never seen")
