@@ -83,7 +83,7 @@ async def hedged_reserve(
             winner = next((a for a in attempts if a.succeeded and not a.timed_out), None)
             if winner is not None:
                 break
-            pending = [a for a in attempts if not a.task.done()]
+            pending = [a for a in attempts if not (a.task.done() or a.timed_out)]
             if not pending:
                 raise _error(attempts[0])
             now = time.monotonic()
@@ -101,7 +101,7 @@ async def hedged_reserve(
                 hedge = await _hedge(orch, job, route, request, deadline, obs, refused, attempts)
                 if hedge is not None:
                     attempts.append(hedge)
-            pending = [a for a in attempts if not a.task.done()]
+            pending = [a for a in attempts if not (a.task.done() or a.timed_out)]
             if not pending:
                 continue
             wake = min(

@@ -29,7 +29,7 @@ from splitserve.client import stream
 from splitserve.engine import LLM, SamplingParams
 from splitserve.up import Stack
 from tests.chaos.test_worker_death import _engine_core_pid, _wait_busy
-from tests.e2e.harness import assert_nothing_leaks, gateway, running_stack, workers
+from tests.e2e.harness import assert_nothing_leaks, gateway, running_stack, stats, workers
 from tests.engine.hf_oracle import random_prompts
 
 pytestmark = pytest.mark.slow
@@ -97,6 +97,11 @@ def _until(what, timeout_s: float) -> float:
 
 def _live_ids(stack: Stack) -> set[str]:
     return {w.worker_id for w in workers(stack)}
+
+
+def _reclaimed(stack: Stack) -> int:
+    """Reservations the decode workers took back when their lease ran out (none was freed)."""
+    return sum(stats(w, stack).num_reclaimed for w in workers(stack) if w.kind == "decode")
 
 
 @pytest.fixture(scope="module")
@@ -219,6 +224,7 @@ def test_full_batch_on_the_cpu_with_the_longest_steps_raises_no_false_suspicion(
         assert _counter(stack, "splitserve:worker_suspicions_total") == 0
         assert _counter(stack, "splitserve:stream_migrations_total") == 0
         assert_nothing_leaks(stack)
+        assert _reclaimed(stack) == 0  # NOTE: the hedges' losers were freed, not left to lapse
 
 
 def test_a_reserve_past_its_deadline_asks_the_only_decode_worker_again(tiny_models, llm):
@@ -274,7 +280,10 @@ def test_a_reserve_to_a_frozen_decode_worker_is_answered_by_the_other_after_the_
             os.kill(frozen.pid, signal.SIGCONT)
         assert got.token_ids == expected
         took = got.done - got.sent
-        assert took < HEDGE_S + 1.0, f"took {took:.2f} s"
+        # NOTE: sooner than the 1 s Reserve deadline alone allows (0.35 to 0.52 s measured on
+        # two busy CPU cores); no suspicion: the hedge answered before decode-0's deadline
+        assert took < HEDGE_S + 0.7, f"took {took:.2f} s"
         assert _counter(stack, "splitserve:routing_decisions_total", reason="hedge") == 1
         assert _counter(stack, "splitserve:worker_suspicions_total") == 0
         assert_nothing_leaks(stack, timeout_s=3)
+        assert _reclaimed(stack) == 0
