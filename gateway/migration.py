@@ -23,12 +23,16 @@ D1 itself, should it wake up, never touch D2's.
 A Prefill whose KV goes to a decode worker that goes silent the same way is cancelled and
 fails ABORTED, which the orchestrator retries with a fresh reservation. A worker that misses a
 deadline (a Reserve not answered in `reserve_timeout_s`, a stalled stream or prefill) is
-*suspect* for `suspect_s`: new requests go to other workers while any is live.
+*suspect* for `suspect_s`: new requests go to other workers while any is live. Both deadlines
+are paced by the worker's own recent waits (`runtime/pace.py`): three times its longest recent
+Reserve answer or gap between two stream messages, when that is longer, so a worker whose
+steps legitimately take a second is not taken for a frozen one.
 
-How long a freeze costs: a silent stream is first checked after `stall_timeout_s`, then every
-quarter of it, against the registry, which drops a frozen worker `--heartbeat-ttl-s` after its
-last heartbeat (a frozen process) or `--engine-stall-s` after its loop's last turn (a frozen
-engine core). A new request sent meanwhile waits `reserve_timeout_s` at most on that worker.
+How long a freeze costs: a silent stream is first checked after `stall_timeout_s` (paced),
+then every quarter of it, against the registry, which drops a frozen worker
+`--heartbeat-ttl-s` after its last heartbeat (a frozen process) or `--engine-stall-s` (paced
+the same way) after its loop's last turn (a frozen engine core). A new request sent meanwhile
+waits about `reserve_hedge_s` on that worker: its Reserve is hedged on another (`hedge.py`).
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ import asyncio
 import dataclasses
 import functools
 import logging
+import math
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
@@ -63,10 +68,16 @@ class FailoverSettings:
     # Abort: a healthy worker answers at once, so a silent one is given up on.
     rpc_timeout_s: float = 5.0
     # Reserve: a healthy worker answers within its longest step; one that does not is suspect,
-    # and another is asked (a frozen worker delays a new request this much at most).
+    # and another is asked. Paced: three times the worker's recent peak wait, if longer
+    # (runtime/pace.py), so a worker slow because busy is not taken for a frozen one.
     reserve_timeout_s: float = 1.0
-    # A Decode stream with no message for this long is checked (then every quarter of it):
-    # gone from the registry (heartbeat lapsed, or its engine stalled) means it moves.
+    # A Reserve not answered this soon is also sent to another decode worker; the first answer
+    # wins and the other is freed (gateway/hedge.py): a frozen worker delays a new request
+    # about this much. 0: no hedge.
+    reserve_hedge_s: float = 0.3
+    # A Decode stream with no message for this long (paced, as reserve_timeout_s) is checked
+    # (then every quarter of it): gone from the registry (heartbeat lapsed, or its engine
+    # stalled) means it moves.
     stall_timeout_s: float = 1.0
     # How long a worker that missed a deadline gets no new request (while others are live).
     suspect_s: float = 30.0
@@ -77,6 +88,8 @@ class FailoverSettings:
         for name in ("rpc_timeout_s", "reserve_timeout_s", "stall_timeout_s", "suspect_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")
+        if not (math.isfinite(self.reserve_hedge_s) and self.reserve_hedge_s >= 0):
+            raise ValueError(f"reserve_hedge_s must be >= 0, got {self.reserve_hedge_s!r}")
         if self.max_migrations < 0:
             raise ValueError(f"max_migrations must be >= 0, got {self.max_migrations}")
 
@@ -161,11 +174,16 @@ class Ledger:
 
 
 async def watched(
-    stream: Any, stall_s: float, is_live: Callable[[], Any]
+    stream: Any,
+    stall_s: Callable[[], float],
+    is_live: Callable[[], Any],
+    on_gap: Callable[[float], None] | None = None,
 ) -> AsyncIterator[worker_pb2.DecodeResponse]:
-    """The messages of a Decode stream; raises WorkerLost when none arrives for `stall_s` and
-    `is_live()` (awaited) says its worker has left the registry (asked again every quarter of
-    `stall_s` while the stream stays silent). A slow but live worker is waited for.
+    """The messages of a Decode stream; raises WorkerLost when none arrives for `stall_s()`
+    seconds (the worker's paced deadline, asked when due) and `is_live()` (awaited) says its
+    worker has left the registry (asked again every quarter of it while the stream stays
+    silent). A slow but live worker is waited for. `on_gap(seconds)` hears how long each
+    message after the first was waited for (the first waits for admission and the prefill).
 
     NOTE: one watchdog task per stream, not a task or timer per message: the relay's cost is
     per token. It only counts time spent waiting for the worker (not while the consumer holds a
@@ -175,7 +193,8 @@ async def watched(
 
     async def watchdog() -> None:
         while True:
-            due = waiting[0] + stall_s - time.monotonic() if waiting else stall_s
+            limit_s = stall_s()
+            due = waiting[0] + limit_s - time.monotonic() if waiting else limit_s
             if due > 0:
                 await asyncio.sleep(due)
                 continue
@@ -184,19 +203,23 @@ async def watched(
                 stream.cancel()
                 return
             # NOTE: slow but live (or its record not yet lapsed): asked again while it is silent
-            await asyncio.sleep(stall_s / 4)
+            await asyncio.sleep(limit_s / 4)
 
     dog = asyncio.ensure_future(watchdog())
+    first = True
     try:
         while True:
             try:
                 msg = await stream.read()
             except (asyncio.CancelledError, grpc.RpcError):
                 if lost[0]:
-                    raise WorkerLost(f"no message for {stall_s:.1f} s and no heartbeat") from None
+                    raise WorkerLost(f"no message for {stall_s():.1f} s and no heartbeat") from None
                 raise
             if msg is grpc.aio.EOF:
                 return
+            if on_gap is not None and not first:
+                on_gap(time.monotonic() - waiting[0])
+            first = False
             waiting.clear()
             yield msg
             waiting.append(time.monotonic())
@@ -244,8 +267,13 @@ class StreamMover:
                         metadata=call.metadata,
                     )
                     orch._track(route, stream)
+                    worker_id = route.decode.worker_id
                     is_live = functools.partial(self._is_live, route.decode)
-                    async for msg in watched(stream, settings.stall_timeout_s, is_live):
+                    stall_s = functools.partial(
+                        orch.paces.deadline, worker_id, settings.stall_timeout_s
+                    )
+                    on_gap = functools.partial(orch.paces.observe, worker_id)
+                    async for msg in watched(stream, stall_s, is_live, on_gap):
                         ledger.record(msg)
                         yield msg
                 return
@@ -280,7 +308,7 @@ class StreamMover:
         lost = route.decode
         if reason != ROLE_CHANGE:
             orch.suspects.mark(lost.worker_id, f"its Decode stream was lost ({reason})", "stream")
-        self._abort_in_background(lost, route.worker_request_id or job.request_id)
+        self.abort_in_background(lost, route.worker_request_id or job.request_id)
         # A killed worker's prefix index is gone with it: routing must stop preferring it.
         await asyncio.to_thread(orch.registry.clear_prefix_blocks, lost.worker_id)
         route.worker_request_id = f"{job.request_id}~{move}"
@@ -301,7 +329,8 @@ class StreamMover:
         the registry meanwhile (frozen: the pushes would wait out their send timeout), the call
         is cancelled and fails ABORTED, which the caller retries with a fresh reservation."""
         task = asyncio.ensure_future(_awaited(rpc))
-        wait_s = self.settings.stall_timeout_s
+        paces, floor_s = self.orch.paces, self.settings.stall_timeout_s
+        wait_s = paces.deadline(decode.worker_id, floor_s)
         try:
             while True:
                 done, _ = await asyncio.wait({task}, timeout=wait_s)
@@ -309,7 +338,8 @@ class StreamMover:
                     return task.result()
                 if not await self._is_live(decode):
                     break
-                wait_s = self.settings.stall_timeout_s / 4  # NOTE: as `watched` asks again
+                # NOTE: as `watched` asks again
+                wait_s = paces.deadline(decode.worker_id, floor_s) / 4
         except asyncio.CancelledError:
             task.cancel()
             raise
@@ -352,7 +382,7 @@ class StreamMover:
         self._live[kind] = (asked, ids)
         return ids
 
-    def _abort_in_background(self, worker: WorkerInfo, request_id: str) -> None:
+    def abort_in_background(self, worker: WorkerInfo, request_id: str) -> None:
         """Abort the request on the lost worker without waiting: a frozen one answers late."""
 
         async def abort() -> None:

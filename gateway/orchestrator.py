@@ -34,8 +34,9 @@ import grpc
 from splitserve.engine.errors import DeadlineExceeded, quoted
 from splitserve.engine.prefix_hash import prefix_block_hashes
 from splitserve.gateway.admission import PrefillBudget
+from splitserve.gateway.hedge import hedged_reserve
 from splitserve.gateway.migration import FailoverSettings, StreamMover, Suspects
-from splitserve.gateway.observability import PREFILL, RESERVE, RequestObservation
+from splitserve.gateway.observability import PREFILL, RequestObservation
 from splitserve.gateway.prefill_ledger import PrefillLedger
 from splitserve.gateway.router import NoWorkerError, RoutingPolicy
 from splitserve.gateway.stubs import Stubs
@@ -44,6 +45,7 @@ from splitserve.kv_transfer.registry import Registry, WorkerInfo
 from splitserve.kv_transfer.registry_records import can_transfer
 from splitserve.protos import convert
 from splitserve.protos.v1 import common_pb2, worker_pb2
+from splitserve.runtime.pace import Paces
 
 log = logging.getLogger(__name__)
 
@@ -80,7 +82,7 @@ class Route:
     calls: list[Any] = field(default_factory=list)  # cancellable futures / streams
     cancelled: bool = False
     reserving: bool = False  # a Reserve was sent: D may hold blocks for the request
-    silent_reserves: int = 0  # Reserves that went unanswered in time (each took a new id)
+    hedges: int = 0  # Reserves sent under an id of their own (gateway/hedge.py)
 
 
 class Orchestrator:
@@ -102,6 +104,8 @@ class Orchestrator:
         self._lock = threading.Lock()
         self.budget = PrefillBudget(settings.max_prefill_tokens_per_worker, ledger=ledger)
         self.suspects = Suspects(settings.failover.suspect_s)
+        # NOTE: each decode worker's recent waits (Reserve answers, stream gaps): its deadlines
+        self.paces = Paces()
         self.mover = StreamMover(self, settings.failover)
 
     async def run(
@@ -150,7 +154,11 @@ class Orchestrator:
             return await asyncio.to_thread(self._pick_decode_now, job, obs, exclude)
 
     def _pick_decode_now(
-        self, job: Job, obs: RequestObservation, exclude: Collection[str]
+        self,
+        job: Job,
+        obs: RequestObservation,
+        exclude: Collection[str],
+        reason: str | None = None,
     ) -> tuple[WorkerInfo, None, int]:
         workers = [
             w
@@ -170,7 +178,7 @@ class Orchestrator:
             inflight = dict(self._inflight)
         chosen = self.policy.pick_decode(workers, inflight, prefix)
         hit = prefix.get(chosen.worker_id, 0)
-        obs.routed("decode", chosen.worker_id, "prefix_hit" if hit else "least_loaded")
+        obs.routed("decode", chosen.worker_id, reason or ("prefix_hit" if hit else "least_loaded"))
         return chosen, None, hit
 
     async def _reserve(
@@ -181,10 +189,12 @@ class Orchestrator:
         obs: RequestObservation,
         resume: worker_pb2.ResumeFrom | None = None,
     ) -> worker_pb2.KVDestination:
-        """Blocks on D for the prompt. A D that refuses (draining) or does not answer in time
-        (`reserve_timeout_s`: marked suspect) is replaced by another (one that did not answer
-        is asked again when no other is live); one whose pool is full is asked again (another
-        D may be picked) with back-off until the deadline, so the request waits for memory."""
+        """Blocks on D for the prompt. A D slow to answer is hedged on another (`hedge.py`); a
+        D that refuses (draining) or does not answer by its deadline (`reserve_timeout_s`,
+        paced: marked suspect) is replaced by another (one that did not answer is asked again,
+        under a fresh id, when no other is live); one whose pool is full is asked again
+        (another D may be picked) with back-off until the deadline, so the request waits for
+        memory."""
         request = worker_pb2.ReserveRequest(
             request_id=route.worker_request_id or job.request_id,
             prompt_token_ids=job.prompt_token_ids,
@@ -192,20 +202,12 @@ class Orchestrator:
             resume=resume,
             adapter=job.adapter or "",
         )
-        timeout_s = self.settings.failover.reserve_timeout_s
         wait, longest = self.settings.reserve_backoff_s
         refused: set[str] = set()
         route.reserving = True
         while True:
             try:
-                with obs.call(RESERVE, route.decode) as call:
-                    stub = self.stubs.decode(route.decode.address)
-                    reply = await stub.Reserve(
-                        request,
-                        timeout=min(_remaining(deadline), timeout_s),
-                        metadata=call.metadata,
-                    )
-                    return reply.destination
+                return await hedged_reserve(self, job, route, request, deadline, obs, refused)
             except grpc.RpcError as err:
                 full = err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
                 silent = err.code() == grpc.StatusCode.DEADLINE_EXCEEDED
@@ -213,15 +215,9 @@ class Orchestrator:
                 if route.cancelled or not (full or draining):
                     raise
                 if silent:
-                    self.suspects.mark(
-                        route.decode.worker_id, f"no answer to Reserve in {timeout_s} s", "reserve"
-                    )
-                    # NOTE: the silent Reserve may still be granted (a busy worker answers
-                    # late): the next one takes a new id, so it can't meet that one's block
-                    # record or claim. The late one is undone by its worker (its caller left)
-                    # or lapses with its lease.
-                    route.silent_reserves += 1
-                    route.worker_request_id = f"{job.request_id}~q{route.silent_reserves}"
+                    # NOTE: its late answer, if any, is aborted under the old id (hedge.py)
+                    route.hedges += 1
+                    route.worker_request_id = f"{job.request_id}~h{route.hedges}"
                     request.request_id = route.worker_request_id
                 if draining:
                     refused.add(route.decode.worker_id)

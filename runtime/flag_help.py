@@ -37,7 +37,7 @@ _HELP = {
     "lease_s": "seconds a reservation is held for a request that has not come",
     "heartbeat_ttl_s": "seconds the registry keeps this worker without a heartbeat",
     "engine_stall_s": "seconds the engine loop may go without a turn before the worker leaves "
-    "the registry (keep above the longest step)",
+    "the registry (at least; 3 times its recent longest wait if that is longer)",
     "pdl": "programmatic dependent launch in the GPU kernels (true/false)",
     "async_scheduling": "overlapped decode steps: auto (on with CUDA graphs), on, off",
     "kv_transport": "how KV moves between workers: auto, nixl, grpc",
@@ -72,10 +72,12 @@ _HELP = {
     "request_timeout_s": "seconds a request may take before it fails DEADLINE_EXCEEDED",
     "max_prefill_tokens_per_worker": "prompt tokens given to one prefill worker at once",
     "rpc_timeout_s": "deadline of the calls a healthy worker answers at once (Abort)",
-    "reserve_timeout_s": "deadline of a Reserve; a decode worker that misses it is suspect and "
-    "another is asked",
-    "stall_timeout_s": "seconds of silence after which a Decode stream's worker is checked; "
-    "gone from the registry, the stream moves elsewhere",
+    "reserve_timeout_s": "deadline of a Reserve (at least; 3 times the worker's recent longest "
+    "wait if that is longer); a decode worker that misses it is suspect and another is asked",
+    "reserve_hedge_s": "seconds after which an unanswered Reserve is also sent to another "
+    "decode worker, the first answer winning (0: no hedge)",
+    "stall_timeout_s": "seconds of silence (at least; paced as --reserve-timeout-s) after which "
+    "a Decode stream's worker is checked; gone from the registry, the stream moves elsewhere",
     "suspect_s": "seconds a worker that missed a deadline gets no new requests",
     "max_migrations": "how often one stream may move to another decode worker",
     "http_port": "serve the OpenAI-compatible HTTP API on this port too (0: off)",

@@ -80,7 +80,8 @@ class WorkerSettings:
     # A frozen worker's record lapses after this long: the gateway moves its streams then
     heartbeat_ttl_s: float = 1.5
     # A worker whose engine loop has not turned for this long leaves the registry until it
-    # does (runtime/engine_watch.py); keep it above the longest step (step_seconds_max)
+    # does (runtime/engine_watch.py); paced: three times the loop's recent longest wait when
+    # that is longer (runtime/pace.py)
     engine_stall_s: float = 2.0
     pdl: bool = True  # programmatic dependent launch in the GPU kernels (SPLITSERVE_PDL=0: off)
     # Overlapped decode steps (engine/overlap.py): auto turns them on with CUDA graphs
@@ -152,11 +153,14 @@ class GatewaySettings:
     max_prefill_tokens_per_worker: int = 16384
     # Deadline of the calls that a healthy worker answers at once (Abort)
     rpc_timeout_s: float = 5.0
-    # Deadline of a Reserve: a decode worker that misses it is suspect and another is asked,
-    # so a frozen one delays a new request by this much at most (above the longest step)
+    # Deadline of a Reserve: a decode worker that misses it is suspect and another is asked;
+    # paced: three times the worker's recent peak wait when that is longer (runtime/pace.py)
     reserve_timeout_s: float = 1.0
-    # A Decode stream silent this long has its worker's liveness checked (then every quarter
-    # of it): gone from the registry, the stream moves elsewhere
+    # A Reserve unanswered this long is also sent to another decode worker, the first answer
+    # wins (gateway/hedge.py): a frozen worker delays a new request about this much (0: off)
+    reserve_hedge_s: float = 0.3
+    # A Decode stream silent this long (paced as the Reserve deadline) has its worker's
+    # liveness checked (then every quarter of it): gone from the registry, the stream moves
     stall_timeout_s: float = 1.0
     # A worker that missed a deadline gets no new requests for this long (others are live)
     suspect_s: float = 30.0
@@ -179,6 +183,11 @@ class GatewaySettings:
         if not 0 <= self.processes <= 256:
             raise ValueError(
                 f"--processes must be 0 (sized to the host) to 256, got {self.processes}"
+            )
+        if not (math.isfinite(self.reserve_hedge_s) and self.reserve_hedge_s >= 0):
+            raise ValueError(
+                f"--reserve-hedge-s must be a finite number of seconds >= 0 (0: no hedge), got "
+                f"{self.reserve_hedge_s}"
             )
 
 

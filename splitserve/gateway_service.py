@@ -80,6 +80,7 @@ def start_gateway(
                 failover=FailoverSettings(
                     rpc_timeout_s=gateway.rpc_timeout_s,
                     reserve_timeout_s=gateway.reserve_timeout_s,
+                    reserve_hedge_s=gateway.reserve_hedge_s,
                     stall_timeout_s=gateway.stall_timeout_s,
                     suspect_s=gateway.suspect_s,
                     max_migrations=gateway.max_migrations,

@@ -4,9 +4,12 @@ With the gateway's defaults (no failover flag set): a decode worker SIGSTOPped u
 its streams resume on the other one within 3 s (tokens equal to the offline engine's), and new
 requests sent after the freeze take under 1.5 s each. A worker whose engine core alone is
 frozen (its front still answers) leaves the registry, its streams move, and it joins again when
-the core goes on. At full batch on the CPU, with the longest steps (2048-token chunks), no
-worker leaves the registry and none is suspected. With one decode worker, a Reserve it answers
-past its deadline is asked again rather than failed. Each test ends with the leak check.
+the core goes on. At full batch on the CPU, with the longest steps (2048-token chunks) and the
+default deadlines (paced by each worker's own waits), no worker leaves the registry and none is
+suspected. A Reserve sent to a frozen decode worker is hedged on the other one and answered
+within the hedge delay and a margin, and what the frozen one grants when it goes on is freed.
+With one decode worker, a Reserve it answers past its deadline is asked again rather than
+failed. Each test ends with the leak check.
 """
 
 from __future__ import annotations
@@ -26,13 +29,14 @@ from splitserve.client import stream
 from splitserve.engine import LLM, SamplingParams
 from splitserve.up import Stack
 from tests.chaos.test_worker_death import _engine_core_pid, _wait_busy
-from tests.e2e.harness import assert_nothing_leaks, gateway, running_stack, workers
+from tests.e2e.harness import assert_nothing_leaks, gateway, running_stack, stats, workers
 from tests.engine.hf_oracle import random_prompts
 
 pytestmark = pytest.mark.slow
 
 RESUME_S = 3.0  # a frozen worker's streams go on elsewhere within this
 NEW_REQUEST_S = 1.5  # a request sent after the freeze takes at most this
+HEDGE_S = 0.3  # --reserve-hedge-s's default
 
 
 @dataclass
@@ -71,7 +75,7 @@ def _offline(llm: LLM, prompts: list[list[int]], params: SamplingParams) -> list
     return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
 
 
-def _counter(stack: Stack, name: str) -> float:
+def _counter(stack: Stack, name: str, **labels: str) -> float:
     port = stack.metrics_ports["gateway"]
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as reply:
         text = reply.read().decode()
@@ -79,7 +83,7 @@ def _counter(stack: Stack, name: str) -> float:
         s.value
         for family in text_string_to_metric_families(text)
         for s in family.samples
-        if s.name == name
+        if s.name == name and labels.items() <= s.labels.items()
     )
 
 
@@ -93,6 +97,11 @@ def _until(what, timeout_s: float) -> float:
 
 def _live_ids(stack: Stack) -> set[str]:
     return {w.worker_id for w in workers(stack)}
+
+
+def _reclaimed(stack: Stack) -> int:
+    """Reservations the decode workers took back when their lease ran out (none was freed)."""
+    return sum(stats(w, stack).num_reclaimed for w in workers(stack) if w.kind == "decode")
 
 
 @pytest.fixture(scope="module")
@@ -175,21 +184,17 @@ def test_a_frozen_engine_core_takes_its_worker_out_until_it_turns_again(tiny_mod
 
 def test_full_batch_on_the_cpu_with_the_longest_steps_raises_no_false_suspicion(tiny_models, llm):
     """Both decode workers at their largest batch (more streams than --max-num-seqs), with
-    2048-token chunks (the longest steps on the CPU) and deadlines set by the documented rule:
-    no worker leaves the registry for a moment, none is suspected, no stream moves."""
+    2048-token chunks (the longest steps on the CPU, about 1 s on two busy cores) and the
+    default deadlines, which scale with each worker's own pace: no worker leaves the registry
+    for a moment, none is suspected, no stream moves."""
     prompts = random_prompts([300 + 20 * (i % 10) for i in range(72)], 500, seed=84)
     params = _greedy(48)
     expected = _offline(llm, prompts, params)
     with (
         running_stack(
             tiny_models["llama"], prefill=1, decode=2, metrics=True,
-            # NOTE: deadlines by docs/deploy.md's rule (twice the longest step) for this CPU: its
-            # 2048-token steps under a full suite's load reach about 1 s, so the defaults, sized
-            # for GPU steps, once took a busy worker for a frozen one here.
-            worker_args=("--max-num-batched-tokens", "2048", "--max-num-seqs", "32",
-                         "--engine-stall-s", "4"),
-            extra_gateway_args=("--local-prefill-tokens", "400", "--reserve-timeout-s", "2",
-                                "--stall-timeout-s", "2"),
+            worker_args=("--max-num-batched-tokens", "2048", "--max-num-seqs", "32"),
+            extra_gateway_args=("--local-prefill-tokens", "400"),
         ) as stack,
         ThreadPoolExecutor(72) as pool,
     ):  # fmt: skip
@@ -219,6 +224,7 @@ def test_full_batch_on_the_cpu_with_the_longest_steps_raises_no_false_suspicion(
         assert _counter(stack, "splitserve:worker_suspicions_total") == 0
         assert _counter(stack, "splitserve:stream_migrations_total") == 0
         assert_nothing_leaks(stack)
+        assert _reclaimed(stack) == 0  # NOTE: the hedges' losers were freed, not left to lapse
 
 
 def test_a_reserve_past_its_deadline_asks_the_only_decode_worker_again(tiny_models, llm):
@@ -272,3 +278,40 @@ def test_a_reserve_granted_after_its_deadline_does_not_collide_with_the_next(tin
         assert got.token_ids == expected
         assert _counter(stack, "splitserve:worker_suspicions_total") >= 1  # it was late
         assert_nothing_leaks(stack, timeout_s=20)
+
+
+def test_a_reserve_to_a_frozen_decode_worker_is_answered_by_the_other_after_the_hedge(
+    tiny_models, llm
+):
+    """With both decode workers idle a new request's Reserve goes to decode-0 (equals: the
+    first id). decode-0 is SIGSTOPped just before (its record lives on for the heartbeat TTL):
+    the Reserve is hedged on decode-1 after --reserve-hedge-s and the request completes within
+    that and a margin, with no suspicion (the frozen worker is slower than the hedge, not past
+    its deadline). Once decode-0 goes on, what it may grant late is freed well within its
+    10 s lease (the leak check waits 3 s at most)."""
+    prompt, *warm = random_prompts([40, 36, 44], 500, seed=86)
+    params = _greedy(4)
+    expected = _offline(llm, [prompt], params)[0]
+    with (
+        running_stack(tiny_models["llama"], prefill=1, decode=2, metrics=True) as stack,
+        ThreadPoolExecutor(2) as pool,
+    ):
+        # NOTE: one request on each decode worker first (its first steps are slower)
+        for f in [pool.submit(_timed, stack, p, params, f"warm-{i}") for i, p in enumerate(warm)]:
+            f.result(timeout=60)
+        assert_nothing_leaks(stack)
+        frozen = stack.process("decode-0")
+        os.kill(frozen.pid, signal.SIGSTOP)
+        try:
+            got = _timed(stack, prompt, params, "hedged")
+        finally:
+            os.kill(frozen.pid, signal.SIGCONT)
+        assert got.token_ids == expected
+        took = got.done - got.sent
+        # NOTE: sooner than the 1 s Reserve deadline alone allows (0.35 to 0.52 s measured on
+        # two busy CPU cores); no suspicion: the hedge answered before decode-0's deadline
+        assert took < HEDGE_S + 0.7, f"took {took:.2f} s"
+        assert _counter(stack, "splitserve:routing_decisions_total", reason="hedge") == 1
+        assert _counter(stack, "splitserve:worker_suspicions_total") == 0
+        assert_nothing_leaks(stack, timeout_s=3)
+        assert _reclaimed(stack) == 0

@@ -90,3 +90,40 @@ def test_a_core_that_failed_the_question_raises_its_error():
 def test_stall_s_must_be_positive():
     with pytest.raises(ValueError, match="stall_s"):
         EngineWatch(Core().ask, stall_s=0)
+
+
+def test_a_loop_whose_turns_take_long_lately_is_given_three_times_as_long():
+    """Answers that took 1.5 s (long steps on a busy CPU) pace the deadline to 4.5 s, decaying
+    (half-life 10 s) while no longer answer comes: a 2.5 s wait is no stall, a 4 s one is."""
+    now = [0.0]
+    core = Core()
+    watch = EngineWatch(core.ask, stall_s=2.0, clock=lambda: now[0])
+    _first(core, watch)
+    watch.latest()  # asked at 0
+    now[0] = 1.5
+    core.asked[1].set_result(_reply(2))  # the step held the answer 1.5 s
+    watch.latest()  # the answer is read; a new question asked at 1.5
+    assert watch.deadline_s == pytest.approx(4.5, abs=0.01)
+    now[0] = 1.5 + 2.5
+    assert watch.latest().num_requests_running == 2  # a long step, not a freeze
+    now[0] = 1.5 + 4.0  # the peak has decayed to 1.5 * 0.5 ** 0.4: a deadline of 3.4 s
+    with pytest.raises(Stalled, match="paced to 3.4 s"):
+        watch.latest()
+
+
+def test_a_fast_loop_that_freezes_is_caught_at_stall_s():
+    now = [0.0]
+    core = Core()
+    watch = EngineWatch(core.ask, stall_s=2.0, clock=lambda: now[0])
+    _first(core, watch)
+    for i in range(1, 20):  # answered within 20 ms every time
+        now[0] = i * 0.5
+        watch.latest()
+        now[0] += 0.02
+        core.asked[-1].set_result(_reply(1))
+    now[0] += 0.5
+    watch.latest()  # the last question, never answered
+    assert watch.deadline_s == 2.0
+    now[0] += 2.1
+    with pytest.raises(Stalled):
+        watch.latest()

@@ -1,0 +1,79 @@
+"""Deadlines that scale with a worker's own pace.
+
+A deadline that tells a frozen worker from a busy one can't be one number: a GPU worker steps
+every few tens of milliseconds, a CPU worker at full batch with 2048-token chunks takes about a
+second per step, and the same worker's steps vary with its load. So the failover deadlines
+(the gateway's Reserve and stream deadlines, the worker's own engine-stall check) are
+
+    deadline = min(CAP_FACTOR × floor, max(floor, PACE_FACTOR × recent peak))
+
+where `floor` is the configured deadline (`--reserve-timeout-s`, `--stall-timeout-s`,
+`--engine-stall-s`) and the recent peak is the longest wait lately observed on that worker (a
+Reserve's answer, the gap between two messages of a Decode stream, the engine loop's answer to
+a question), decaying by half every `HALF_LIFE_S` without a longer one. A worker stepping every
+20 ms that freezes is caught at the floor; one whose steps legitimately take 1 s is not taken for
+frozen before 3 s. Only waits that ended are observed, so a frozen worker never stretches its own
+deadline while it is frozen; the cap bounds what a short freeze that ended can stretch it to.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+PACE_FACTOR = 3.0  # a deadline is this many times the worker's recent peak wait, at least
+HALF_LIFE_S = 10.0  # a peak not seen again halves in this long
+CAP_FACTOR = 10.0  # a paced deadline is at most this many times its floor
+
+
+def paced(floor_s: float, peak_s: float) -> float:
+    """The deadline for a worker whose recent peak wait is `peak_s` (see the module doc)."""
+    return min(CAP_FACTOR * floor_s, max(floor_s, PACE_FACTOR * peak_s))
+
+
+class DecayingPeak:
+    """The longest wait observed lately: a longer one replaces it, and it halves every
+    `half_life_s` without one. Not locked: each owner updates it from one thread (or loop)."""
+
+    def __init__(
+        self, half_life_s: float = HALF_LIFE_S, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        if not half_life_s > 0:
+            raise ValueError(f"half_life_s must be > 0, got {half_life_s!r}")
+        self.half_life_s = half_life_s
+        self._clock = clock
+        self._peak = 0.0
+        self._at = 0.0
+
+    def value(self) -> float:
+        """The peak now, decayed since it was seen."""
+        if not self._peak:
+            return 0.0
+        return self._peak * 0.5 ** ((self._clock() - self._at) / self.half_life_s)
+
+    def observe(self, seconds: float) -> None:
+        if seconds > self.value():
+            self._peak, self._at = seconds, self._clock()
+
+
+class Paces:
+    """A `DecayingPeak` per worker, and the paced deadline of each (see the module doc)."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self._clock = clock
+        self._peaks: dict[str, DecayingPeak] = {}
+
+    def observe(self, worker_id: str, seconds: float) -> None:
+        """A wait on `worker_id` that ended after `seconds`."""
+        peak = self._peaks.get(worker_id)
+        if peak is None:
+            peak = self._peaks[worker_id] = DecayingPeak(clock=self._clock)
+        peak.observe(seconds)
+
+    def peak(self, worker_id: str) -> float:
+        peak = self._peaks.get(worker_id)
+        return 0.0 if peak is None else peak.value()
+
+    def deadline(self, worker_id: str, floor_s: float) -> float:
+        """How long `worker_id` may keep a caller waiting before it is suspect."""
+        return paced(floor_s, self.peak(worker_id))

@@ -1,0 +1,58 @@
+"""The pace rule (runtime/pace.py): a deadline is max(floor, 3 × the worker's recent peak wait),
+at most 10 × the floor, and the peak halves every 10 s that no longer wait is seen."""
+
+from __future__ import annotations
+
+import pytest
+
+from splitserve.runtime.pace import CAP_FACTOR, HALF_LIFE_S, PACE_FACTOR, DecayingPeak, Paces
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_a_worker_never_seen_or_fast_gets_the_floor():
+    paces = Paces(clock=Clock())
+    assert paces.deadline("gpu", 1.0) == 1.0
+    for _ in range(50):
+        paces.observe("gpu", 0.02)  # a GPU step
+    assert paces.deadline("gpu", 1.0) == 1.0
+
+
+def test_a_worker_whose_steps_take_a_second_gets_three_seconds_and_no_other_worker_does():
+    paces = Paces(clock=Clock())
+    paces.observe("cpu", 0.4)
+    paces.observe("cpu", 1.0)
+    paces.observe("cpu", 0.3)  # shorter waits do not lower the peak
+    assert PACE_FACTOR == 3.0
+    assert paces.deadline("cpu", 1.0) == pytest.approx(3.0)
+    assert paces.deadline("gpu", 1.0) == 1.0
+
+
+def test_the_peak_halves_every_half_life_without_a_longer_wait():
+    clock = Clock()
+    peak = DecayingPeak(clock=clock)
+    peak.observe(1.0)
+    clock.now += HALF_LIFE_S
+    assert peak.value() == pytest.approx(0.5)
+    peak.observe(0.4)  # below the decayed peak: no change
+    clock.now += HALF_LIFE_S
+    assert peak.value() == pytest.approx(0.25)
+    peak.observe(0.6)
+    assert peak.value() == pytest.approx(0.6)
+
+
+def test_a_long_wait_stretches_the_deadline_at_most_to_the_cap():
+    paces = Paces(clock=Clock())
+    paces.observe("once-frozen", 60.0)
+    assert paces.deadline("once-frozen", 1.0) == CAP_FACTOR * 1.0
+
+
+def test_the_half_life_must_be_positive():
+    with pytest.raises(ValueError, match="half_life_s"):
+        DecayingPeak(half_life_s=0)
