@@ -394,7 +394,7 @@ class LLMEngine(LoRAEngineMixin):
                     out = self.speculator.attach(out, drafts)
                 sampled = self.runner.execute(out, tables)
                 if drafts:
-                    self.speculator.record(drafts, sampled)  # type: ignore[union-attr]
+                    self.speculator.record(out, sampled)  # type: ignore[union-attr]
                 outputs += self._process_outputs(self.scheduler.update(out, sampled))
         # NOTE: a watched prefill that finished is forgotten (its unpinned blocks freed) on the
         # next turn, not now: step hooks still see its final progress after this step.
