@@ -363,15 +363,19 @@ class LLMEngine(LoRAEngineMixin):
         prev, self._inflight = self._inflight, None
         outputs: list[RequestOutput] = []
         plan: dict[Sequence, int] = {}
+        observe = False
         if self.speculator is not None and self.speculator.due(self.scheduler.running):
             # NOTE: proposals need every token known: no overlap while speculation is on.
             if prev is not None:
                 outputs, prev = self._settle(prev), None
             plan = self.speculator.plan(self.scheduler.running)
+            # NOTE: a draft catching up on sequences that decode plainly meanwhile must see
+            # this step, which an overlapped one skips.
+            observe = not plan and self.speculator.proposer.catching_up(self.scheduler.running)
         out = self.scheduler.schedule(plan) if plan else self.scheduler.schedule()
         if out.is_empty and prev is None:
             return outputs
-        overlap = self.overlap and not out.is_empty and self.runner.can_overlap(out)
+        overlap = self.overlap and not observe and not out.is_empty and self.runner.can_overlap(out)
         if prev is not None and not overlap:
             outputs = self._settle(prev)
             prev = None

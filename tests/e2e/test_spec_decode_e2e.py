@@ -121,3 +121,25 @@ def test_each_decode_span_carries_the_speculation_its_request_saw(tiny_models, t
         metric = f"splitserve:spec_decode_{name}_total"
         assert counted[name] == _total(after, metric) - _total(before, metric), name
     assert_nothing_leaks(stack)
+
+
+def test_draft_checkpoint_on_decode_workers_catches_up_in_chunks_equals_hf_and_leaks_nothing(
+    tiny_models,
+):
+    model_dir = tiny_models["llama"]
+    # The draft is the target's own checkpoint: every draft is accepted only if the prompt KV
+    # the decode worker caught up on (in chunks of 8, decoding plainly meanwhile) is right.
+    args = (
+        "--speculative-method", "draft", "--speculative-model", str(model_dir),
+        "--num-speculative-tokens", "3", "--speculative-draft-catch-up-tokens", "8",
+    )  # fmt: skip
+    prompts = random_prompts([40, 130], 500, seed=45)
+    expected = [hf_greedy(model_dir, tuple(p), MAX_NEW) for p in prompts]
+    with running_stack(model_dir, 1, 1, worker_args=args, metrics=True) as stack:
+        results = _generate(stack, prompts, [""] * len(prompts))
+        assert [r.token_ids[0] for r in results] == expected
+        decode = scrape(stack.metrics_ports["decode-0"])
+        drafts = _total(decode, "splitserve:spec_decode_num_draft_tokens_total")
+        accepted = _total(decode, "splitserve:spec_decode_num_accepted_tokens_total")
+        assert drafts > 0 and accepted == drafts, (drafts, accepted)
+        assert_nothing_leaks(stack)
