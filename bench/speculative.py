@@ -14,7 +14,10 @@ set on purpose by replacing each draft token with a random one with probability 
 draft's proposal and the target's verification replay CUDA graphs (one row per batch with them
 off, "eager", for comparison; a configuration whose graphs fail is recorded with its error and
 rerun eagerly). Speculation is forced on at every batch size here (`k_by_batch_size`), plus one
-row per batch with the default table (off above 32 running sequences). Reported: ITL (decode
+row per batch with the default table (off above 32 running sequences); with `--pd-reps`, one
+more engine whose draft is a separate checkpoint (`--draft-layers` layers of the target's
+shape, its own random weights) times only a prefilled request's second token, as a decode
+worker admits it (its draft catches up on the prompt in chunks). Reported: ITL (decode
 wall time per output token of a sequence), tokens per target step, measured acceptance per
 draft token and mean acceptance length, speedup against plain. EOS is ignored; prompts are
 random token ids.
@@ -31,6 +34,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import gc
+import json
 import random
 import tempfile
 import time
@@ -53,6 +57,8 @@ PASSAGE = (
     "town hall, to publish the minutes within a week, and to ask the treasurer for a written "
     "report on every grant that was paid late. The next meeting will be held in March."
 )
+DRAFT_CHECKPOINT = "draft checkpoint P/D"
+
 CHATS = [
     "Write a short story about a lighthouse keeper who finds a message in a bottle.",
     "Explain how a refrigerator works to a ten-year-old.",
@@ -114,6 +120,10 @@ def part_a(args: argparse.Namespace) -> list[dict[str, Any]]:
             from splitserve.testing.tiny_model import make_tiny_model
 
             path = make_tiny_model(Path(tmp) / "tiny", "llama")
+        # A separate draft checkpoint (the target's shape with `--draft-layers` layers, its own
+        # weights): timed only for a prefilled request's second token (its prompt KV caught up
+        # on the decode worker, in chunks; see `--pd-reps`).
+        draft_path = _draft_checkpoint(Path(tmp), args)
         configs: list[tuple[str, SpeculativeConfig | None, float]] = [("plain", None, 0.0)]
         always = tuple((b, args.k) for b in sorted(set(args.batches)))
         spec = SpeculativeConfig(
@@ -128,6 +138,9 @@ def part_a(args: argparse.Namespace) -> list[dict[str, Any]]:
             configs.append((f"draft k={args.k} corrupt={rate}", spec, rate))
         default = SpeculativeConfig("draft", args.k, draft_layers=args.draft_layers)
         configs.append((f"draft k={args.k} default table", default, args.corrupt[0]))
+        if args.pd_reps:
+            checkpoint = SpeculativeConfig("draft", args.k, model=str(draft_path))
+            configs.append((f"{DRAFT_CHECKPOINT} k={args.k}", checkpoint, 0.0))
         retried = False
         while configs:
             name, spec_or_none, rate = configs.pop(0)
@@ -163,6 +176,7 @@ def _run_config(
     gc.collect()
     if gpu:
         torch.cuda.empty_cache()
+    pd_only = name.startswith(DRAFT_CHECKPOINT)
     try:
         engine = LLMEngine(
             path,
@@ -187,7 +201,7 @@ def _run_config(
     gen = random.Random(1)
     vocab = engine.model_config.vocab_size
     rows: list[dict[str, Any]] = []
-    for i, batch in enumerate(args.batches):
+    for i, batch in enumerate([] if pd_only else args.batches):
         prompts = [[gen.randrange(3, vocab) for _ in range(args.context)] for _ in range(batch)]
         try:
             measured = _decode_run(engine, prompts, args.max_new)
@@ -206,6 +220,21 @@ def _run_config(
         print(table([row], list(row)), flush=True)
     del engine
     return rows, False
+
+
+def _draft_checkpoint(root: Path, args: argparse.Namespace) -> Path:
+    """A draft checkpoint of the target's shape with `--draft-layers` layers (random weights:
+    dummy on the GPU, a tiny seeded checkpoint in `--smoke`)."""
+    from splitserve.testing.tiny_model import make_tiny_model
+
+    if args.smoke:
+        overrides = {"num_hidden_layers": args.draft_layers}
+        return make_tiny_model(root / "draft", "llama", seed=1, config_overrides=overrides)
+    path = model_dir("llama-3-8b", root / "draft")
+    config = json.loads((path / "config.json").read_text())
+    config["num_hidden_layers"] = args.draft_layers
+    (path / "config.json").write_text(json.dumps(config))
+    return path
 
 
 def _failed(name: str, batches: list[int], exc: Exception) -> list[dict[str, Any]]:

@@ -4,7 +4,8 @@ end-to-end latency as this worker sees them, finish reasons).
 
     decode.reserve     (SERVER, child of the gateway's Reserve call)
     kv.receive         (SERVER, child of the prefill worker's kv.push; see grpc_transport)
-    decode             (SERVER, child of the gateway's Decode call)
+    decode             (SERVER, child of the gateway's Decode call; at its end, the request's
+    │                   usage and, if it speculated, `splitserve.spec_decode.*`)
     └── decode.admission   from the Decode call until the request joined the batch
 """
 
@@ -17,6 +18,7 @@ from contextlib import contextmanager
 import grpc
 from opentelemetry.trace import Span, SpanKind
 
+from splitserve.engine.outputs import SpeculationUsage
 from splitserve.engine.sampling_params import SamplingParams
 from splitserve.protos.v1 import worker_pb2
 from splitserve.runtime import genai
@@ -86,13 +88,19 @@ class DecodeObservation:
             self._observer.requests.inter_token_latency.observe(gap)
         self._last_output = now
 
-    def on_finished(self, finished: worker_pb2.DecodeFinished) -> None:
+    def on_finished(
+        self, finished: worker_pb2.DecodeFinished, speculation: SpeculationUsage | None = None
+    ) -> None:
+        """The request finished; `speculation` is what speculative decoding did for it (None:
+        nothing was verified, and the span carries no `splitserve.spec_decode.*`)."""
         requests = self._observer.requests
         requests.e2e_request_latency.observe(time.monotonic() - self.started)
         reasons = genai.finish_reason_names(finished.samples)
         requests.finished(reasons[0] if reasons else "unknown")
         if self.span.is_recording():
             self.span.set_attributes(genai.usage_attributes(finished.usage, finished.samples))
+            if speculation is not None:
+                self.span.set_attributes(genai.speculation_attributes(speculation))
 
     def end(self, exc: BaseException | None) -> None:
         if exc is not None:

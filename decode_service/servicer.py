@@ -76,7 +76,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
                     finished = worker_pb2.DecodeFinished(
                         samples=convert.finishes_to_proto(out), usage=convert.usage_to_proto(out)
                     )
-                    obs.on_finished(finished)
+                    obs.on_finished(finished, out.speculation)
                     yield worker_pb2.DecodeResponse(finished=finished)
         except BaseException as exc:
             obs.end(exc)

@@ -265,10 +265,12 @@ class LLMEngine(LoRAEngineMixin, DisaggregationMixin):
         prev, self._inflight = self._inflight, None
         outputs: list[RequestOutput] = []
         plan: dict[Sequence, int] = {}
+        observe = False
         due, self._spec_due = self._spec_due, False
         if not due and self.speculator is not None:
             due = self.speculator.due(self.scheduler.running)  # NOTE: one backoff tick a step
         if due:
+            assert self.speculator is not None
             # NOTE: proposals need every token known: no overlap while speculation is on. The
             # step in flight settles and its tokens go out now (a just-admitted request's
             # second token waits for no draft); the speculative step runs on the next call.
@@ -276,11 +278,14 @@ class LLMEngine(LoRAEngineMixin, DisaggregationMixin):
                 outputs, self._spec_due = self._settle(prev), True
                 self._sent_prefills += self.kv_connector.after_step(self._prompt_progress)
                 return outputs
-            plan = self.speculator.plan(self.scheduler.running)  # type: ignore[union-attr]
+            plan = self.speculator.plan(self.scheduler.running)
+            # NOTE: a draft catching up on sequences that decode plainly meanwhile must see
+            # this step, which an overlapped one skips.
+            observe = not plan and self.speculator.proposer.catching_up(self.scheduler.running)
         out = self.scheduler.schedule(plan) if plan else self.scheduler.schedule()
         if out.is_empty and prev is None:
             return outputs
-        overlap = self.overlap and not out.is_empty and self.runner.can_overlap(out)
+        overlap = self.overlap and not observe and not out.is_empty and self.runner.can_overlap(out)
         if prev is not None and not overlap:
             outputs = self._settle(prev)
             prev = None
@@ -303,7 +308,7 @@ class LLMEngine(LoRAEngineMixin, DisaggregationMixin):
                     out = self.speculator.attach(out, drafts)
                 sampled = self.runner.execute(out, tables)
                 if drafts:
-                    self.speculator.record(drafts, sampled)  # type: ignore[union-attr]
+                    self.speculator.record(out, sampled)  # type: ignore[union-attr]
                 outputs += self._process_outputs(self.scheduler.update(out, sampled))
         # NOTE: a watched prefill that finished is forgotten (its unpinned blocks freed) on the
         # next turn, not now: step hooks still see its final progress after this step.

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 from transformers import PreTrainedTokenizerBase
 
-from splitserve.engine.outputs import CompletionOutput, RequestOutput
+from splitserve.engine.outputs import CompletionOutput, RequestOutput, SpeculationUsage
 from splitserve.engine.sequence import Sequence
 from splitserve.engine.tokenizer import IncrementalDetokenizer
 
@@ -113,7 +113,22 @@ class OutputProcessor:
             outputs=outputs,
             finished=state.finished,
             num_cached_tokens=state.sequences[0].num_cached_prompt_tokens,
+            speculation=_speculation(state.sequences),
         )
 
     def pop(self, request_id: str) -> None:
         self.requests.pop(request_id, None)
+
+
+def _speculation(seqs: list[Sequence]) -> SpeculationUsage | None:
+    """The request's speculation: its samples' summed; None if none speculated."""
+    usages = [seq.speculation for seq in seqs if seq.speculation is not None]
+    if not usages:
+        return None
+    if len(usages) == 1:
+        return usages[0]
+    return SpeculationUsage(
+        sum(u.num_drafts for u in usages),
+        sum(u.num_draft_tokens for u in usages),
+        sum(u.num_accepted_tokens for u in usages),
+    )

@@ -34,6 +34,35 @@ class RequestOutput:
     finished: bool
     # Prompt tokens whose KV came from the prefix cache instead of being computed.
     num_cached_tokens: int = 0
+    # What speculative decoding did for the request so far (all its samples); None while no
+    # draft of it has been verified (no speculation, or none yet).
+    speculation: SpeculationUsage | None = None
+
+
+@dataclass(frozen=True)
+class SpeculationUsage:
+    """One request's speculative decoding, counted as the engine's `spec_decode_*` metrics."""
+
+    num_drafts: int = 0  # verifications: one per speculating step of each sample
+    num_draft_tokens: int = 0  # tokens proposed
+    num_accepted_tokens: int = 0  # drafts accepted (the token the target adds not counted)
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        """Tokens emitted per verification (accepted drafts + the one the target adds), vLLM's
+        "mean acceptance length"; 0 before any verification."""
+        if not self.num_drafts:
+            return 0.0
+        return 1.0 + self.num_accepted_tokens / self.num_drafts
+
+    def plus(
+        self, num_drafts: int, num_draft_tokens: int, num_accepted_tokens: int
+    ) -> SpeculationUsage:
+        return SpeculationUsage(
+            self.num_drafts + num_drafts,
+            self.num_draft_tokens + num_draft_tokens,
+            self.num_accepted_tokens + num_accepted_tokens,
+        )
 
 
 @dataclass(frozen=True)

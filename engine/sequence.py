@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from splitserve.engine.errors import InvalidRequest
-from splitserve.engine.outputs import Resume
+from splitserve.engine.outputs import Resume, SpeculationUsage
 from splitserve.engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -70,6 +70,8 @@ class Sequence:
     # prefix-cache block hashes chain from (engine/lora).
     lora_name: str | None = None
     prefix_root: bytes | None = None
+    # Its speculative decoding so far (engine/spec_decode/speculator.py); None: none verified.
+    speculation: SpeculationUsage | None = None
     order: int = field(default_factory=itertools.count().__next__)
 
     @property

@@ -55,6 +55,9 @@ _HELP = {
     "speculative_model": "--speculative-method draft: the draft checkpoint's directory",
     "speculative_draft_layers": "--speculative-method draft without --speculative-model: the "
     "target's first k layers draft",
+    "speculative_draft_catch_up_tokens": "a draft checkpoint's catch-up per step on KV it did "
+    "not compute (an admitted prompt, a prefix hit); its sequence decodes plainly meanwhile "
+    "(0: the engine's default)",
     "enable_lora": "serve LoRA adapters (implied by --lora-modules): loadable at run time",
     "lora_modules": "PEFT adapters loaded at start: name=DIR entries, separated by commas or "
     "spaces",

@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
+from splitserve.engine.outputs import SpeculationUsage
 from splitserve.engine.sampling_params import SamplingParams
 from splitserve.protos import convert
 from splitserve.protos.v1 import common_pb2
@@ -33,6 +34,12 @@ WORKER_ID = "splitserve.worker_id"
 KV_BYTES = "splitserve.kv.bytes"
 KV_NUM_BLOCKS = "splitserve.kv.num_blocks"
 KV_TRANSFER_SECONDS = "splitserve.kv.transfer_seconds"
+# A request's speculative decoding on the worker that decoded it, named as the `spec_decode_*`
+# metrics (set only when some of its drafts were verified).
+SPEC_NUM_DRAFTS = "splitserve.spec_decode.num_drafts"
+SPEC_NUM_DRAFT_TOKENS = "splitserve.spec_decode.num_draft_tokens"
+SPEC_NUM_ACCEPTED_TOKENS = "splitserve.spec_decode.num_accepted_tokens"
+SPEC_MEAN_ACCEPTANCE_LENGTH = "splitserve.spec_decode.mean_acceptance_length"
 
 OPERATION_NAME = "text_completion"
 PROVIDER_NAME = "splitserve"
@@ -73,4 +80,15 @@ def usage_attributes(
         USAGE_OUTPUT_TOKENS: usage.completion_tokens,
         USAGE_CACHED_INPUT_TOKENS: usage.cached_prompt_tokens,
         RESPONSE_FINISH_REASONS: finish_reason_names(samples),
+    }
+
+
+def speculation_attributes(usage: SpeculationUsage) -> dict[str, Any]:
+    """The speculation one request saw: verifications, drafts proposed and accepted, and the
+    mean acceptance length (1 + accepted / verifications: tokens per verifying step)."""
+    return {
+        SPEC_NUM_DRAFTS: usage.num_drafts,
+        SPEC_NUM_DRAFT_TOKENS: usage.num_draft_tokens,
+        SPEC_NUM_ACCEPTED_TOKENS: usage.num_accepted_tokens,
+        SPEC_MEAN_ACCEPTANCE_LENGTH: usage.mean_acceptance_length,
     }

@@ -100,6 +100,8 @@ class WorkerSettings:
     speculative_model: str = ""  # --speculative-method draft: the draft checkpoint's directory
     # --speculative-method draft without --speculative-model: the target's first k layers
     speculative_draft_layers: int = 0
+    # a draft checkpoint's prompt catch-up per step (an admitted prompt); 0: the engine's default
+    speculative_draft_catch_up_tokens: int = 0
     # LoRA adapters (engine/lora): --lora-modules name=DIR entries (comma or space separated)
     # load at start; --enable-lora alone serves adapters loaded at run time
     enable_lora: bool = False

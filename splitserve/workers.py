@@ -3,6 +3,7 @@ registry about themselves."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
@@ -60,12 +61,16 @@ def speculative_config(worker: WorkerSettings) -> SpeculativeConfig | None:
     """`--speculative-method` and its companions (None: no speculation)."""
     if not worker.speculative_method:
         return None
-    return SpeculativeConfig(
+    spec = SpeculativeConfig(
         worker.speculative_method,
         num_speculative_tokens=worker.num_speculative_tokens,
         model=worker.speculative_model or None,
         draft_layers=worker.speculative_draft_layers or None,
     )
+    catch_up = worker.speculative_draft_catch_up_tokens
+    if catch_up:  # NOTE: 0 keeps the engine's default
+        spec = dataclasses.replace(spec, draft_catch_up_tokens=catch_up)
+    return spec
 
 
 def _async_scheduling(text: str) -> bool | None:

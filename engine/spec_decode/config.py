@@ -36,6 +36,11 @@ class SpeculativeConfig:
             (spec_decode/backoff.py), so hopeless drafts cost little; 0 turns that off.
         cuda_graphs: whether the draft's proposal and the target's verification replay CUDA
             graphs (per batch bucket) when the engine captures graphs; off: they run eagerly.
+        draft_catch_up_tokens: a draft checkpoint (`model`) computes at most this many (or, in
+            a step with more target tokens, that many) prompt tokens per step that the target
+            did not compute beside it: a decode worker's admitted prompt, a prefix-cache hit.
+            A sequence decodes plainly while its draft is behind, so the catch-up is spread
+            over steps instead of stalling one (engine/spec_decode/draft.py).
     """
 
     method: str
@@ -47,6 +52,7 @@ class SpeculativeConfig:
     k_by_batch_size: tuple[tuple[int, int], ...] | None = None
     min_accepted: float = 0.5
     cuda_graphs: bool = True
+    draft_catch_up_tokens: int = 16
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -68,6 +74,8 @@ class SpeculativeConfig:
             raise ValueError(
                 "--speculative-model and --speculative-draft-layers need method 'draft'"
             )
+        if self.draft_catch_up_tokens < 1:
+            raise ValueError("draft_catch_up_tokens must be at least 1")
         if not 1 <= self.ngram_min <= self.ngram_max:
             raise ValueError("need 1 <= ngram_min <= ngram_max")
         if not 0 <= self.min_accepted <= self.num_speculative_tokens:

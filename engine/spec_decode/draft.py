@@ -67,6 +67,12 @@ def truncated_model(target: CausalLM, num_layers: int) -> CausalLM:
     return draft
 
 
+# A sequence speculates once its draft lacks at most this many of the target's computed tokens
+# (1: after a step whose drafts were all accepted, the last draft): the proposal's first forward
+# (or static step) computes them. Further behind, `observe` catches it up first.
+MAX_BEHIND = 1
+
+
 class DraftModelProposer(Proposer):
     def __init__(
         self,
@@ -74,9 +80,11 @@ class DraftModelProposer(Proposer):
         target_cfg: ModelConfig,
         block_size: int,
         device: str,
+        catch_up_tokens: int,
         shares_target_kv: bool = False,
     ):
         self.model = model
+        self.catch_up_tokens = catch_up_tokens  # SpeculativeConfig.draft_catch_up_tokens
         # A truncated draft's keys and values ARE the target's first layers' (same weights, same
         # tokens, same positions): it attends over the target's pool, so nothing is duplicated
         # and nothing is ever caught up (prompt chunks, prefix hits, a decode worker's admitted
@@ -103,7 +111,14 @@ class DraftModelProposer(Proposer):
         if config.model is None:
             assert config.draft_layers is not None
             model = truncated_model(target, config.draft_layers)
-            return cls(model, target.cfg, engine_config.block_size, engine_config.device, True)
+            return cls(
+                model,
+                target.cfg,
+                engine_config.block_size,
+                engine_config.device,
+                config.draft_catch_up_tokens,
+                shares_target_kv=True,
+            )
         draft_cfg = ModelConfig.from_pretrained(config.model)
         if draft_cfg.vocab_size != model_config.vocab_size:
             raise ValueError(
@@ -111,10 +126,19 @@ class DraftModelProposer(Proposer):
                 f"target's ({model_config.vocab_size}): they must share a tokenizer"
             )
         model = load_model(config.model, draft_cfg, engine_config, platform)
-        return cls(model, target.cfg, engine_config.block_size, engine_config.device)
+        return cls(
+            model,
+            target.cfg,
+            engine_config.block_size,
+            engine_config.device,
+            config.draft_catch_up_tokens,
+        )
 
     def plan(self, seq: Sequence, k: int) -> int:
-        return k
+        return k if self._behind(seq) <= MAX_BEHIND else 0
+
+    def catching_up(self, running: list[Sequence]) -> bool:
+        return not self.shares_target_kv and any(self._behind(s) > MAX_BEHIND for s in running)
 
     def share_kv_budget(
         self, config: EngineConfig, asked_num_kv_blocks: int | None
@@ -155,22 +179,44 @@ class DraftModelProposer(Proposer):
     def forget(self, seq: Sequence) -> None:
         self._valid.pop(seq.seq_id, None)
 
+    def _behind(self, seq: Sequence) -> int:
+        """How many of the target's computed tokens the draft has no KV for."""
+        return seq.num_computed_tokens - self._valid_len(seq)
+
     def _valid_len(self, seq: Sequence) -> int:
         if self.shares_target_kv:
             return seq.num_computed_tokens
         entry = self._valid.get(seq.seq_id)
-        valid = entry[1] if entry is not None and entry[0] is seq else 0
+        valid = entry[1] if entry is not None and entry[0] is seq else self._forked_valid(seq)
         return min(valid, seq.num_computed_tokens)
+
+    def _forked_valid(self, seq: Sequence) -> int:
+        """A sample forked off its request's first (n > 1, `Sequence.make_child`: the same
+        prompt list) shares its prompt blocks, in the draft's pool as in the target's: the
+        draft KV the first sample has for the prompt is the fork's too, until it has its own."""
+        first = self._valid.get(f"{seq.request_id}#0")  # the first sample's id (LLMEngine)
+        if first is None or first[0] is seq:
+            return 0
+        if first[0].prompt_token_ids is not seq.prompt_token_ids:
+            return 0
+        return min(first[1], len(seq.prompt_token_ids))
 
     @torch.inference_mode()
     def observe(self, out: SchedulerOutput, block_tables: dict[str, list[int]]) -> None:
-        """The step's prompt chunks and plain decodes, run through the draft (its KV only)."""
+        """The step's prompt chunks and plain decodes, run through the draft (its KV only).
+
+        A sequence whose draft is behind (a decode worker's admitted prompt, a prefix-cache
+        hit: KV the target did not compute beside the draft) catches up by chunks of at most
+        `catch_up_tokens` per step, all such sequences together (or the step's number of target
+        tokens, if more: a prefill step keeps pace); its own tokens wait until it is caught up,
+        and it decodes plainly meanwhile (`plan`). So no step stalls on a whole prompt."""
         self._valid = {k: v for k, v in self._valid.items() if not v[0].is_finished}
         if self.shares_target_kv:
             return  # the target computes these layers' KV itself
         assert self.kv_cache is not None
         self.kv_cache.copy_blocks(out.block_copies)
         rows = []
+        budget = max(self.catch_up_tokens, out.num_batched_tokens)
         for item in out.scheduled:
             # NOTE: a prefill-only sequence (a prefill worker) never decodes here.
             if item.num_spec_tokens or item.seq.prefill_only:
@@ -178,7 +224,14 @@ class DraftModelProposer(Proposer):
             seq = item.seq
             end = seq.num_computed_tokens + item.num_new_tokens
             start = self._valid_len(seq)
-            rows.append((seq, seq.tokens_between(start, end), start, block_tables[seq.seq_id]))
+            behind = seq.num_computed_tokens - start
+            if behind > MAX_BEHIND:
+                take = min(behind, budget)
+                budget -= take
+                if take < behind:
+                    end = start + take
+            if end > start:
+                rows.append((seq, seq.tokens_between(start, end), start, block_tables[seq.seq_id]))
         if rows:
             self._forward(rows, want_logits=False)
 

@@ -45,6 +45,11 @@ class Proposer(ABC):
         """See every step before the target's forward (a draft model computes the KV of the
         step's prompt chunks and plain decodes with it). Nothing by default."""
 
+    def catching_up(self, running: list[Sequence]) -> bool:
+        """Whether `observe` is still catching up on some of `running` (such a step must not
+        be overlapped: an overlapped step is not observed). False by default."""
+        return False
+
     def forget(self, seq: Sequence) -> None:  # noqa: B027
         """`seq` finished or was preempted: drop what is kept for it. Nothing by default."""
 

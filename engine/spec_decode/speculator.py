@@ -14,6 +14,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from splitserve.engine.outputs import SpeculationUsage
 from splitserve.engine.sequence import Sequence, SequenceStatus
 from splitserve.engine.spec_decode.backoff import AcceptanceBackoff
 from splitserve.engine.spec_decode.config import DEFAULT_MAX_BATCH_SIZE, SpeculativeConfig
@@ -27,6 +28,8 @@ if TYPE_CHECKING:
     from splitserve.engine.outputs import SampledToken
     from splitserve.engine.platform import Platform
     from splitserve.engine.scheduler import SchedulerOutput
+
+_NO_SPECULATION = SpeculationUsage()
 
 
 @dataclass
@@ -131,18 +134,26 @@ class Speculator:
             return {}
         return self.proposer.propose(items, block_tables)
 
-    def record(self, drafts: dict[str, list[int]], sampled: dict[str, list[SampledToken]]) -> None:
-        """Count a verified step: each sequence emitted its accepted drafts and one more."""
+    def record(self, out: SchedulerOutput, sampled: dict[str, list[SampledToken]]) -> None:
+        """Count a verified step (`out` with its drafts attached): each speculating sequence
+        emitted its accepted drafts and one more. Counted for the engine and for the sequence
+        (its request's `RequestOutput.speculation`)."""
         c = self.counters
-        for seq_id, proposal in drafts.items():
-            accepted = len(sampled[seq_id]) - 1
+        for item in out.scheduled:
+            if not item.num_spec_tokens:
+                continue
+            seq = item.seq
+            num_proposed = len(item.draft_token_ids)
+            accepted = len(sampled[seq.seq_id]) - 1
             c.num_drafts += 1
-            c.num_draft_tokens += len(proposal)
+            c.num_draft_tokens += num_proposed
             c.num_accepted_tokens += accepted
             if self.backoff is not None:
-                self.backoff.record(seq_id, accepted)
+                self.backoff.record(seq.seq_id, accepted)
             for j in range(accepted):
                 c.accepted_per_pos[j] += 1
+            usage = seq.speculation or _NO_SPECULATION
+            seq.speculation = usage.plus(1, num_proposed, accepted)
 
     @classmethod
     def start(

@@ -10,6 +10,7 @@ from transformers import PreTrainedTokenizerBase
 
 from splitserve.engine.outputs import CompletionOutput, RequestOutput
 from splitserve.engine.tokenizer import IncrementalDetokenizer
+from splitserve.runtime.engine_core.protocol import speculation_from_wire
 
 
 @dataclass
@@ -36,7 +37,7 @@ class OutputAssembler:
         self._samples: dict[int, _Sample] = {}
 
     def apply(self, entry: list[Any]) -> RequestOutput:
-        _, finished, num_cached, samples = entry
+        _, finished, num_cached, samples, speculation = entry
         for index, new_tokens, new_logprobs, reason, stop, text_len in samples:
             s = self._samples.get(index)
             if s is None:
@@ -71,4 +72,5 @@ class OutputAssembler:
             ],
             finished=finished,
             num_cached_tokens=num_cached,
+            speculation=speculation_from_wire(speculation),
         )

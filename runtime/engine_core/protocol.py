@@ -11,9 +11,11 @@ handler lists its methods); the core answers on one ordered event stream (core -
     ["kv", num_bytes, seconds, ok]       one KV push sent or received (transfer metrics)
     ["failed", message]                  the engine loop died
 
-A step entry is `[request_id, finished, num_cached_tokens, samples]`, a sample
+A step entry is `[request_id, finished, num_cached_tokens, samples, speculation]`, a sample
 `[index, new_token_ids, new_logprobs, finish_reason, stop_reason, text_len]`: only the tokens
 since the previous entry of that request travel (the front keeps the cumulative output).
+`speculation` is the request's cumulative `[num_drafts, num_draft_tokens, num_accepted_tokens]`
+(engine/outputs.py `SpeculationUsage`), or None while it has none.
 NOTE: nothing is pickled: sampling parameters and KV destinations travel as their protobuf
 bytes, errors as a kind from `ERRORS`.
 """
@@ -35,7 +37,12 @@ from splitserve.engine.errors import (
     SplitserveError,
     Unavailable,
 )
-from splitserve.engine.outputs import CompletionOutput, RequestOutput, SampledToken
+from splitserve.engine.outputs import (
+    CompletionOutput,
+    RequestOutput,
+    SampledToken,
+    SpeculationUsage,
+)
 from splitserve.engine.sampling_params import SamplingParams
 from splitserve.kv_transfer.registry_conceal import Concealed
 from splitserve.kv_transfer.transport import PushRefused, TransferError
@@ -114,7 +121,10 @@ class StepEncoder:
                     [s.index, s.token_ids[start:], new_logprobs, s.finish_reason,
                      s.stop_reason, text_len]
                 )  # fmt: skip
-            entries.append([out.request_id, out.finished, out.num_cached_tokens, samples])
+            entries.append(
+                [out.request_id, out.finished, out.num_cached_tokens, samples,
+                 speculation_to_wire(out.speculation)]
+            )  # fmt: skip
             if out.finished:
                 del self._sent[out.request_id]
         return entries
@@ -125,7 +135,7 @@ class StepEncoder:
 
 def output_from_entry(entry: list[Any], prompt_token_ids: list[int]) -> RequestOutput:
     """A whole output sent as one entry (a prefill's first tokens), without text."""
-    request_id, finished, num_cached, samples = entry
+    request_id, finished, num_cached, samples, speculation = entry
     return RequestOutput(
         request_id=request_id,
         prompt=None,
@@ -143,7 +153,18 @@ def output_from_entry(entry: list[Any], prompt_token_ids: list[int]) -> RequestO
         ],
         finished=finished,
         num_cached_tokens=num_cached,
+        speculation=speculation_from_wire(speculation),
     )
+
+
+def speculation_to_wire(usage: SpeculationUsage | None) -> list[int] | None:
+    if usage is None:
+        return None
+    return [usage.num_drafts, usage.num_draft_tokens, usage.num_accepted_tokens]
+
+
+def speculation_from_wire(items: list[int] | None) -> SpeculationUsage | None:
+    return None if items is None else SpeculationUsage(*items)
 
 
 def params_to_wire(params: SamplingParams) -> bytes:

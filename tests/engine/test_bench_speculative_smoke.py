@@ -38,7 +38,10 @@ def test_speculative_bench_smoke_run_writes_json(tmp_path: Path) -> None:
     agree = [r for r in rows if r["config"].startswith("draft k=4 corrupt=0.0")]
     assert agree and all(r["acceptance"] > 0.9 for r in agree)
     pd = [r for r in all_rows if "P/D 2nd token ms" in r]
-    assert {r["config"] for r in pd} >= {"plain", "draft k=4 corrupt=0.0"}
+    assert {r["config"] for r in pd} >= {
+        "plain", "draft k=4 corrupt=0.0", "draft checkpoint P/D k=4"
+    }  # fmt: skip
+    assert not [r for r in rows if r["config"].startswith("draft checkpoint")]  # P/D only
     assert all(r["P/D 2nd token ms"] > 0 for r in pd)
     workloads = {r["workload"] for r in results["ngram_rows"]}
     assert workloads == {"repeat passage", "edit passage", "free chat"}

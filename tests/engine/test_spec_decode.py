@@ -66,6 +66,27 @@ def test_ngram_greedy_matches_hf_and_plain(tiny_models):
     _assert_speculated_and_clean(llm)
 
 
+def test_each_request_output_counts_the_speculation_it_saw(tiny_models):
+    llm = LLM(tiny_models["llama"], speculative=NGRAM)
+    prompts = repeated_prompts(llm.engine.model_config.vocab_size)
+    outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    usages = [o.speculation for o in outputs if o.speculation is not None]
+    assert len(usages) >= 3, "the repeated prompts' requests must have speculated"
+    for u in usages:
+        assert 0 < u.num_drafts <= u.num_draft_tokens <= NGRAM.num_speculative_tokens * u.num_drafts
+        assert 0 <= u.num_accepted_tokens <= u.num_draft_tokens
+        # each verification emitted its accepted drafts and one more: no more than generated
+        assert u.num_drafts + u.num_accepted_tokens <= MAX_NEW
+        assert u.mean_acceptance_length == 1 + u.num_accepted_tokens / u.num_drafts
+    # the requests' counts are the engine's, split by request
+    stats = llm.engine.stats()
+    assert sum(u.num_drafts for u in usages) == stats.spec_decode_num_drafts
+    assert sum(u.num_draft_tokens for u in usages) == stats.spec_decode_num_draft_tokens
+    assert sum(u.num_accepted_tokens for u in usages) == stats.spec_decode_num_accepted_tokens
+    plain = LLM(tiny_models["llama"]).generate(prompts[:1], GREEDY, use_tqdm=False)
+    assert plain[0].speculation is None
+
+
 @pytest.mark.slow
 def test_ngram_with_chunked_prefill_and_prefix_hits_matches_hf(tiny_models):
     model_dir = tiny_models["qwen2"]

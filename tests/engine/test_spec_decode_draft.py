@@ -55,6 +55,24 @@ def test_draft_checkpoint_equal_to_the_target_accepts_everything(tiny_models):
     _assert_clean(llm)
 
 
+def test_draft_checkpoint_catches_up_on_prefix_hits_and_accepts_everything(tiny_models):
+    model_dir = tiny_models["llama"]
+    # The draft is the target itself: it must accept every draft, so the KV of the prefix it
+    # caught up on (the target's came from the prefix cache) must be right.
+    spec = SpeculativeConfig("draft", 3, model=str(model_dir), draft_catch_up_tokens=4)
+    llm = LLM(model_dir, speculative=spec, max_num_batched_tokens=20)
+    vocab = llm.engine.model_config.vocab_size
+    shared = random_prompts([40], vocab, seed=39)[0]
+    prompts = [shared + s for s in random_prompts([5, 23], vocab, seed=40)]
+    got = _generate(llm, prompts[:1]) + _generate(llm, prompts[1:])
+    assert got == [hf_greedy(model_dir, tuple(p), MAX_NEW) for p in prompts]
+    assert llm.engine.block_manager.prefix_cache_hits >= 32
+    stats = llm.engine.stats()
+    assert stats.spec_decode_num_draft_tokens > 0
+    assert stats.spec_decode_num_accepted_tokens == stats.spec_decode_num_draft_tokens
+    _assert_clean(llm)
+
+
 def test_truncated_draft_under_preemption_matches_hf(tiny_models):
     model_dir = tiny_models["llama"]
     spec = SpeculativeConfig("draft", 3, draft_layers=1)
@@ -85,6 +103,55 @@ def test_draft_on_a_decode_engine_computes_the_prompt_kv_after_admission(tiny_mo
     while decode.has_unfinished_requests():
         outputs = decode.step()
     assert outputs[-1].outputs[0].token_ids == hf_greedy(model_dir, tuple(prompt), 8)
+    stats = decode.stats()
+    assert stats.spec_decode_num_draft_tokens > 0
+    assert stats.spec_decode_num_accepted_tokens == stats.spec_decode_num_draft_tokens
+    assert stats.num_free_blocks == stats.num_total_blocks
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_draft_checkpoint_catches_up_on_an_admitted_prompt_in_chunks_decoding_plainly_meanwhile(
+    tiny_models, async_scheduling
+):
+    from splitserve.engine import LLMEngine
+    from splitserve.engine.config import EngineConfig
+    from tests.engine.test_kv_connector import _prefill_elsewhere
+
+    model_dir = tiny_models["llama"]
+    prefill = LLMEngine(model_dir, EngineConfig())
+    # The draft is the target itself: every draft is accepted only if the prompt KV it caught
+    # up on in chunks is right.
+    spec = SpeculativeConfig("draft", 3, model=str(model_dir), draft_catch_up_tokens=8)
+    # NOTE: with async scheduling the plain steps are not overlapped while the draft catches
+    # up (an overlapped step is not observed: the draft would never catch up).
+    config = EngineConfig(speculative=spec, async_scheduling=async_scheduling)
+    decode = LLMEngine(model_dir, config)
+    proposer = decode.speculator.proposer
+    forward = proposer._forward
+    widths: list[int] = []
+
+    def counted(rows, want_logits):  # type: ignore[no-untyped-def]
+        widths.append(sum(len(tokens) for _, tokens, _, _ in rows))
+        return forward(rows, want_logits)
+
+    proposer._forward = counted
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    prompt = random_prompts([45], prefill.model_config.vocab_size, seed=38)[0]
+    first, data = _prefill_elsewhere(prefill, prompt, "r")
+    decode.kv_connector.write_blocks(decode.reserve("r", prompt, params).block_ids, data)
+    outputs = decode.admit("r", params, first)
+    num_plain_steps = 0
+    while decode.has_unfinished_requests():
+        outputs = decode.step()
+        if decode.stats().spec_decode_num_drafts == 0:
+            num_plain_steps += 1
+    assert outputs[-1].outputs[0].token_ids == hf_greedy(model_dir, tuple(prompt), 16)
+    # No forward over the whole prompt: chunks of at most 8 (the last with the newest token).
+    assert widths and max(widths) <= 8 + 1
+    # 8 a step while the target adds 1: 45 prompt tokens take 7 plain steps, then it speculates
+    # (with async scheduling, after one more: the admission step, overlapped before the
+    # sequence was running).
+    assert num_plain_steps == 7 + async_scheduling
     stats = decode.stats()
     assert stats.spec_decode_num_draft_tokens > 0
     assert stats.spec_decode_num_accepted_tokens == stats.spec_decode_num_draft_tokens

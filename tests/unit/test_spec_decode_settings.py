@@ -29,6 +29,13 @@ def test_speculative_flags_reach_the_engine_config():
     assert engine_config(worker).speculative == SpeculativeConfig("draft", 4, draft_layers=2)
     worker = _worker("--speculative-method", "draft", "--speculative-model", "/models/draft")
     assert engine_config(worker).speculative == SpeculativeConfig("draft", 4, model="/models/draft")
+    worker = _worker(
+        "--speculative-method", "draft", "--speculative-model", "/models/draft",
+        "--speculative-draft-catch-up-tokens", "64",
+    )  # fmt: skip
+    assert engine_config(worker).speculative == SpeculativeConfig(
+        "draft", 4, model="/models/draft", draft_catch_up_tokens=64
+    )
 
 
 def test_bad_speculative_flags_are_refused():
@@ -38,6 +45,8 @@ def test_bad_speculative_flags_are_refused():
         engine_config(_worker("--speculative-method", "draft"))
     with pytest.raises(ValueError, match="at least 1"):
         engine_config(_worker("--speculative-method", "ngram", "--num-speculative-tokens", "0"))
+    with pytest.raises(ValueError, match="draft_catch_up_tokens must be at least 1"):
+        SpeculativeConfig("draft", model="/models/draft", draft_catch_up_tokens=0)
 
 
 def test_spec_decode_counters_are_exported():
