@@ -8,13 +8,12 @@ runs the smallest bucket >= B, its extra rows padded:
     rows      [ 0 .. B-1 | B .. bucket-1 ]
     slot      [ real     | -1  (the KV write skips them)     ]
     seq_len   [ real     |  0  (attention returns zeros)      ]
-
-The buckets, mirrors and capture loop are every static-buffer step's (engine/static_steps.py).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -23,8 +22,9 @@ from splitserve.engine.attention import AttentionMetadata
 from splitserve.engine.lora.batch import LoRABatch, group_rows, tile_capacity
 from splitserve.engine.lora.manager import LoRAManager
 from splitserve.engine.model import CausalLM
-from splitserve.engine.static_steps import BUCKETS, GraphCapture, StaticSteps
 from splitserve.kernels.lora_ref import TILE_ROWS
+
+BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 
 
 @dataclass
@@ -34,7 +34,7 @@ class _Graph:
     argmax: torch.Tensor  # [bucket] int64, each row's argmax (the greedy token)
 
 
-class DecodeGraphs(StaticSteps):
+class DecodeGraphs:
     """Captured decode forwards for every bucket up to `max_batch`."""
 
     def __init__(
@@ -47,21 +47,29 @@ class DecodeGraphs(StaticSteps):
         max_model_len: int,
         lora: LoRAManager | None = None,
     ) -> None:
-        # NOTE: buckets up to `max_batch` only; a batch above the last one runs eagerly.
-        buckets = tuple(b for b in BUCKETS if b <= max_batch) or (1,)
-        super().__init__(model, kv_caches, buckets, block_size, max_model_len)
-        size = self.max_batch
+        self.model = model
+        self.kv_caches = kv_caches
+        self.block_size = block_size
+        self.buckets = tuple(b for b in BUCKETS if b <= max_batch) or (1,)
+        size = self.buckets[-1]
+        device = kv_caches[0].device
         # Rows of one int64 buffer: input ids, positions, slots. One int32 buffer: seq lens,
         # then the block tables, so a step's used part of it is one contiguous prefix.
         # Two more rows carry an overlapped step's tokens in: destination rows, source rows.
-        ids = torch.zeros(5, size, dtype=torch.int64)
-        ids[2] = -1  # no slots: capture's warm-up run writes no KV
-        self._ids = self.mirror(ids)
-        self._lens = self.mirror(torch.zeros(size * (1 + max_blocks_per_seq), dtype=torch.int32))
-        self.input_ids, self.positions, self.slot_mapping, self._dst, self._src = self._ids.dev
-        self.seq_lens = self._lens.dev[:size]
-        self.block_tables = self._lens.dev[size:].view(size, max_blocks_per_seq)
-        self.cu_seqlens_q = self.cu_seqlens(1)
+        self._ids_host = torch.zeros(5, size, dtype=torch.int64, pin_memory=True)
+        self._ids_host[2] = -1  # no slots: capture's warm-up run writes no KV
+        width = 1 + max_blocks_per_seq
+        self._lens_host = torch.zeros(size * width, dtype=torch.int32, pin_memory=True)
+        self._ids_np = self._ids_host.numpy()
+        self._lens_np = self._lens_host.numpy()
+        self._ids = self._ids_host.to(device)
+        self._lens = torch.zeros_like(self._lens_host, device=device)
+        self.input_ids, self.positions, self.slot_mapping, self._dst, self._src = self._ids
+        self.seq_lens = self._lens[:size]
+        self.block_tables = self._lens[size:].view(size, max_blocks_per_seq)
+        self._copied = torch.cuda.Event()  # the host mirrors may be rewritten once it is done
+        self.cu_seqlens_q = torch.arange(size + 1, dtype=torch.int32, device=device)
+        self.max_model_len = max_model_len
         self._graphs: dict[int, _Graph] = {}
         # LoRA: each bucket is captured twice, without LoRA (steps with no adapter pay
         # nothing) and with the LoRA kernels, whose rows grouped by adapter are a graph input:
@@ -77,7 +85,13 @@ class DecodeGraphs(StaticSteps):
                 caps = tile_capacity(bucket, lora.config.max_loras, TILE_ROWS)
                 self._lora_caps[bucket] = caps
             lora_size = max(3 * self._lora_caps[b] + b for b in self.buckets)
-            self._lora = self.mirror(torch.zeros(lora_size, dtype=torch.int32))
+            self._lora_host = torch.zeros(lora_size, dtype=torch.int32, pin_memory=True)
+            self._lora_np = self._lora_host.numpy()
+            self._lora_dev = self._lora_host.to(device)
+
+    @property
+    def max_batch(self) -> int:
+        return self.buckets[-1]
 
     def _meta(self, bucket: int) -> AttentionMetadata:
         # NOTE: the host-side lengths only size the kernels' launch grids (splits over the
@@ -92,57 +106,61 @@ class DecodeGraphs(StaticSteps):
             block_size=self.block_size,
         )
 
+    @torch.inference_mode()
     def capture(self) -> None:
-        self.capture_buckets(self._capture_bucket)
-
-    def _capture_bucket(self, bucket: int, capture: GraphCapture) -> None:
-        meta = self._meta(bucket)
-        args = (self.input_ids[:bucket], self.positions[:bucket], self.kv_caches, meta)
-        model = self.model
-        # NOTE: warm up all that the graph will hold, the LM head and argmax too: kernels
-        # compile and libraries create their handles (cuBLAS) outside the capture. With FP8
-        # projections the LM head may be the first cuBLAS call.
-        capture.warm_up(lambda: model.ops.argmax(model.compute_logits(model(*args))))
-        self._graphs[bucket] = self._capture_one(capture, args)
-        if self.lora is not None:
-            self.lora.context.batch = self._lora_batch(bucket)
-            try:
-                # warm-up: the LoRA kernels compile
-                capture.warm_up(lambda: model.compute_logits(model(*args)))
-                self._lora_graphs[bucket] = self._capture_one(capture, args)
-            finally:
-                self.lora.context.batch = None
+        pool = torch.cuda.graph_pool_handle()
+        stream = torch.cuda.Stream()
+        for bucket in reversed(self.buckets):  # largest first, so smaller ones reuse its pool
+            meta = self._meta(bucket)
+            args = (self.input_ids[:bucket], self.positions[:bucket], self.kv_caches, meta)
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                # NOTE: warm up all that the graph will hold, the LM head and argmax too:
+                # kernels compile and libraries create their handles (cuBLAS) outside the
+                # capture. With FP8 projections the LM head may be the first cuBLAS call.
+                self.model.ops.argmax(self.model.compute_logits(self.model(*args)))
+            torch.cuda.current_stream().wait_stream(stream)
+            self._graphs[bucket] = self._capture_one(args, pool)
+            if self.lora is not None:
+                self.lora.context.batch = self._lora_batch(bucket)
+                try:
+                    with torch.cuda.stream(stream):  # warm-up: the LoRA kernels compile
+                        self.model.compute_logits(self.model(*args))
+                    torch.cuda.current_stream().wait_stream(stream)
+                    self._lora_graphs[bucket] = self._capture_one(args, pool)
+                finally:
+                    self.lora.context.batch = None
+        torch.cuda.synchronize()
 
     def _lora_batch(self, bucket: int) -> LoRABatch:
         """The bucket's views of the LoRA input buffer (segments all skipped until a step
         fills them)."""
         cap = self._lora_caps[bucket]
-        segments = self._lora.dev[: 3 * cap].view(3, cap)
+        segments = self._lora_dev[: 3 * cap].view(3, cap)
         segments[2].fill_(-1)
-        return LoRABatch(segments, TILE_ROWS, self._lora.dev[3 * cap : 3 * cap + bucket])
+        return LoRABatch(segments, TILE_ROWS, self._lora_dev[3 * cap : 3 * cap + bucket])
 
     def _fill_lora(self, bucket: int, lora_slots: list[int]) -> None:
         """Write a step's rows grouped by adapter into the pinned mirror and start its copy
-        (ordered before the replay; `uploaded` guards the mirror until it is done)."""
+        (ordered before the replay; `_copied` guards the mirror until it is done)."""
         cap = self._lora_caps[bucket]
         segments, rows = group_rows(np.asarray(lora_slots, dtype=np.int64), TILE_ROWS)
         num = segments.shape[1]
         if num > cap:
             raise RuntimeError(f"{num} LoRA tiles in a step, but bucket {bucket} holds {cap}")
-        view = self._lora.np[: 3 * cap].reshape(3, cap)
+        view = self._lora_np[: 3 * cap].reshape(3, cap)
         view[:, :num] = segments
         view[1, num:] = 0
         view[2, num:] = -1
-        self._lora.np[3 * cap : 3 * cap + len(rows)] = rows
+        self._lora_np[3 * cap : 3 * cap + len(rows)] = rows
         used = 3 * cap + bucket
-        self._lora.upload(used)
+        self._lora_dev[:used].copy_(self._lora_host[:used], non_blocking=True)
 
-    def _capture_one(self, capture: GraphCapture, args: tuple) -> _Graph:
-        def forward() -> tuple[torch.Tensor, torch.Tensor]:
+    def _capture_one(self, args: tuple, pool: Any) -> _Graph:
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool):
             logits = self.model.compute_logits(self.model(*args))
-            return logits, self.model.ops.argmax(logits)
-
-        graph, (logits, argmax) = capture.graph(forward)
+            argmax = self.model.ops.argmax(logits)
         return _Graph(graph, logits, argmax)
 
     def can_run(self, batch: int) -> bool:
@@ -163,14 +181,14 @@ class DecodeGraphs(StaticSteps):
         argmax of each row [batch]. `carry` = (tokens on the device, [(row, source row)]) sets
         those rows' input ids from a step still in flight (engine/overlap.py)."""
         batch = len(input_ids)
-        bucket = self.bucket_for(batch)
-        size = self.max_batch
-        self.begin()
-        ids = self._ids.np
+        bucket = next(b for b in self.buckets if b >= batch)
+        size = self.buckets[-1]
+        self._copied.synchronize()
+        ids = self._ids_np
         ids[0, :batch], ids[1, :batch], ids[2, :batch] = input_ids, positions, slots
         ids[:2, batch:bucket] = 0
         ids[2, batch:bucket] = -1
-        lens = self._lens.np
+        lens = self._lens_np
         lens[:batch] = seq_lens
         lens[batch:bucket] = 0
         width = self.block_tables.shape[1]
@@ -182,16 +200,16 @@ class DecodeGraphs(StaticSteps):
         moves = carry[1] if carry is not None else []
         if moves:
             ids[3, : len(moves)], ids[4, : len(moves)] = zip(*moves, strict=True)
-        self._ids.upload()
+        self._ids.copy_(self._ids_host, non_blocking=True)
         used = size + bucket * width
-        self._lens.upload(used)
+        self._lens[:used].copy_(self._lens_host[:used], non_blocking=True)
         graph = self._graphs[bucket]
         if lora_slots is not None:
             if self.lora is None:
                 raise RuntimeError("a decode step with LoRA rows, but no LoRA graphs captured")
             self._fill_lora(bucket, lora_slots)
             graph = self._lora_graphs[bucket]
-        self.uploaded()
+        self._copied.record()
         if moves:
             assert carry is not None
             k = len(moves)

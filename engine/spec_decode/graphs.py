@@ -13,10 +13,9 @@ keep their causal place (row i's query j sits at context position seq_len - W + 
     verify row, k = 2 of K = 4     [ pad | pad | last | d1 | d2 ]   slots [ -1 -1 s s s ]
     rows past the batch            [ pad ... ]                      slots -1, tiny seq_len
 
-Padded tokens write no KV (slot -1) and their outputs are never read. Host mirrors and the
-capture loop are those of every static-buffer step (engine/static_steps.py; the plain decode
-graphs' too). With graphs off (a CPU) the same function runs eagerly on the same buffers, so
-the CPU tests prove the layout the GPU replays.
+Padded tokens write no KV (slot -1) and their outputs are never read. Buckets and the capture
+pattern are the plain decode graphs' (engine/cuda_graphs.py). With graphs off (a CPU) the same
+function runs eagerly on the same buffers, so the CPU tests prove the layout the GPU replays.
 """
 
 from __future__ import annotations
@@ -27,16 +26,14 @@ import numpy as np
 import torch
 
 from splitserve.engine.attention import AttentionMetadata
+from splitserve.engine.cuda_graphs import BUCKETS
 from splitserve.engine.model import CausalLM
-from splitserve.engine.static_steps import BUCKETS, GraphCapture, StaticSteps
 
 _Fn = Callable[[int, list[AttentionMetadata]], torch.Tensor]
 
 
-class _SpecSteps(StaticSteps):
-    """Static inputs of a speculative step: int64 rows of `width` columns per batch row (ids,
-    positions, slots), int32 rows of seq lens, block tables; one function of them per bucket,
-    captured or (none captured) run eagerly."""
+class _StaticSteps:
+    """Static input buffers (host mirror -> device) and one captured function per bucket."""
 
     def __init__(
         self,
@@ -51,27 +48,35 @@ class _SpecSteps(StaticSteps):
         width: int,
         slot_rows: tuple[int, ...],
     ) -> None:
-        # NOTE: unlike the decode graphs' buckets, the largest is `max_batch` itself: every
-        # batch that speculates has a static step.
-        buckets = (*(b for b in BUCKETS if b < max_batch), max(1, max_batch))
-        super().__init__(model, kv_caches, buckets, block_size, max_model_len)
+        self.model = model
+        self.kv_caches = kv_caches
+        self.block_size = block_size
+        self.max_model_len = max_model_len
         self.width = width
-        size = self.max_batch
-        ints = torch.zeros(int_rows, size * width, dtype=torch.int64)
-        lens = torch.zeros(len_rows, size, dtype=torch.int32)
+        self.buckets = (*(b for b in BUCKETS if b < max_batch), max(1, max_batch))
+        size = self.buckets[-1]
+        self.device = kv_caches[0].device
+        pin = self.device.type == "cuda"
+        self._ints_host = torch.zeros(int_rows, size * width, dtype=torch.int64, pin_memory=pin)
+        self._lens_host = torch.zeros(len_rows, size, dtype=torch.int32, pin_memory=pin)
+        self._tables_host = torch.zeros(size, max_blocks_per_seq, dtype=torch.int32, pin_memory=pin)
         # Warm-up and capture write no KV (slots -1) and see a few positions of some block.
-        ints[list(slot_rows)] = -1
-        lens[:] = width
-        self._ints = self.mirror(ints)
-        self._lens = self.mirror(lens)
-        self._tables = self.mirror(torch.zeros(size, max_blocks_per_seq, dtype=torch.int32))
-        self.ints_np, self.ints = self._ints.np, self._ints.dev
-        self.lens_np, self.lens = self._lens.np, self._lens.dev
-        self.tables_np, self.tables = self._tables.np, self._tables.dev
+        self._ints_host[list(slot_rows)] = -1
+        self._lens_host[:] = width
+        self.ints_np = self._ints_host.numpy()
+        self.lens_np = self._lens_host.numpy()
+        self.tables_np = self._tables_host.numpy()
+        self.ints = self._ints_host.to(self.device)
+        self.lens = self._lens_host.to(self.device)
+        self.tables = self._tables_host.to(self.device)
+        self._copied = torch.cuda.Event() if pin else None
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
 
     def can_run(self, batch: int) -> bool:
-        return 0 < batch <= self.max_batch
+        return 0 < batch <= self.buckets[-1]
+
+    def bucket_for(self, batch: int) -> int:
+        return next(b for b in self.buckets if b >= batch)
 
     def meta(self, bucket: int, width: int, len_row: int, real: bool) -> AttentionMetadata:
         """Step metadata over the static buffers: `width` query tokens per row, seq lens from
@@ -84,7 +89,7 @@ class _SpecSteps(StaticSteps):
         )
         return AttentionMetadata(
             slot_mapping=torch.empty(0, dtype=torch.int64),  # set by the caller
-            cu_seqlens_q=self.cu_seqlens(width)[: bucket + 1],
+            cu_seqlens_q=self._cu(width)[: bucket + 1],
             seq_lens=self.lens[len_row, :bucket],
             block_tables=self.tables[:bucket],
             query_lens_cpu=(width,) * bucket,
@@ -92,22 +97,44 @@ class _SpecSteps(StaticSteps):
             block_size=self.block_size,
         )
 
+    def _cu(self, width: int) -> torch.Tensor:
+        cache = self.__dict__.setdefault("_cu_cache", {})
+        if width not in cache:
+            size = self.buckets[-1]
+            cache[width] = torch.arange(
+                0, (size + 1) * width, width, dtype=torch.int32, device=self.device
+            )
+        return cache[width]
+
+    def begin(self) -> None:
+        """Before the host mirrors are rewritten: the last step's copies are done."""
+        if self._copied is not None:
+            self._copied.synchronize()
+
     def upload(self, bucket: int) -> None:
         """The host mirrors to the device (asynchronously from pinned memory)."""
-        self._ints.upload()
-        self._lens.upload()
-        self._tables.upload(bucket)
-        self.uploaded()
+        self.ints.copy_(self._ints_host, non_blocking=True)
+        self.lens.copy_(self._lens_host, non_blocking=True)
+        self.tables[:bucket].copy_(self._tables_host[:bucket], non_blocking=True)
+        if self._copied is not None:
+            self._copied.record()
 
-    def capture_fn(self, fn: _Fn, metas: Callable[[int], list[AttentionMetadata]]) -> None:
+    @torch.inference_mode()
+    def capture(self, fn: _Fn, metas: Callable[[int], list[AttentionMetadata]]) -> None:
         """A CUDA graph of `fn` for every bucket (largest first, sharing one memory pool)."""
-
-        def capture_bucket(bucket: int, capture: GraphCapture) -> None:
+        pool = torch.cuda.graph_pool_handle()
+        stream = torch.cuda.Stream()
+        for bucket in reversed(self.buckets):
             meta = metas(bucket)
-            capture.warm_up(lambda: fn(bucket, meta))
-            self._graphs[bucket] = capture.graph(lambda: fn(bucket, meta))
-
-        self.capture_buckets(capture_bucket)
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                fn(bucket, meta)  # warm-up: kernels compile, libraries make their handles
+            torch.cuda.current_stream().wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                out = fn(bucket, meta)
+            self._graphs[bucket] = (graph, out)
+        torch.cuda.synchronize()
 
     def replay(
         self, bucket: int, fn: _Fn, metas: Callable[[int], list[AttentionMetadata]]
@@ -125,7 +152,7 @@ class _SpecSteps(StaticSteps):
         self.tables_np[row, : len(table)] = table
 
 
-class VerifySteps(_SpecSteps):
+class VerifySteps(_StaticSteps):
     """The target's verification forward: W = K + 1 query tokens per row, logits of all."""
 
     def __init__(self, model: CausalLM, kv_caches: list[torch.Tensor], width: int, **kw) -> None:  # type: ignore[no-untyped-def]
@@ -143,8 +170,8 @@ class VerifySteps(_SpecSteps):
         hidden = self.model(self.ints[0, :n], self.ints[1, :n], self.kv_caches, metas[0])
         return self.model.compute_logits(hidden)
 
-    def capture(self) -> None:
-        self.capture_fn(self._fn, lambda b: self._metas(b, real=False))
+    def capture(self) -> None:  # type: ignore[override]
+        super().capture(self._fn, lambda b: self._metas(b, real=False))
 
     def run(
         self,
@@ -179,7 +206,7 @@ class VerifySteps(_SpecSteps):
         return logits, index.tolist()
 
 
-class DraftSteps(_SpecSteps):
+class DraftSteps(_StaticSteps):
     """A draft model's K proposals per row in one replay (see the module docstring)."""
 
     def __init__(self, model: CausalLM, kv_caches: list[torch.Tensor], k: int, **kw) -> None:  # type: ignore[no-untyped-def]
@@ -211,8 +238,8 @@ class DraftSteps(_SpecSteps):
             out.append(token)
         return torch.stack(out, dim=1)
 
-    def capture(self) -> None:
-        self.capture_fn(self._fn, lambda b: self._metas(b, real=False))
+    def capture(self) -> None:  # type: ignore[override]
+        super().capture(self._fn, lambda b: self._metas(b, real=False))
 
     def run(
         self,
