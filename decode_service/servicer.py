@@ -49,6 +49,9 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
                 adapter=request.adapter,
             )
             self.observer.reserved(span, destination)
+        if context.cancelled():
+            # NOTE: the caller left (a hedge's loser) before the grant: nobody will use it
+            await self.worker.abort(request.request_id)
         return worker_pb2.ReserveResponse(destination=destination)
 
     async def Decode(

@@ -67,6 +67,8 @@ class DecodeWorker:
         self.num_bytes_received = 0  # KV of admitted requests (pushes of others are dropped)
         self.num_blocks_received = 0
         self._background: set[asyncio.Future[bool]] = set()  # aborts of abandoned reservations
+        # Reserves under way, so that an abort arriving meanwhile undoes what they grant
+        self._reserving: dict[str, asyncio.Task[LocalReservation]] = {}
         self._next_prefix_sweep = 0.0
         # NOTE: a worker restarted under the same id holds none of the blocks its last life
         # indexed: routing must not prefer it for them.
@@ -97,6 +99,8 @@ class DecodeWorker:
             self._reserve(request_id, prompt_token_ids, params, resume, adapter)
         )
         task.add_done_callback(lambda t: self._unclaim_failed(t, request_id))
+        self._reserving[request_id] = task
+        task.add_done_callback(lambda t: self._reserving.pop(request_id, None))
         try:
             return await asyncio.shield(task)
         except asyncio.CancelledError:
@@ -281,6 +285,11 @@ class DecodeWorker:
         return await asyncio.shield(self._abort(request_id))
 
     async def _abort(self, request_id: str) -> bool:
+        reserving = self._reserving.get(request_id)
+        if reserving is not None:
+            # NOTE: an abort that overtakes its Reserve (a hedge's loser: the gateway aborts it
+            # while the worker still grants it) undoes the grant once made, not left to lapse.
+            reserving.add_done_callback(lambda t: self._undo_reserve(t, request_id))
         res = self.reservations.pop(request_id)
         aborted = await self._abort_engine_async(request_id)
         if res is not None:
