@@ -184,10 +184,9 @@ async def _hedge(
     except Exception:  # noqa: BLE001 - Redis unreachable: no hedge, the first attempt goes on
         log.debug("no hedge for the Reserve of %s", request.request_id, exc_info=True)
         return None
-    route.hedges += 1
     hedged = worker_pb2.ReserveRequest()
     hedged.CopyFrom(request)
-    hedged.request_id = f"{job.request_id}~h{route.hedges}"
+    hedged.request_id = route.new_attempt_id(job.request_id)
     return _send(orch, worker, hedged, deadline, obs, hit)
 
 

@@ -34,8 +34,9 @@ import grpc
 from splitserve.engine.errors import DeadlineExceeded, quoted
 from splitserve.engine.prefix_hash import prefix_block_hashes
 from splitserve.gateway.admission import PrefillBudget
+from splitserve.gateway.failover import FailoverSettings, Suspects
 from splitserve.gateway.hedge import hedged_reserve
-from splitserve.gateway.migration import FailoverSettings, StreamMover, Suspects
+from splitserve.gateway.migration import StreamMover
 from splitserve.gateway.observability import PREFILL, RequestObservation
 from splitserve.gateway.prefill_ledger import PrefillLedger
 from splitserve.gateway.router import NoWorkerError, RoutingPolicy
@@ -83,6 +84,12 @@ class Route:
     cancelled: bool = False
     reserving: bool = False  # a Reserve was sent: D may hold blocks for the request
     hedges: int = 0  # Reserves sent under an id of their own (gateway/hedge.py)
+
+    def new_attempt_id(self, request_id: str) -> str:
+        """An id of its own for another Reserve of `request_id`: what a worker grants under an
+        earlier one (late, or to a hedge's loser) is aborted under that id, never meets this."""
+        self.hedges += 1
+        return f"{request_id}~h{self.hedges}"
 
 
 class Orchestrator:
@@ -216,8 +223,7 @@ class Orchestrator:
                     raise
                 if silent:
                     # NOTE: its late answer, if any, is aborted under the old id (hedge.py)
-                    route.hedges += 1
-                    route.worker_request_id = f"{job.request_id}~h{route.hedges}"
+                    route.worker_request_id = route.new_attempt_id(job.request_id)
                     request.request_id = route.worker_request_id
                 if draining:
                     refused.add(route.decode.worker_id)

@@ -13,8 +13,8 @@ import redis
 
 from splitserve.engine.model_config import ModelConfig
 from splitserve.engine.tokenizer import load_tokenizer
+from splitserve.gateway.failover import FailoverSettings
 from splitserve.gateway.http_server import Authorize, HttpFrontDoor, create_app
-from splitserve.gateway.migration import FailoverSettings
 from splitserve.gateway.observability import GatewayObserver
 from splitserve.gateway.orchestrator import Orchestrator, OrchestratorSettings
 from splitserve.gateway.prefill_ledger import RedisLedger

@@ -227,6 +227,21 @@ def test_full_batch_on_the_cpu_with_the_longest_steps_raises_no_false_suspicion(
         assert _reclaimed(stack) == 0  # NOTE: the hedges' losers were freed, not left to lapse
 
 
+def _asked_while_held(
+    stack: Stack, pid: int, prompt: list[int], params: SamplingParams, request_id: str
+) -> Timed:
+    """One request sent while process `pid` is SIGSTOPped, which goes on 0.8 s later."""
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        with ThreadPoolExecutor(1) as pool:
+            asked = pool.submit(_timed, stack, prompt, params, request_id)
+            time.sleep(0.8)
+            os.kill(pid, signal.SIGCONT)
+            return asked.result(timeout=60)
+    finally:
+        os.kill(pid, signal.SIGCONT)
+
+
 def test_a_reserve_past_its_deadline_asks_the_only_decode_worker_again(tiny_models, llm):
     """With one decode worker, a Reserve it answers late (frozen for a moment, not gone from
     the registry) is asked again, not failed DEADLINE_EXCEEDED: the request completes."""
@@ -237,16 +252,8 @@ def test_a_reserve_past_its_deadline_asks_the_only_decode_worker_again(tiny_mode
         tiny_models["llama"], prefill=1, decode=1, metrics=True,
         extra_gateway_args=("--reserve-timeout-s", "0.3"),
     ) as stack:  # fmt: skip
-        decode = stack.process("decode-0")
-        os.kill(decode.pid, signal.SIGSTOP)  # NOTE: shorter than its heartbeat TTL (1.5 s)
-        try:
-            with ThreadPoolExecutor(1) as pool:
-                asked = pool.submit(_timed, stack, prompt, params, "late")
-                time.sleep(0.8)
-                os.kill(decode.pid, signal.SIGCONT)
-                got = asked.result(timeout=60)
-        finally:
-            os.kill(decode.pid, signal.SIGCONT)
+        # NOTE: held shorter than its heartbeat TTL (1.5 s)
+        got = _asked_while_held(stack, stack.process("decode-0").pid, prompt, params, "late")
         assert got.token_ids == expected
         assert _counter(stack, "splitserve:worker_suspicions_total") >= 1  # it was late
         assert_nothing_leaks(stack)
@@ -266,15 +273,8 @@ def test_a_reserve_granted_after_its_deadline_does_not_collide_with_the_next(tin
         extra_gateway_args=("--reserve-timeout-s", "0.3"),
     ) as stack:  # fmt: skip
         core = _engine_core_pid(stack.process("decode-0").pid)
-        os.kill(core, signal.SIGSTOP)  # NOTE: shorter than --engine-stall-s (2 s)
-        try:
-            with ThreadPoolExecutor(1) as pool:
-                asked = pool.submit(_timed, stack, prompt, params, "granted-late")
-                time.sleep(0.8)
-                os.kill(core, signal.SIGCONT)
-                got = asked.result(timeout=60)
-        finally:
-            os.kill(core, signal.SIGCONT)
+        # NOTE: held shorter than --engine-stall-s (2 s)
+        got = _asked_while_held(stack, core, prompt, params, "granted-late")
         assert got.token_ids == expected
         assert _counter(stack, "splitserve:worker_suspicions_total") >= 1  # it was late
         assert_nothing_leaks(stack, timeout_s=20)
