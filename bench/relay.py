@@ -24,6 +24,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from typing import Any
 
@@ -33,25 +34,27 @@ from splitserve.kv_transfer.redis_server import RedisServer
 from splitserve.up import free_port
 
 
-def wait_serving(address: str, proc: subprocess.Popen, timeout_s: float) -> None:
-    """Until the gateway at `address` answers health SERVING; RuntimeError if it exits."""
-    import grpc
-    from grpc_health.v1 import health_pb2, health_pb2_grpc
+def wait_serving(proc: subprocess.Popen[str], processes: int, timeout_s: float) -> None:
+    """Until every gateway process serves (the group's line, or the one process's), relaying
+    the gateway's output as ours; RuntimeError if it exits or takes longer than `timeout_s`.
+    (A health check on the shared port would answer from whichever process the kernel picked.)"""
+    ready = threading.Event()
+    mark = f"with {processes} processes" if processes > 1 else " serving on "
 
+    def relay() -> None:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            if mark in line:
+                ready.set()
+            print(line, end="", flush=True)
+
+    threading.Thread(target=relay, daemon=True).start()
     deadline = time.monotonic() + timeout_s
-    with grpc.insecure_channel(address) as channel:
-        health = health_pb2_grpc.HealthStub(channel)
-        while time.monotonic() < deadline:
-            if proc.poll() is not None:
-                raise RuntimeError(f"the gateway exited during start-up ({proc.returncode})")
-            try:
-                reply = health.Check(health_pb2.HealthCheckRequest(), timeout=1.0)
-                if reply.status == health_pb2.HealthCheckResponse.SERVING:
-                    return
-            except grpc.RpcError:
-                pass
-            time.sleep(0.2)
-    raise RuntimeError(f"the gateway was not serving within {timeout_s:.0f} s")
+    while not ready.wait(0.2):
+        if proc.poll() is not None:
+            raise RuntimeError(f"the gateway exited during start-up ({proc.returncode})")
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"the gateway was not serving within {timeout_s:.0f} s")
 
 
 def _gateway(args: argparse.Namespace, redis_url: str, model: str, processes: int, interval: int):
@@ -62,8 +65,8 @@ def _gateway(args: argparse.Namespace, redis_url: str, model: str, processes: in
         "--stream-interval", str(interval), "--max-inflight", str(max(256, args.streams * 2)),
         "--drain-timeout-s", "2",
     ]  # fmt: skip
-    proc = subprocess.Popen(cmd, start_new_session=True)
-    wait_serving(f"127.0.0.1:{port}", proc, timeout_s=120.0)
+    proc = subprocess.Popen(cmd, start_new_session=True, stdout=subprocess.PIPE, text=True)
+    wait_serving(proc, processes, timeout_s=120.0)
     return proc, f"127.0.0.1:{port}"
 
 

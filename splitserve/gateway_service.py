@@ -1,7 +1,7 @@
 """Starting the gateway in this process: its gRPC server (health NOT_SERVING, every method
-UNAVAILABLE "loading" until bound), /metrics, the tokenizer and routing, then the Gateway servicer
-and the OpenAI-compatible HTTP API beside it. `splitserve gateway --processes N` runs N of these,
-one per process (`gateway_processes.py`)."""
+UNAVAILABLE "loading" until bound; one of a group of processes listens only once loaded), /metrics,
+the tokenizer and routing, then the Gateway servicer and the OpenAI-compatible HTTP API beside it.
+`splitserve gateway --processes N` runs N of these, one per process (`gateway_processes.py`)."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import uuid
 from collections.abc import Callable, Iterable
 
 import redis
+from transformers import PreTrainedTokenizerBase
 
 from splitserve.engine.model_config import ModelConfig
 from splitserve.engine.tokenizer import load_tokenizer
@@ -35,6 +36,10 @@ from splitserve.runtime.tracing import Tracing
 GATEWAY_SERVICE = "splitserve.v1.Gateway"
 
 
+def _load(model: str) -> tuple[ModelConfig, PreTrainedTokenizerBase]:
+    return ModelConfig.from_pretrained(model), load_tokenizer(model)
+
+
 def start_gateway(
     service: ServiceSettings,
     gateway: GatewaySettings,
@@ -45,6 +50,12 @@ def start_gateway(
     """A gateway in this process; `reuse_port`: one of `--processes N`, sharing its ports."""
     tracing = tracing or Tracing.disabled()
     security = security or Security()
+    loaded = None
+    if reuse_port:
+        # NOTE: one of a group listens only once loaded: the kernel spreads new connections
+        # over every listening process, and one still loading would refuse its share of them
+        # (and a restarted one would, while the others serve).
+        loaded = _load(service.model)
     opened = open_service(
         service,
         [
@@ -59,8 +70,7 @@ def start_gateway(
     )
     metrics = opened.metrics
     try:
-        model_config = ModelConfig.from_pretrained(service.model)
-        tokenizer = load_tokenizer(service.model)
+        model_config, tokenizer = loaded or _load(service.model)
         registry = Registry(
             service.redis_url, retry_s=service.registry_retry_s, secret=security.cluster_secret
         )
