@@ -1,15 +1,15 @@
 """A frozen decode worker costs seconds, and a busy one is never taken for a frozen one.
 
-With the gateway's defaults (no failover flag set): a decode worker SIGSTOPped under load has
-its streams resume on the other one within 3 s (tokens equal to the offline engine's), and new
-requests sent after the freeze take under 1.5 s more each than the same requests did just
-before it, under the same load. A worker whose engine core alone is frozen (its front still
-answers) leaves the registry, its streams move, and it joins again when the core goes on. At
-full batch on the CPU, with the longest steps (2048-token chunks) and the default deadlines
-(paced by each worker's own waits), no worker leaves the registry and none is suspected. A Reserve sent to a frozen decode worker is hedged on the other one and answered
-within the hedge delay and a margin, and what the frozen one grants when it goes on is freed.
-With one decode worker, a Reserve it answers past its deadline is asked again rather than
-failed. Each test ends with the leak check.
+With the gateway's defaults (no failover flag set): a decode worker SIGSTOPped under load has its
+streams resume on the other one within 3 s (tokens equal to the offline engine's), and new requests
+sent after the freeze take under 1.5 s more each than the same requests did just before it, under
+the same load. A worker whose engine core alone is frozen (its front still answers) leaves the
+registry, its streams move, and it joins again when the core goes on. At full batch on the CPU,
+with the longest steps (2048-token chunks) and the default deadlines (paced by each worker's own
+waits), no worker leaves the registry and none is suspected. A Reserve sent to a frozen decode
+worker is hedged on the other one and answered within the hedge delay and a margin, and what the
+frozen one grants when it goes on is freed. With one decode worker, a Reserve it answers past its
+deadline is asked again rather than failed. Each test ends with the leak check.
 """
 
 from __future__ import annotations
