@@ -1,9 +1,9 @@
 """A benchmark row in a process of its own (bench/tensor_parallel_row.py), with a time limit.
 
-The row runs in a process group of its own, so that killing it also kills the follower ranks
-its engine started; its lines are echoed as they come, and `@@ {json}` lines are its
-measurements, kept even if the row is killed later. Nothing a row leaves behind (GPU memory,
-NCCL state, a hung collective) reaches the next one.
+The row runs in a process group of its own, so that killing it also kills the follower ranks its
+engine started; its lines are echoed as they come, and the `@@ {json}` lines it writes to a pipe of
+their own are its measurements, kept even if the row is killed later. Nothing a row leaves behind
+(GPU memory, NCCL state, a hung collective) reaches the next one.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.tensor_parallel_row import RESULT_PREFIX
+from bench.tensor_parallel_row import RESULT_FD_ENV, RESULT_PREFIX
 
 ROOT = Path(__file__).resolve().parents[1]
 # NOTE: NVLink multicast (NVLS) stays off on a shared host: a program that uses it can put the
@@ -72,28 +72,41 @@ def run_row(spec: dict, timeout_s: float) -> dict:
     echoed as they come: what it measured, plus `error` if it failed or ran out of time."""
     row: dict[str, Any] = {"config": spec["name"], "tp": spec["tp"]}
     cmd = [sys.executable, "-m", "bench.tensor_parallel_row", json.dumps(spec)]
-    proc = subprocess.Popen(
-        cmd,
-        cwd=ROOT,
-        env=child_env(),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,  # NOTE: its own process group, followers included
-    )
+    # NOTE: measurements come on a pipe of their own: the row's follower ranks share its
+    # stdout and stderr, and a line of theirs once landed inside a measurement line.
+    results_r, results_w = os.pipe()
+    env = child_env()
+    env[RESULT_FD_ENV] = str(results_w)
+    try:
+        proc = subprocess.Popen(
+            cmd,
+            cwd=ROOT,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            pass_fds=(results_w,),
+            start_new_session=True,  # NOTE: its own process group, followers included
+        )
+    finally:
+        os.close(results_w)
     tail: collections.deque[str] = collections.deque(maxlen=12)
 
-    def pump() -> None:
+    def echo() -> None:
         assert proc.stdout is not None
         for line in proc.stdout:
-            if line.startswith(RESULT_PREFIX):
-                row.update(json.loads(line[len(RESULT_PREFIX) :]))
-            else:
-                print(f"    {line}", end="", flush=True)
-                tail.append(line.rstrip())
+            print(f"    {line}", end="", flush=True)
+            tail.append(line.rstrip())
 
-    reader = threading.Thread(target=pump, daemon=True)
-    reader.start()
+    def results() -> None:
+        with os.fdopen(results_r, encoding="utf-8") as lines:
+            for line in lines:
+                if line.startswith(RESULT_PREFIX):
+                    row.update(json.loads(line[len(RESULT_PREFIX) :]))
+
+    readers = [threading.Thread(target=f, daemon=True) for f in (echo, results)]
+    for reader in readers:
+        reader.start()
     deadline = time.monotonic() + timeout_s
     while proc.poll() is None and time.monotonic() < deadline:
         if row.get("complete"):
@@ -101,7 +114,8 @@ def run_row(spec: dict, timeout_s: float) -> dict:
         time.sleep(0.2)
     code = proc.poll()
     _kill_group(proc)
-    reader.join(5)
+    for reader in readers:
+        reader.join(5)
     last = tail[-1] if tail else "(no output)"
     if code is None and row.pop("complete", False):
         row["stop_error"] = f"measured, but did not stop within {_STOP_GRACE_S:.0f} s"

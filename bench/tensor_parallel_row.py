@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import statistics
 import sys
 import time
@@ -26,6 +27,7 @@ import torch
 from bench.common import device_name, sync
 
 RESULT_PREFIX = "@@ "
+RESULT_FD_ENV = "SPLITSERVE_BENCH_RESULT_FD"  # where `emit` writes, if set
 _T0 = time.monotonic()
 
 
@@ -36,8 +38,17 @@ def progress(text: str) -> None:
 
 
 def emit(**fields: Any) -> None:
-    """Measurements for the parent (bench/tensor_parallel.py reads them line by line)."""
-    print(RESULT_PREFIX + json.dumps(fields), flush=True)
+    """Measurements for the parent (bench/row_process.py reads them line by line): on the pipe
+    it gave (RESULT_FD_ENV) when it gave one, which nothing else writes to (the follower ranks
+    share stdout and stderr, and a line of theirs can land inside ours), else on stdout."""
+    line = RESULT_PREFIX + json.dumps(fields) + "\n"
+    fd = os.environ.get(RESULT_FD_ENV)
+    if fd is None:
+        print(line, end="", flush=True)
+        return
+    data = line.encode()
+    while data:
+        data = data[os.write(int(fd), data) :]
 
 
 def random_prompt(length: int, vocab: int, gen: torch.Generator) -> list[int]:

@@ -4,14 +4,17 @@
             ──Reserve(id~h1)─────▶ D2   the hedge: another live decode worker, not suspect
             ◀── first success wins; the other call is cancelled and aborted on its worker
 
-The request goes on with whichever worker answered first (under the id that worker holds it
-by: each attempt has an id of its own, so an abort of the loser never meets a later attempt on
-the same worker). The loser's reservation, if the worker grants it after all, is freed: its
-call is cancelled (a worker undoes a Reserve whose caller went away) and it is aborted in the
-background (a worker that had answered before the cancel reached it). A worker is *suspect*
-only when a Reserve to it misses its suspicion deadline, `reserve_timeout_s` paced by the
-worker's recent answers and stream gaps (`runtime/pace.py`), never for being slower than the
-hedge; a loser cancelled before its deadline is not judged.
+The hedge delay is paced by the first worker's recent Reserve answers (the ones it won:
+`runtime/pace.py`, HEDGE_FACTOR), so busy workers are not all asked twice at full load; a
+frozen one is hedged after `reserve_hedge_s` unless it was slow just before. The request goes
+on with whichever worker answered first (under the id that worker holds it by: each attempt has
+an id of its own, so an abort of the loser never meets a later attempt on the same worker). The
+loser's reservation, if the worker grants it after all, is freed: its call is cancelled (a
+worker undoes a Reserve whose caller went away) and it is aborted in the background (a worker
+that had answered before the cancel reached it). A worker is *suspect* only when a Reserve to
+it misses its suspicion deadline, `reserve_timeout_s` paced by the worker's recent answers and
+stream gaps (`runtime/pace.py`), never for being slower than the hedge; a loser cancelled
+before its deadline is not judged.
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ from splitserve.gateway.router import NoWorkerError
 from splitserve.gateway.validation import Job
 from splitserve.kv_transfer.registry import WorkerInfo
 from splitserve.protos.v1 import worker_pb2
-from splitserve.runtime.pace import CAP_FACTOR
+from splitserve.runtime.pace import CAP_FACTOR, HEDGE_FACTOR
 
 if TYPE_CHECKING:
     from splitserve.gateway.orchestrator import Orchestrator, Route
@@ -76,7 +79,11 @@ async def hedged_reserve(
     settings = orch.settings.failover
     floor_s = settings.reserve_timeout_s
     attempts = [_send(orch, route.decode, request, deadline, obs, route.prefix_blocks)]
-    hedge_at = attempts[0].sent + settings.reserve_hedge_s if settings.reserve_hedge_s else math.inf
+    hedge_at = math.inf
+    if settings.reserve_hedge_s:
+        hedge_at = attempts[0].sent + orch.reserve_paces.deadline(
+            route.decode.worker_id, settings.reserve_hedge_s, HEDGE_FACTOR
+        )
     winner: _Attempt | None = None
     try:
         while winner is None:
@@ -118,7 +125,9 @@ async def hedged_reserve(
             if a is not winner and not a.timed_out and not a.failed:
                 a.task.cancel()
                 _release(orch, a)
-    orch.paces.observe(winner.worker.worker_id, winner.answered - winner.sent)
+    answered_s = winner.answered - winner.sent
+    orch.paces.observe(winner.worker.worker_id, answered_s)
+    orch.reserve_paces.observe(winner.worker.worker_id, answered_s)
     if winner is not attempts[0]:
         previous = route.decode
         route.decode, route.prefix_blocks = winner.worker, winner.prefix_blocks

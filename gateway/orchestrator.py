@@ -113,6 +113,7 @@ class Orchestrator:
         self.suspects = Suspects(settings.failover.suspect_s)
         # NOTE: each decode worker's recent waits (Reserve answers, stream gaps): its deadlines
         self.paces = Paces()
+        self.reserve_paces = Paces()  # Reserve answers only: the hedge's pace (hedge.py)
         self.mover = StreamMover(self, settings.failover)
 
     async def run(

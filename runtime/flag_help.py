@@ -78,7 +78,8 @@ _HELP = {
     "reserve_timeout_s": "deadline of a Reserve (at least; 3 times the worker's recent longest "
     "wait if that is longer); a decode worker that misses it is suspect and another is asked",
     "reserve_hedge_s": "seconds after which an unanswered Reserve is also sent to another "
-    "decode worker, the first answer winning (0: no hedge)",
+    "decode worker, the first answer winning (0: no hedge); a floor: twice the worker's recent "
+    "peak Reserve answer when longer",
     "stall_timeout_s": "seconds of silence (at least; paced as --reserve-timeout-s) after which "
     "a Decode stream's worker is checked; gone from the registry, the stream moves elsewhere",
     "suspect_s": "seconds a worker that missed a deadline gets no new requests",

@@ -14,6 +14,11 @@ a question), decaying by half every `HALF_LIFE_S` without a longer one. A worker
 20 ms that freezes is caught at the floor; one whose steps legitimately take 1 s is not taken for
 frozen before 3 s. Only waits that ended are observed, so a frozen worker never stretches its own
 deadline while it is frozen; the cap bounds what a short freeze that ended can stretch it to.
+
+The gateway's Reserve hedge is paced the same way, on its own peaks (Reserve answers only, with
+HEDGE_FACTOR): a decode worker whose Reserves all take 0.5 s at full load is hedged after 1 s,
+not after the 0.3 s floor, which would send nearly every Reserve twice just when the workers
+have the least room for it.
 """
 
 from __future__ import annotations
@@ -22,13 +27,14 @@ import time
 from collections.abc import Callable
 
 PACE_FACTOR = 3.0  # a deadline is this many times the worker's recent peak wait, at least
+HEDGE_FACTOR = 2.0  # a hedge waits this many times the worker's recent peak answer, at least
 HALF_LIFE_S = 10.0  # a peak not seen again halves in this long
 CAP_FACTOR = 10.0  # a paced deadline is at most this many times its floor
 
 
-def paced(floor_s: float, peak_s: float) -> float:
+def paced(floor_s: float, peak_s: float, factor: float = PACE_FACTOR) -> float:
     """The deadline for a worker whose recent peak wait is `peak_s` (see the module doc)."""
-    return min(CAP_FACTOR * floor_s, max(floor_s, PACE_FACTOR * peak_s))
+    return min(CAP_FACTOR * floor_s, max(floor_s, factor * peak_s))
 
 
 class DecayingPeak:
@@ -74,6 +80,7 @@ class Paces:
         peak = self._peaks.get(worker_id)
         return 0.0 if peak is None else peak.value()
 
-    def deadline(self, worker_id: str, floor_s: float) -> float:
-        """How long `worker_id` may keep a caller waiting before it is suspect."""
-        return paced(floor_s, self.peak(worker_id))
+    def deadline(self, worker_id: str, floor_s: float, factor: float = PACE_FACTOR) -> float:
+        """How long `worker_id` may keep a caller waiting before it is suspect (`factor`: of
+        its recent peak wait)."""
+        return paced(floor_s, self.peak(worker_id), factor)

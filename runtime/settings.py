@@ -159,7 +159,8 @@ class GatewaySettings:
     # paced: three times the worker's recent peak wait when that is longer (runtime/pace.py)
     reserve_timeout_s: float = 1.0
     # A Reserve unanswered this long is also sent to another decode worker, the first answer
-    # wins (gateway/hedge.py): a frozen worker delays a new request about this much (0: off)
+    # wins (gateway/hedge.py): a frozen worker delays a new request about this much (0: off);
+    # paced: twice the worker's recent peak Reserve answer when that is longer
     reserve_hedge_s: float = 0.3
     # A Decode stream silent this long (paced as the Reserve deadline) has its worker's
     # liveness checked (then every quarter of it): gone from the registry, the stream moves

@@ -5,7 +5,14 @@ from __future__ import annotations
 
 import pytest
 
-from splitserve.runtime.pace import CAP_FACTOR, HALF_LIFE_S, PACE_FACTOR, DecayingPeak, Paces
+from splitserve.runtime.pace import (
+    CAP_FACTOR,
+    HALF_LIFE_S,
+    HEDGE_FACTOR,
+    PACE_FACTOR,
+    DecayingPeak,
+    Paces,
+)
 
 
 class Clock:
@@ -51,6 +58,18 @@ def test_a_long_wait_stretches_the_deadline_at_most_to_the_cap():
     paces = Paces(clock=Clock())
     paces.observe("once-frozen", 60.0)
     assert paces.deadline("once-frozen", 1.0) == CAP_FACTOR * 1.0
+
+
+def test_the_hedge_waits_twice_a_busy_workers_recent_answers_and_the_floor_for_a_quick_one():
+    """The Reserve hedge's pace (gateway/hedge.py): 0.3 s floor, twice the recent peak."""
+    paces = Paces(clock=Clock())
+    paces.observe("busy", 0.5)
+    paces.observe("quick", 0.01)
+    assert HEDGE_FACTOR == 2.0
+    assert paces.deadline("busy", 0.3, HEDGE_FACTOR) == pytest.approx(1.0)
+    assert paces.deadline("quick", 0.3, HEDGE_FACTOR) == pytest.approx(0.3)
+    paces.observe("busy", 5.0)  # an answer from a worker that was frozen, once it went on
+    assert paces.deadline("busy", 0.3, HEDGE_FACTOR) == pytest.approx(CAP_FACTOR * 0.3)
 
 
 def test_the_half_life_must_be_positive():
