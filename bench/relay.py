@@ -140,7 +140,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--out", default="bench/results/relay.json")
     args = parser.parse_args(argv)
     if args.smoke:
-        args.processes, args.intervals = "1,2", "1,4"
+        args.processes, args.intervals = "2", "1,4"
         args.streams, args.clients, args.decode, args.fake_processes = 8, 1, 1, 1
         args.max_tokens, args.seconds, args.warmup_s = 64, 1.5, 1.0
     from splitserve.testing.tiny_model import make_tiny_model

@@ -15,11 +15,9 @@ pytestmark = pytest.mark.slow
 CHAT = [
     "What is the capital of France?",
     "Write a haiku about the sea.",
-    "List three primary colors.",
     "Explain what a CPU does in one sentence.",
-    "Give me a name for a pet turtle.",
 ]
-PLAIN = ["Once upon a time", "The three laws of thermodynamics are", "def fibonacci(n):"]
+PLAIN = ["Once upon a time", "def fibonacci(n):"]
 MAX_NEW = 24
 
 
