@@ -56,6 +56,7 @@ class DecodeCoreHandler(CoreHandler):
             "open_landing": Command(self.open_landing),
             "wait_landed": Command(self.wait_landed, waits=True),
             "admit": Command(self.admit),
+            "park": Command(self.park),
             "abort": Command(self.abort, waits=True),
             "take_prefix_events": Command(self.take_prefix_events),
         }
@@ -104,26 +105,56 @@ class DecodeCoreHandler(CoreHandler):
             )
         )
 
-    def wait_landed(self, request_id: str, timeout_s: float) -> list[Any]:
+    def wait_landed(
+        self, request_id: str, timeout_s: float, num_kv_tokens: int | None = None
+    ) -> list[Any]:
         """Until every needed block landed: [ok, why not, progress, bytes, blocks]; a complete
-        reservation is closed (later pushes are refused) before the answer."""
+        reservation is closed (later pushes are refused) before the answer. `num_kv_tokens`:
+        only the blocks of that many leading tokens are needed (a hand-off)."""
         res = self.book.get(request_id)
         if res is None:
             return [False, "reclaimed", "0 blocks", 0, 0]
+        if num_kv_tokens is not None:
+            with res.changed:
+                res.num_kv_tokens = num_kv_tokens
+                res.notify()
         ok = res.wait_complete(timeout_s)
         why = res.refusal or ("reclaimed" if res.dead else "timed out")
         if ok:
             self.book.pop(request_id)
         return [ok, "" if ok else why, res.progress(), res.num_bytes, len(res.received)]
 
-    def admit(self, request_id: str, params: bytes, first_tokens: list[Any], priority: int) -> Any:
+    def admit(
+        self,
+        request_id: str,
+        params: bytes,
+        first_tokens: list[Any],
+        priority: int,
+        kv_present: bool = False,
+    ) -> Any:
         sampling = params_from_wire(params)
         tokens = first_tokens_from_wire(first_tokens)
+        # NOTE: its landing closes first: nothing writes into blocks the engine computes (a
+        # hand-off that failed part way, then recomputed here).
+        self.book.pop(request_id)
 
         def run(e: LLMEngine) -> None:
             # NOTE: published on the engine thread, so its message precedes the reply and any
             # later step's.
-            self.loop.publish(e.admit(request_id, sampling, tokens, priority))
+            self.loop.publish(e.admit(request_id, sampling, tokens, priority, kv_present))
+
+        return self.loop.submit(run)
+
+    def park(self, request_id: str) -> Any:
+        """Keep a running request's KV for a hand-off: the tokens it covers, or None when it
+        has none to keep (engine/parking.py)."""
+
+        def run(e: LLMEngine) -> int | None:
+            parked = e.park(request_id)
+            if parked is None:
+                return None
+            self.emitter.encoder.forget(request_id)  # NOTE: no more outputs for it
+            return parked.num_tokens
 
         return self.loop.submit(run)
 

@@ -41,6 +41,9 @@ class LocalReservation:
     capability: bytes = b""
     # The prompt (a front's own copy: its outputs are detokenized in its context)
     prompt_token_ids: tuple[int, ...] = ()
+    # Leading tokens whose KV must land (None: every block's). A handed-off stream's is all
+    # but its last token, whose block the sender may not have filled yet.
+    num_kv_tokens: int | None = None
     lock: threading.Lock = field(default_factory=threading.Lock)
     changed: threading.Condition = field(init=False)
     # Coroutines waiting in `wait_complete_async`: woken on their loops by `notify`.
@@ -62,8 +65,12 @@ class LocalReservation:
 
     @property
     def needed(self) -> frozenset[int]:
-        """Destination blocks a prefill worker must fill: all but the cached prefix."""
-        return frozenset(self.block_ids[self.num_cached_tokens // self.block_size :])
+        """Destination blocks a sender must fill: all but the cached prefix (and past
+        `num_kv_tokens`, when set)."""
+        end = len(self.block_ids)
+        if self.num_kv_tokens is not None:
+            end = min(end, -(-self.num_kv_tokens // self.block_size))
+        return frozenset(self.block_ids[self.num_cached_tokens // self.block_size : end])
 
     @property
     def complete(self) -> bool:

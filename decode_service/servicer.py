@@ -8,8 +8,10 @@ from collections.abc import AsyncIterator
 
 import grpc
 
+from splitserve.decode_service.handoff import StreamMoved
 from splitserve.decode_service.observer import DecodeObserver
 from splitserve.decode_service.worker import DecodeWorker
+from splitserve.engine.errors import InvalidRequest
 from splitserve.engine.lora.request import check_adapter_name
 from splitserve.kv_transfer.cluster import caller_of
 from splitserve.protos import convert
@@ -59,8 +61,13 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
     ) -> AsyncIterator[worker_pb2.DecodeResponse]:
         params = convert.sampling_from_proto(request.sampling)
         tracker = convert.DeltaTracker.for_params(params)
+        handed_off = None
         if request.HasField("resume"):
             tracker.resume_after(request.resume)
+            if request.kv_handed_off:
+                handed_off = len(request.resume.output_token_ids)
+        elif request.kv_handed_off:
+            raise InvalidRequest("kv_handed_off needs the resumed tokens (resume)")
         obs = self.observer.decode(request.request_id, params, context)
         outputs = self.worker.decode(
             request.request_id,
@@ -68,6 +75,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
             convert.first_tokens_from_proto(request.first_tokens),
             request.priority,
             on_admitted=obs.admitted,
+            num_resumed_handed_off=handed_off,
         )
         try:
             async for out in outputs:
@@ -81,6 +89,12 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
                     )
                     obs.on_finished(finished, out.speculation)
                     yield worker_pb2.DecodeResponse(finished=finished)
+        except StreamMoved as exc:
+            obs.end(exc)
+            # NOTE: the trailer tells the gateway the stream's KV waits here for a hand-off
+            kept = exc.num_kv_tokens
+            trailer = () if kept is None else ((convert.KV_HANDOFF_TRAILER, str(kept)),)
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc), trailer)
         except BaseException as exc:
             obs.end(exc)
             raise
@@ -92,6 +106,19 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         self, request: common_pb2.AbortRequest, context: grpc.aio.ServicerContext
     ) -> common_pb2.AbortResponse:
         return common_pb2.AbortResponse(aborted=await self.worker.abort(request.request_id))
+
+    async def HandOff(
+        self, request: worker_pb2.HandOffRequest, context: grpc.aio.ServicerContext
+    ) -> worker_pb2.HandOffResponse:
+        if not request.destination_request_id or not request.num_tokens:
+            raise InvalidRequest("a hand-off names its destination's request and a token count")
+        num_blocks, num_bytes = await self.worker.handoffs.hand_off(
+            request.request_id,
+            request.destination,
+            request.destination_request_id,
+            request.num_tokens,
+        )
+        return worker_pb2.HandOffResponse(num_blocks_sent=num_blocks, num_bytes_sent=num_bytes)
 
     async def LoadAdapter(
         self, request: worker_pb2.LoadAdapterRequest, context: grpc.aio.ServicerContext
@@ -115,4 +142,5 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
             kv_bytes_received=worker.num_bytes_received,
             kv_blocks_received=worker.num_blocks_received,
             num_reclaimed=worker.num_reclaimed,
+            num_handoffs_sent=worker.handoffs.num_sent,
         )

@@ -22,8 +22,9 @@ import time
 from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass
 
+from splitserve.decode_service.handoff import StreamHandOffs, StreamMoved
 from splitserve.decode_service.reservations import LocalReservation, ReservationBook
-from splitserve.engine.errors import FailedPrecondition, NotFound, Unavailable, quoted
+from splitserve.engine.errors import FailedPrecondition, NotFound, quoted
 from splitserve.engine.outputs import RequestOutput, Resume, SampledToken
 from splitserve.engine.sampling_params import SamplingParams
 from splitserve.engine.stats import EngineStats
@@ -78,6 +79,8 @@ class DecodeWorker:
         self._prefix_held: set[bytes] = set()  # what the registry's prefix index should list
         # running Decode streams: their outputs queue, and the loop that feeds it (move_streams)
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        # streams moved off with their KV kept for a hand-off (decode_service/handoff.py)
+        self.handoffs = StreamHandOffs(core, registry, settings)
 
     async def reserve(
         self,
@@ -163,10 +166,13 @@ class DecodeWorker:
         first_tokens: list[SampledToken],
         priority: int,
         on_admitted: Callable[[], None] | None = None,
+        num_resumed_handed_off: int | None = None,
     ) -> AsyncGenerator[RequestOutput, None]:
         """Admit a reserved request and yield its outputs until it finishes.
 
-        With no `first_tokens` the prompt is prefilled here (colocated or short prompts).
+        With no `first_tokens` the prompt is prefilled here (colocated or short prompts), or,
+        with `num_resumed_handed_off` (a resumed stream of that many tokens whose KV of all but
+        the last was handed off), it decodes on from that KV (recomputed if it did not land).
         The request is aborted, and its blocks freed, if the caller goes away (the task that
         iterates this is cancelled, or closes it early).
         """
@@ -174,12 +180,18 @@ class DecodeWorker:
         if res is None:
             raise NotFound(f"no reservation for request {request_id!r}")
         num_bytes = num_blocks = 0
-        if first_tokens:
+        num_kv_tokens: int | None = None
+        if num_resumed_handed_off is not None:
+            num_kv_tokens = len(res.prompt_token_ids) + num_resumed_handed_off - 1
+        if first_tokens or num_kv_tokens is not None:
             timeout_s = self.settings.landing_timeout_s
             ok, why, progress, num_bytes, num_blocks = await self.core.acall(
-                "wait_landed", request_id, timeout_s, timeout_s=timeout_s + 30
+                "wait_landed", request_id, timeout_s, num_kv_tokens, timeout_s=timeout_s + 30
             )
-            if not ok:
+            if not ok and num_kv_tokens is not None:
+                log.warning("KV handed to %s incomplete (%s): recompute", quoted(request_id), why)
+                num_kv_tokens = None
+            elif not ok:
                 await self.abort(request_id)  # NOTE: never admitted with partial KV
                 raise FailedPrecondition(
                     f"KV for request {request_id!r} is incomplete ({why}): {progress} received"
@@ -209,6 +221,7 @@ class DecodeWorker:
                     params_to_wire(params),
                     first_tokens_to_wire(first_tokens),
                     priority,
+                    num_kv_tokens is not None,
                 ),
                 return_exceptions=True,  # NOTE: both settle before either's error is raised
             )
@@ -240,10 +253,12 @@ class DecodeWorker:
             await asyncio.shield(self._end(request_id, aborted=not finished))
 
     async def _end(self, request_id: str, aborted: bool) -> None:
-        if aborted:
-            await self._abort_engine_async(request_id)
         with self._active_lock:
             self._active.pop(request_id, None)
+        if self.handoffs.holds(request_id):
+            return  # NOTE: moved off with its KV kept: its hand-off (or lease) frees it
+        if aborted:
+            await self._abort_engine_async(request_id)
         await asyncio.to_thread(self._release, request_id)
 
     def _release(self, request_id: str, fence: int | None = None) -> None:
@@ -257,14 +272,18 @@ class DecodeWorker:
         """Reservations and Decode streams this worker holds now."""
         return len(self._streams) + len(self.reservations)
 
-    def move_streams(self, why: str) -> int:
+    async def move_streams(self, why: str) -> int:
         """End every running Decode stream with UNAVAILABLE (`why`): the gateway resumes each
-        on another decode worker, as when a worker dies (`gateway/migration.py`); this worker
-        aborts them and frees their blocks. Safe from any thread; how many it ended."""
-        streams = list(self._streams.values())
-        # NOTE: "changing role" tells the gateway this worker is not lost (gateway/migration.py)
-        error = Unavailable(f"changing role: {why}")
-        for loop, outputs in streams:
+        on another decode worker (`gateway/migration.py`). A stream whose KV can be handed off
+        keeps it here until then (decode_service/handoff.py); the others are aborted and
+        recomputed there. How many it ended."""
+        streams = list(self._streams.items())
+        for request_id, (loop, outputs) in streams:
+            with self._active_lock:
+                record = self._active.get(request_id)
+            num_kv_tokens = await self.handoffs.park(request_id, record)
+            # NOTE: "changing role" tells the gateway this worker is not lost (migration.py)
+            error = StreamMoved(f"changing role: {why}", num_kv_tokens)
             with contextlib.suppress(RuntimeError):  # NOTE: a closed loop: nobody reads it
                 loop.call_soon_threadsafe(outputs.put_nowait, error)
         return len(streams)
@@ -291,10 +310,12 @@ class DecodeWorker:
             # while the worker still grants it) undoes the grant once made, not left to lapse.
             reserving.add_done_callback(lambda t: self._undo_reserve(t, request_id))
         res = self.reservations.pop(request_id)
+        parked = self.handoffs.pop(request_id)
         aborted = await self._abort_engine_async(request_id)
-        if res is not None:
-            await asyncio.to_thread(self._release, request_id, res.fence)
-        return aborted or res is not None
+        for held in (res, parked):
+            if held is not None:
+                await asyncio.to_thread(self._release, request_id, held.fence)
+        return aborted or res is not None or parked is not None
 
     async def _abort_engine_async(self, request_id: str) -> bool:
         """Abort in the engine core: its reservation closed there first (waiting for a KV
@@ -332,6 +353,7 @@ class DecodeWorker:
             active = dict(self._active)
         for request_id, (fence, _) in active.items():
             self.registry.renew(request_id, fence, self.settings.lease_s)
+        self.handoffs.housekeeping()
 
     def _records(self) -> list[BlockRecord]:
         """The block records this worker holds: its reservations and running requests."""
@@ -347,7 +369,7 @@ class DecodeWorker:
             active = dict(self._active)
         for request_id, (fence, block_ids) in active.items():
             records.append(BlockRecord(request_id, "owned", me, "", fence, block_ids, None))
-        return records
+        return records + self.handoffs.records()
 
     def _sweep_prefix_index(self) -> None:
         """Drop the prefix entries of decode workers that died without leaving (every lease)."""

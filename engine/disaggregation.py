@@ -12,10 +12,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from splitserve.engine.errors import NotFound, Overloaded
+from splitserve.engine.errors import InvalidRequest, NotFound, Overloaded
 from splitserve.engine.output_processor import RequestState
 from splitserve.engine.outputs import RequestOutput, Resume, SampledToken
 from splitserve.engine.sampling_params import SamplingParams
+from splitserve.engine.sequence import SequenceStatus
 
 if TYPE_CHECKING:
     from splitserve.engine.block_manager import BlockManager
@@ -101,13 +102,19 @@ class DisaggregationMixin:
         params: SamplingParams,
         first_tokens: list[SampledToken] | None,
         priority: int = 0,
+        kv_present: bool = False,
     ) -> list[RequestOutput]:
         """Start a reserved request. With `first_tokens` its whole prompt KV has been written
         into the reserved blocks and it joins the running batch; without, it is prefilled here.
-        Returns the request's output if the first tokens already finish it."""
+        With `kv_present` (a resumed sample whose KV was handed off, engine/parking.py) the
+        blocks hold the KV of every token but the last, which is its next input: it joins the
+        batch and decodes, nothing is recomputed. Returns the request's output if the first
+        tokens already finish it."""
         seq = self._reserved.get(request_id)
         if seq is None:
             raise NotFound(f"no reservation for request {request_id!r}")
+        if kv_present and (first_tokens or params.n != 1):
+            raise InvalidRequest("handed-off KV comes with one resumed sample, no first tokens")
         self._validate(seq.prompt_token_ids, params)  # NOTE: the reservation's were others
         seq.params, seq.priority = params, priority
         seq.pending_children = [seq.make_child(i) for i in range(1, params.n)]
@@ -118,7 +125,13 @@ class DisaggregationMixin:
         self.outputs.add(
             RequestState(request_id, None, seq.prompt_token_ids, [seq, *seq.pending_children])
         )
-        if not first_tokens:
+        if kv_present:
+            seq.num_computed_tokens = seq.num_tokens - 1
+            self.block_manager.cache_blocks(
+                seq.seq_id, seq.token_ids, seq.num_computed_tokens, seq.prefix_root
+            )
+            seq.status = SequenceStatus.PREFILLED
+        if kv_present or not first_tokens:
             self.scheduler.add(seq)
             return []
         seq.num_computed_tokens = seq.num_tokens

@@ -33,6 +33,7 @@ from splitserve.engine.parallel.follower import agree_on_kv_pool
 from splitserve.engine.parallel.kv_shards import ShardedKVConnector
 from splitserve.engine.parallel.launcher import Followers
 from splitserve.engine.parallel.sharding import check_divisible
+from splitserve.engine.parking import ParkingMixin
 from splitserve.engine.platform import Platform
 from splitserve.engine.request_checks import check_request
 from splitserve.engine.sampling_params import SamplingParams
@@ -46,7 +47,7 @@ from splitserve.engine.weights import load_model
 Prompt = str | SequenceABC[int]
 
 
-class LLMEngine(LoRAEngineMixin, DisaggregationMixin):
+class LLMEngine(LoRAEngineMixin, DisaggregationMixin, ParkingMixin):
     """Owns the model, the KV pool, the scheduler and the request states of one worker."""
 
     def __init__(self, model_dir: str | Path, config: EngineConfig | None = None) -> None:
@@ -103,6 +104,7 @@ class LLMEngine(LoRAEngineMixin, DisaggregationMixin):
                 spec.use_static_steps(self.runner, capture=True)
         self.outputs = OutputProcessor(self.tokenizer, self.config.stream_text)
         self._reserved: dict[str, Sequence] = {}
+        self._parked: dict[str, Sequence] = {}  # streams moved away, KV kept (engine/parking.py)
         self._sent_prefills: list[str] = []  # watched prefills whose last blocks are pinned
         overlap = self.config.async_scheduling
         self.overlap = self.platform.cuda_graphs if overlap is None else overlap
@@ -165,7 +167,7 @@ class LLMEngine(LoRAEngineMixin, DisaggregationMixin):
         self, request_id: str, token_ids: list[int], params: SamplingParams, priority: int = 0
     ) -> Sequence:
         """A request's first sequence, after checking its id is free and its input is valid."""
-        if request_id in self.outputs.requests or request_id in self._reserved:
+        if self.has_request(request_id):
             raise AlreadyExists(f"request id {request_id!r} is already in use")
         self._validate(token_ids, params)
         return Sequence(
@@ -225,8 +227,10 @@ class LLMEngine(LoRAEngineMixin, DisaggregationMixin):
         )
 
     def abort_request(self, request_id: str) -> bool:
-        """Stop a request wherever it is (reserved, queued, running, or held for sending) and
-        free its blocks. Returns False for an unknown id."""
+        """Stop a request wherever it is (reserved, queued, running, held for sending, or parked)
+        and free its blocks. Returns False for an unknown id."""
+        if self._drop_parked(request_id):
+            return True
         reserved = self._reserved.pop(request_id, None)
         if reserved is not None:
             self.block_manager.free(reserved.seq_id)
@@ -250,11 +254,11 @@ class LLMEngine(LoRAEngineMixin, DisaggregationMixin):
         return len(self.scheduler.running)
 
     def num_requests(self) -> int:
-        """Requests known in any state: reserved, queued, running, or held for sending."""
-        return len(self.outputs.requests) + len(self._reserved)
+        """Requests known in any state: reserved, queued, running, held for sending, parked."""
+        return len(self.outputs.requests) + len(self._reserved) + len(self._parked)
 
     def has_request(self, request_id: str) -> bool:
-        return request_id in self.outputs.requests or request_id in self._reserved
+        return any(request_id in r for r in (self.outputs.requests, self._reserved, self._parked))
 
     def step(self) -> list[RequestOutput]:
         """Run one iteration; return the outputs of the requests that gained tokens.
@@ -386,6 +390,7 @@ class LLMEngine(LoRAEngineMixin, DisaggregationMixin):
             num_cached_blocks=usage.num_cached_blocks,
             num_pinned_blocks=self.block_manager.num_pinned_blocks,
             num_preemptions=self.scheduler.num_preemptions,
+            num_prefill_tokens=self.scheduler.num_prefill_tokens,
             prefix_cache_queries=bm.prefix_cache_queries,
             prefix_cache_hits=bm.prefix_cache_hits,
             block_size=self.config.block_size,

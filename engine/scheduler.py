@@ -61,6 +61,9 @@ class Scheduler:
         self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        # Tokens computed to fill KV rather than to decode (prompts, recomputes): a sequence's
+        # tokens before its `prefill_len`.
+        self.num_prefill_tokens = 0
 
     def _rank(self, seq: Sequence) -> tuple[int, int]:
         if self.config.scheduling_policy == "priority":
@@ -138,6 +141,9 @@ class Scheduler:
             self.waiting.pop(0)
             if seq.status is SequenceStatus.WAITING:
                 seq.num_cached_prompt_tokens = num_computed
+            # NOTE: a prefilled sequence (its KV pushed or handed off) decodes at once
+            prefilled = seq.status is SequenceStatus.PREFILLED
+            seq.prefill_len = num_computed if prefilled else seq.num_tokens
             seq.num_computed_tokens = num_computed
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
@@ -162,6 +168,8 @@ class Scheduler:
         return max(holders, key=self._rank) if holders else None
 
     def _scheduled(self, seq: Sequence, num_new: int, num_spec: int = 0) -> ScheduledSequence:
+        start = seq.num_computed_tokens
+        self.num_prefill_tokens += max(0, min(start + num_new, seq.prefill_len) - start)
         samples = seq.num_computed_tokens + num_new == seq.num_tokens
         return ScheduledSequence(seq, num_new + num_spec, samples, num_spec)
 

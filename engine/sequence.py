@@ -55,6 +55,9 @@ class Sequence:
     output_logprobs: list[dict[int, float]] = field(default_factory=list)
     num_computed_tokens: int = 0
     num_cached_prompt_tokens: int = 0
+    # Tokens to compute before it decodes, set as it joins the batch: its prompt (and resumed
+    # tokens, after a preemption or a resume), or none when its KV came from elsewhere.
+    prefill_len: int = 0
     status: SequenceStatus = SequenceStatus.WAITING
     finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None

@@ -26,6 +26,9 @@ class EngineStats:
     prefix_cache_queries: int  # prompt tokens looked up
     prefix_cache_hits: int  # prompt tokens found
     block_size: int
+    # Tokens computed to fill KV rather than to decode: prompts, and recomputes after a
+    # preemption or of a resumed stream (not the KV a prefill worker pushed or a hand-off moved)
+    num_prefill_tokens: int = 0
     # A serving loop's turns that stepped the engine: count, wall seconds, sequences run
     num_steps: int = 0
     step_seconds: float = 0.0

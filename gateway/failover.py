@@ -34,9 +34,13 @@ class FailoverSettings:
     suspect_s: float = 30.0
     # How many times one stream may move to another decode worker.
     max_migrations: int = 2
+    # A HandOff (a moved stream's KV pushed by the worker that changes role) waits this long;
+    # longer than that worker's own push timeout, so that it answers first.
+    handoff_timeout_s: float = 90.0
 
     def __post_init__(self) -> None:
-        for name in ("rpc_timeout_s", "reserve_timeout_s", "stall_timeout_s", "suspect_s"):
+        positive = ("rpc_timeout_s", "reserve_timeout_s", "stall_timeout_s", "suspect_s")
+        for name in (*positive, "handoff_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")
         if not (math.isfinite(self.reserve_hedge_s) and self.reserve_hedge_s >= 0):

@@ -1,9 +1,10 @@
 """Decode streams that outlive their decode worker, and deadlines on the calls to workers.
 
-A Decode stream ends early in two ways: its worker dies (the call fails UNAVAILABLE: connection
-refused or reset), or it stops answering (frozen, swapped out: no message for
+A Decode stream ends early in three ways: its worker dies (the call fails UNAVAILABLE:
+connection refused or reset), it stops answering (frozen, swapped out: no message for
 `stall_timeout_s` while it is gone from the registry: its heartbeat lapsed, or its engine loop
-stopped turning and it left, `runtime/engine_watch.py`). Either way the gateway knows
+stopped turning and it left, `runtime/engine_watch.py`), or it changes role (`--role-switch`:
+UNAVAILABLE "changing role"; it is not lost, so not made suspect). Either way the gateway knows
 everything the stream depends on: the prompt, the sampling parameters, and the tokens the
 client already has. It resumes the stream on another decode worker:
 
@@ -19,6 +20,12 @@ penalties, min_tokens and max_tokens (`engine.sequence.Resume`). D2 streams only
 what the client has, so the client sees one stream; usage counts the original prompt and every
 generated token. On D2 the request runs under a new id (`<id>~<k>`): D1's records in Redis and
 D1 itself, should it wake up, never touch D2's.
+
+A worker that changes role is alive and keeps the stream's KV (its status's trailer says for how
+many tokens): then D1 pushes that KV into D2's reservation (`HandOff`, `handoff.py`) between
+the Reserve and the Decode, and D2 decodes on without recomputing anything; a hand-off that
+fails falls back to the recompute above. `splitserve:stream_migrations_total{reason, kv}`
+counts each move, `kv` handed_off or recomputed.
 
 A Prefill whose KV goes to a decode worker that goes silent the same way is cancelled and
 fails ABORTED, which the orchestrator retries with a fresh reservation. A worker that misses a
@@ -43,12 +50,20 @@ import functools
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import grpc
 
 from splitserve.engine.errors import DeadlineExceeded, Unavailable
 from splitserve.gateway.failover import FailoverSettings
+from splitserve.gateway.handoff import (
+    HANDED_OFF,
+    RECOMPUTED,
+    hand_off,
+    kv_kept,
+    num_kv_tokens_needed,
+)
 from splitserve.gateway.observability import DECODE, RequestObservation
 from splitserve.gateway.validation import Job
 from splitserve.kv_transfer.registry import WorkerInfo
@@ -59,6 +74,15 @@ if TYPE_CHECKING:
     from splitserve.gateway.orchestrator import Orchestrator, Route
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class _Moved:
+    """One move of a stream: its number, why, and the tokens of KV its worker kept (None)."""
+
+    move: int
+    reason: str
+    kv_kept: int | None
 
 
 class WorkerLost(Exception):
@@ -187,6 +211,7 @@ class StreamMover:
         orch, settings = self.orch, self.settings
         ledger = Ledger(job.params.n)
         resume: worker_pb2.ResumeFrom | None = None
+        handed_off = False  # the resumed stream's KV was handed off into its reservation
         for moves in range(settings.max_migrations + 1):
             worker_request_id = route.worker_request_id or job.request_id
             try:
@@ -198,6 +223,7 @@ class StreamMover:
                             first_tokens=first,
                             priority=job.priority,
                             resume=resume,
+                            kv_handed_off=handed_off,
                         ),
                         timeout=_remaining(deadline),
                         metadata=call.metadata,
@@ -224,7 +250,8 @@ class StreamMover:
                 stream.cancel()  # NOTE: should the worker wake up, it frees the request
                 reason = _why_moved(err)
                 resume = ledger.resume_from(0)
-                await self._move(job, route, resume, moves + 1, deadline, obs, reason, ledger)
+                moved = _Moved(moves + 1, reason, kv_kept(err) if reason == ROLE_CHANGE else None)
+                handed_off = await self._move(job, route, resume, moved, deadline, obs, ledger)
                 first = []
         raise AssertionError("unreachable")  # pragma: no cover
 
@@ -233,32 +260,51 @@ class StreamMover:
         job: Job,
         route: Route,
         resume: worker_pb2.ResumeFrom,
-        move: int,
+        moved: _Moved,
         deadline: float,
         obs: RequestObservation,
-        reason: str,
         ledger: Ledger,
-    ) -> None:
-        """Reserve the resumed sample on another decode worker; `route` then points there."""
+    ) -> bool:
+        """Reserve the resumed sample on another decode worker; `route` then points there.
+        True if the lost worker handed the sample's KV off into that reservation (`handoff.py`;
+        otherwise the new worker recomputes it)."""
         orch = self.orch
-        lost = route.decode
-        if reason != ROLE_CHANGE:
-            orch.suspects.mark(lost.worker_id, f"its Decode stream was lost ({reason})", "stream")
-        self.abort_in_background(lost, route.worker_request_id or job.request_id)
+        lost, lost_id = route.decode, route.worker_request_id or job.request_id
+        if moved.reason != ROLE_CHANGE:
+            why = f"its Decode stream was lost ({moved.reason})"
+            orch.suspects.mark(lost.worker_id, why, "stream")
+        need = num_kv_tokens_needed(len(job.prompt_token_ids), resume)
+        kept = moved.kv_kept is not None and 0 < need <= moved.kv_kept
+        if not kept:
+            self.abort_in_background(lost, lost_id)
         # A killed worker's prefix index is gone with it: routing must stop preferring it.
         await asyncio.to_thread(orch.registry.clear_prefix_blocks, lost.worker_id)
-        route.worker_request_id = f"{job.request_id}~{move}"
+        route.worker_request_id = f"{job.request_id}~{moved.move}"
         resumed = dataclasses.replace(job, request_id=route.worker_request_id)
-        picked = await orch._pick_decode(resumed, obs, exclude={lost.worker_id})
-        route.decode, _, route.prefix_blocks = picked
-        orch._count(lost.worker_id, -1)
-        orch._count(route.decode.worker_id, +1)
-        await orch._reserve(resumed, route, deadline, obs, resume=resume)
+        try:
+            picked = await orch._pick_decode(resumed, obs, exclude={lost.worker_id})
+            route.decode, _, route.prefix_blocks = picked
+            orch._count(lost.worker_id, -1)
+            orch._count(route.decode.worker_id, +1)
+            dest = await orch._reserve(resumed, route, deadline, obs, resume=resume)
+            handed_off = kept and await hand_off(
+                orch.stubs, lost, lost_id, dest, route.worker_request_id, need,
+                min(self.settings.handoff_timeout_s, _remaining(deadline)),
+            )  # fmt: skip
+        except BaseException:
+            if kept:
+                self.abort_in_background(lost, lost_id)  # NOTE: frees the KV it kept for us
+            raise
+        if kept and not handed_off:
+            self.abort_in_background(lost, lost_id)
+        kv = HANDED_OFF if handed_off else RECOMPUTED
         log.warning(
-            "request %s: decode worker %s lost (%s) after %d tokens; resumed on %s",
-            job.request_id, lost.worker_id, reason, ledger.num_tokens, route.decode.worker_id,
+            "request %s: decode worker %s lost (%s) after %d tokens; resumed on %s (KV %s)",
+            job.request_id, lost.worker_id, moved.reason, ledger.num_tokens,
+            route.decode.worker_id, kv.replace("_", " "),
         )  # fmt: skip
-        obs.migrated(lost, route.decode, reason, ledger.num_tokens)
+        obs.migrated(lost, route.decode, moved.reason, ledger.num_tokens, kv)
+        return handed_off
 
     async def prefill_guarded(self, rpc: Any, decode: WorkerInfo) -> Any:
         """Await a Prefill call whose KV goes to `decode`. If `decode` goes silent and leaves

@@ -104,10 +104,12 @@ class RequestObservation:
         finally:
             span.end()
 
-    def migrated(self, lost: WorkerInfo, to: WorkerInfo, reason: str, num_tokens: int) -> None:
-        """The Decode stream moved from `lost` to `to` after `num_tokens` tokens (a span event
-        and `splitserve:stream_migrations`)."""
-        self._observer.routing.migrated(reason)
+    def migrated(
+        self, lost: WorkerInfo, to: WorkerInfo, reason: str, num_tokens: int, kv: str
+    ) -> None:
+        """The Decode stream moved from `lost` to `to` after `num_tokens` tokens, its KV
+        `kv` (handed_off or recomputed): a span event and `splitserve:stream_migrations`."""
+        self._observer.routing.migrated(reason, kv)
         if self.span.is_recording():
             self.span.add_event(
                 "splitserve.stream_migrated",
@@ -116,6 +118,7 @@ class RequestObservation:
                     "splitserve.migration.to_worker": to.worker_id,
                     "splitserve.migration.reason": reason,
                     "splitserve.migration.num_tokens": num_tokens,
+                    "splitserve.migration.kv": kv,
                 },
             )
             self.span.set_attribute("splitserve.route.decode_worker", to.worker_id)

@@ -205,5 +205,21 @@ def stats_to_proto(stats: EngineStats, worker_id: str, **counters: int) -> worke
         num_requests=stats.num_requests,
         num_pinned_blocks=stats.num_pinned_blocks,
         block_size=stats.block_size,
+        num_prefill_tokens=stats.num_prefill_tokens,
         **counters,
     )
+
+
+KV_HANDOFF_TRAILER = "splitserve-kv-handoff"
+"""Trailing metadata of a Decode stream that ended UNAVAILABLE because its worker changes role
+and keeps the stream's KV for a hand-off (`DecodeWorker.HandOff`): how many leading tokens
+(prompt, then generated) that KV covers."""
+
+
+def kv_kept_from_trailer(metadata: Iterable[tuple[str, Any]] | None) -> int | None:
+    """The tokens of KV a moved stream's worker keeps for a hand-off; None if it keeps none."""
+    for key, value in metadata or ():
+        if key == KV_HANDOFF_TRAILER:
+            text = value.decode() if isinstance(value, bytes) else str(value)
+            return int(text) if text.isdigit() else None
+    return None

@@ -30,6 +30,7 @@ GAUGES = (
 )
 COUNTERS = (
     ("num_preemptions", "Sequences preempted (recomputed later)."),
+    ("num_prefill_tokens", "Tokens computed to fill KV (prompts, recomputes), not decoded."),
     ("prefix_cache_queries", "Prompt tokens looked up in the prefix cache."),
     ("prefix_cache_hits", "Prompt tokens found in the prefix cache."),
     ("spec_decode_num_drafts", "Speculative verifications (one per sequence per step)."),

@@ -212,9 +212,11 @@ class RoutingMetrics:
 
         self._migrations = Counter(
             "splitserve:stream_migrations",
-            "Decode streams moved to another decode worker after theirs was lost, by reason "
-            "(unavailable: the call failed; stalled: silent with no heartbeat).",
-            ["model_name", "reason"],
+            "Decode streams moved to another decode worker after theirs was lost or changed "
+            "role, by reason (unavailable: the call failed; stalled: silent with no heartbeat; "
+            "changing role) and by how their KV got there (kv: handed_off from the old worker, "
+            "or recomputed on the new one).",
+            ["model_name", "reason", "kv"],
             registry=metrics.registry,
         )
 
@@ -230,8 +232,8 @@ class RoutingMetrics:
     def decided(self, kind: str, reason: str) -> None:
         self._decisions.labels(self.model_name, kind, reason).inc()
 
-    def migrated(self, reason: str) -> None:
-        self._migrations.labels(self.model_name, reason).inc()
+    def migrated(self, reason: str, kv: str) -> None:
+        self._migrations.labels(self.model_name, reason, kv).inc()
 
     def suspected(self, cause: str) -> None:
         self._suspicions.labels(self.model_name, cause).inc()

@@ -8,9 +8,16 @@ the gateway sends it. A switch:
     SetRole(to) ─▶ refuse new work of the old role (UNAVAILABLE: the gateway tries elsewhere)
                ─▶ leave the registry (nothing new is routed here)
                ─▶ drain the old role: prefills in flight finish; decode streams finish, and those
-                  still running at the drain timeout end UNAVAILABLE, which the gateway takes for
-                  a lost worker and resumes them elsewhere (`gateway/migration.py`)
+                  still running at the drain timeout end UNAVAILABLE "changing role", which the
+                  gateway resumes on another decode worker (`gateway/migration.py`)
                ─▶ register under the new kind, serve it
+
+A stream moved so keeps its KV here (out of the batch, its blocks held under a short lease) and
+says so in its status's trailer; the gateway reserves it on another decode worker and has this
+one push the KV there (`DecodeWorker.HandOff`, with this worker's KV senders: decode_service/
+handoff.py), so the new worker decodes on without recomputing the prompt and the tokens so far.
+A stream whose KV could not be kept (preempted, not yet admitted) or whose hand-off fails is
+recomputed there, as when a worker dies. `SwitchResult.num_streams_moved` counts both.
 
 decode <-> colocated needs no drain: both take the same calls, only the gateway's choice of
 where to prefill differs. No request is lost: what is refused is retried by the gateway, what is
@@ -134,7 +141,7 @@ class RoleSwitch:
                 await self._drained("prefill", timeout_s)
             elif kind == "prefill":
                 if not await self._drained("decode", timeout_s):
-                    moved = self.decode.move_streams(f"to {kind}; the stream moves elsewhere")
+                    moved = await self.decode.move_streams(f"to {kind}; the stream moves elsewhere")
                     await self._drained("decode", timeout_s)
                 await asyncio.to_thread(self.decode.leave_prefix_index)
             self.kind = kind

@@ -1,15 +1,19 @@
 """Starting a worker whose role can change in place (`splitserve decode|prefill --role-switch`):
 one engine core with both roles' commands (`switchable_core.py`), both worker services and the
-`WorkerRole` service on one gRPC server, the role guard in front (`role_switch.py`)."""
+`WorkerRole` service on one gRPC server, the role guard in front (`role_switch.py`). Its KV
+senders also hand off the KV of the streams it moves off as it leaves decode
+(`decode_service/handoff.py`)."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
+from splitserve.decode_service.handoff import KVRoute
 from splitserve.kv_transfer.registry import WorkerInfo
+from splitserve.kv_transfer.transport import Peer
 from splitserve.prefill_service.pusher import Senders
 from splitserve.prefill_service.servicer import PrefillServicer
-from splitserve.protos.v1 import worker_pb2_grpc
+from splitserve.protos.v1 import worker_pb2, worker_pb2_grpc
 from splitserve.role_switch import RolePresence, RoleServicer, RoleSwitch
 from splitserve.runtime.engine_core.protocol import endpoint_from_wire
 from splitserve.runtime.security import Security
@@ -52,6 +56,13 @@ def start_switchable(
         )
         decode = decode_worker(loaded, service, worker)
         prefill = prefill_worker(loaded, senders, service, worker, traced, opened.metrics)
+
+        def kv_route(destination: worker_pb2.KVDestination) -> tuple[str, Peer]:
+            route = senders.route(destination)
+            return route.transport, route.peer
+
+        # NOTE: streams it moves off as it leaves decode hand their KV off with its senders
+        decode.handoffs.route = KVRoute(kv_route, prefill.settings.send_timeout_s)
         switch = RoleSwitch(kind, decode, prefill, drain_timeout_s=service.drain_timeout_s)
         prefill_servicer = PrefillServicer(prefill, traced)
         opened.gates[0].bind(switch.guard(decode_servicer(decode, traced, opened.metrics)))

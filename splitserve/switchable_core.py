@@ -4,7 +4,8 @@ roles' commands, so the worker can change role without reloading anything.
     front ── reserve / open_landing / wait_landed / admit ──▶ decode commands ─┐
     front ── prefill / cancel ──────────────────────────────▶ prefill commands ├─▶ one EngineLoop
     prefill workers ──▶ KV receivers (landing in the reservations) ─────────────┘
-    KV senders ──▶ decode workers (this worker's prefills)
+    KV senders ──▶ decode workers (this worker's prefills, and the KV of streams it moved off
+                   while changing role: `hand_off`, `splitserve/handoff_core.py`)
 
 Which role it serves in is the front's business (`splitserve/role_switch.py`): the core answers
 whatever it is sent, so work of the old role in flight finishes while the new one starts.
@@ -12,6 +13,7 @@ whatever it is sent, so work of the old role in flight finishes while the new on
 
 from __future__ import annotations
 
+import functools
 import threading
 from typing import Any
 
@@ -19,6 +21,7 @@ from splitserve.decode_service.core import DecodeCoreHandler
 from splitserve.decode_service.reservations import ReservationBook
 from splitserve.engine.engine_loop import EngineLoop
 from splitserve.engine.outputs import RequestOutput
+from splitserve.handoff_core import hand_off
 from splitserve.kv_transports import start_core_receivers, start_core_senders
 from splitserve.prefill_service.core import PrefillCoreHandler
 from splitserve.runtime.engine_core.protocol import endpoint_to_wire
@@ -83,6 +86,9 @@ class SwitchableCoreHandler(CoreHandler):
             **self.decode.commands(),
             "prefill": Command(self.run_prefill, waits=True),
             "abort": Command(self.abort, waits=True),
+            "hand_off": Command(
+                functools.partial(hand_off, self.loop, self.prefill.senders), waits=True
+            ),
         }
 
     def run_prefill(self, request_id: str, *args: Any) -> list[Any]:

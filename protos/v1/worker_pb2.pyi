@@ -152,18 +152,40 @@ class ReserveResponse(_message.Message):
     def __init__(self, destination: _Optional[_Union[KVDestination, _Mapping]] = ...) -> None: ...
 
 class DecodeRequest(_message.Message):
-    __slots__ = ("request_id", "sampling", "first_tokens", "priority", "resume")
+    __slots__ = ("request_id", "sampling", "first_tokens", "priority", "resume", "kv_handed_off")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKENS_FIELD_NUMBER: _ClassVar[int]
     PRIORITY_FIELD_NUMBER: _ClassVar[int]
     RESUME_FIELD_NUMBER: _ClassVar[int]
+    KV_HANDED_OFF_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     sampling: _common_pb2.SamplingParams
     first_tokens: _containers.RepeatedCompositeFieldContainer[FirstToken]
     priority: int
     resume: ResumeFrom
-    def __init__(self, request_id: _Optional[str] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., first_tokens: _Optional[_Iterable[_Union[FirstToken, _Mapping]]] = ..., priority: _Optional[int] = ..., resume: _Optional[_Union[ResumeFrom, _Mapping]] = ...) -> None: ...
+    kv_handed_off: bool
+    def __init__(self, request_id: _Optional[str] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., first_tokens: _Optional[_Iterable[_Union[FirstToken, _Mapping]]] = ..., priority: _Optional[int] = ..., resume: _Optional[_Union[ResumeFrom, _Mapping]] = ..., kv_handed_off: _Optional[bool] = ...) -> None: ...
+
+class HandOffRequest(_message.Message):
+    __slots__ = ("request_id", "destination", "num_tokens", "destination_request_id")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    DESTINATION_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    DESTINATION_REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    destination: KVDestination
+    num_tokens: int
+    destination_request_id: str
+    def __init__(self, request_id: _Optional[str] = ..., destination: _Optional[_Union[KVDestination, _Mapping]] = ..., num_tokens: _Optional[int] = ..., destination_request_id: _Optional[str] = ...) -> None: ...
+
+class HandOffResponse(_message.Message):
+    __slots__ = ("num_blocks_sent", "num_bytes_sent")
+    NUM_BLOCKS_SENT_FIELD_NUMBER: _ClassVar[int]
+    NUM_BYTES_SENT_FIELD_NUMBER: _ClassVar[int]
+    num_blocks_sent: int
+    num_bytes_sent: int
+    def __init__(self, num_blocks_sent: _Optional[int] = ..., num_bytes_sent: _Optional[int] = ...) -> None: ...
 
 class DecodeResponse(_message.Message):
     __slots__ = ("chunk", "finished")
@@ -186,7 +208,7 @@ class GetStatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerStats(_message.Message):
-    __slots__ = ("worker_id", "num_total_blocks", "num_free_blocks", "num_cached_blocks", "num_running", "num_waiting", "num_reservations", "kv_bytes_received", "kv_blocks_received", "kv_bytes_sent", "prefix_cache_hit_tokens", "num_reclaimed", "num_requests", "num_pinned_blocks", "block_size")
+    __slots__ = ("worker_id", "num_total_blocks", "num_free_blocks", "num_cached_blocks", "num_running", "num_waiting", "num_reservations", "kv_bytes_received", "kv_blocks_received", "kv_bytes_sent", "prefix_cache_hit_tokens", "num_reclaimed", "num_requests", "num_pinned_blocks", "block_size", "num_prefill_tokens", "num_handoffs_sent")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_TOTAL_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     NUM_FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -202,6 +224,8 @@ class WorkerStats(_message.Message):
     NUM_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     NUM_PINNED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    NUM_PREFILL_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_HANDOFFS_SENT_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     num_total_blocks: int
     num_free_blocks: int
@@ -217,4 +241,6 @@ class WorkerStats(_message.Message):
     num_requests: int
     num_pinned_blocks: int
     block_size: int
-    def __init__(self, worker_id: _Optional[str] = ..., num_total_blocks: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_cached_blocks: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_reservations: _Optional[int] = ..., kv_bytes_received: _Optional[int] = ..., kv_blocks_received: _Optional[int] = ..., kv_bytes_sent: _Optional[int] = ..., prefix_cache_hit_tokens: _Optional[int] = ..., num_reclaimed: _Optional[int] = ..., num_requests: _Optional[int] = ..., num_pinned_blocks: _Optional[int] = ..., block_size: _Optional[int] = ...) -> None: ...
+    num_prefill_tokens: int
+    num_handoffs_sent: int
+    def __init__(self, worker_id: _Optional[str] = ..., num_total_blocks: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_cached_blocks: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_reservations: _Optional[int] = ..., kv_bytes_received: _Optional[int] = ..., kv_blocks_received: _Optional[int] = ..., kv_bytes_sent: _Optional[int] = ..., prefix_cache_hit_tokens: _Optional[int] = ..., num_reclaimed: _Optional[int] = ..., num_requests: _Optional[int] = ..., num_pinned_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., num_prefill_tokens: _Optional[int] = ..., num_handoffs_sent: _Optional[int] = ...) -> None: ...

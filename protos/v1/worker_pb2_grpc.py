@@ -61,6 +61,11 @@ class PrefillWorkerStub:
                 request_serializer=splitserve_dot_protos_dot_v1_dot_worker__pb2.UnloadAdapterRequest.SerializeToString,
                 response_deserializer=splitserve_dot_protos_dot_v1_dot_worker__pb2.AdapterList.FromString,
                 _registered_method=True)
+        self.HandOff = channel.unary_unary(
+                '/splitserve.v1.PrefillWorker/HandOff',
+                request_serializer=splitserve_dot_protos_dot_v1_dot_worker__pb2.HandOffRequest.SerializeToString,
+                response_deserializer=splitserve_dot_protos_dot_v1_dot_worker__pb2.HandOffResponse.FromString,
+                _registered_method=True)
 
 
 class PrefillWorkerServicer:
@@ -103,6 +108,16 @@ class PrefillWorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def HandOff(self, request, context):
+        """Push the KV of a stream this worker moved off (changing role: its Decode ended UNAVAILABLE
+        with the `splitserve-kv-handoff` trailer) into another decode worker's reservation; the
+        stream's blocks here are freed whatever the outcome. NOT_FOUND: no such KV kept (aborted, or
+        its lease ran out); FAILED_PRECONDITION: no KV transport to the destination.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_PrefillWorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -130,6 +145,11 @@ def add_PrefillWorkerServicer_to_server(servicer, server):
                     servicer.UnloadAdapter,
                     request_deserializer=splitserve_dot_protos_dot_v1_dot_worker__pb2.UnloadAdapterRequest.FromString,
                     response_serializer=splitserve_dot_protos_dot_v1_dot_worker__pb2.AdapterList.SerializeToString,
+            ),
+            'HandOff': grpc.unary_unary_rpc_method_handler(
+                    servicer.HandOff,
+                    request_deserializer=splitserve_dot_protos_dot_v1_dot_worker__pb2.HandOffRequest.FromString,
+                    response_serializer=splitserve_dot_protos_dot_v1_dot_worker__pb2.HandOffResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -278,6 +298,33 @@ class PrefillWorker:
             metadata,
             _registered_method=True)
 
+    @staticmethod
+    def HandOff(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/splitserve.v1.PrefillWorker/HandOff',
+            splitserve_dot_protos_dot_v1_dot_worker__pb2.HandOffRequest.SerializeToString,
+            splitserve_dot_protos_dot_v1_dot_worker__pb2.HandOffResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
 
 class DecodeWorkerStub:
     """A decode worker: holds KV blocks and runs the continuous decode batch.
@@ -318,6 +365,11 @@ class DecodeWorkerStub:
                 '/splitserve.v1.DecodeWorker/UnloadAdapter',
                 request_serializer=splitserve_dot_protos_dot_v1_dot_worker__pb2.UnloadAdapterRequest.SerializeToString,
                 response_deserializer=splitserve_dot_protos_dot_v1_dot_worker__pb2.AdapterList.FromString,
+                _registered_method=True)
+        self.HandOff = channel.unary_unary(
+                '/splitserve.v1.DecodeWorker/HandOff',
+                request_serializer=splitserve_dot_protos_dot_v1_dot_worker__pb2.HandOffRequest.SerializeToString,
+                response_deserializer=splitserve_dot_protos_dot_v1_dot_worker__pb2.HandOffResponse.FromString,
                 _registered_method=True)
 
 
@@ -367,6 +419,16 @@ class DecodeWorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def HandOff(self, request, context):
+        """Push the KV of a stream this worker moved off (changing role: its Decode ended UNAVAILABLE
+        with the `splitserve-kv-handoff` trailer) into another decode worker's reservation; the
+        stream's blocks here are freed whatever the outcome. NOT_FOUND: no such KV kept (aborted, or
+        its lease ran out); FAILED_PRECONDITION: no KV transport to the destination.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_DecodeWorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -399,6 +461,11 @@ def add_DecodeWorkerServicer_to_server(servicer, server):
                     servicer.UnloadAdapter,
                     request_deserializer=splitserve_dot_protos_dot_v1_dot_worker__pb2.UnloadAdapterRequest.FromString,
                     response_serializer=splitserve_dot_protos_dot_v1_dot_worker__pb2.AdapterList.SerializeToString,
+            ),
+            'HandOff': grpc.unary_unary_rpc_method_handler(
+                    servicer.HandOff,
+                    request_deserializer=splitserve_dot_protos_dot_v1_dot_worker__pb2.HandOffRequest.FromString,
+                    response_serializer=splitserve_dot_protos_dot_v1_dot_worker__pb2.HandOffResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -564,6 +631,33 @@ class DecodeWorker:
             '/splitserve.v1.DecodeWorker/UnloadAdapter',
             splitserve_dot_protos_dot_v1_dot_worker__pb2.UnloadAdapterRequest.SerializeToString,
             splitserve_dot_protos_dot_v1_dot_worker__pb2.AdapterList.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def HandOff(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/splitserve.v1.DecodeWorker/HandOff',
+            splitserve_dot_protos_dot_v1_dot_worker__pb2.HandOffRequest.SerializeToString,
+            splitserve_dot_protos_dot_v1_dot_worker__pb2.HandOffResponse.FromString,
             options,
             channel_credentials,
             insecure,
