@@ -24,7 +24,8 @@ class FailoverSettings:
     reserve_timeout_s: float = 1.0
     # A Reserve not answered this soon is also sent to another decode worker; the first answer
     # wins and the other is freed (gateway/hedge.py): a frozen worker delays a new request
-    # about this much. Paced: twice the worker's recent peak Reserve answer, if longer. 0: off.
+    # about this much. Paced: twice the worker's recent peak Reserve answer if longer, at most
+    # 1 s (or this, if longer). 0: off.
     reserve_hedge_s: float = 0.3
     # A Decode stream with no message for this long (paced, as reserve_timeout_s) is checked
     # (then every quarter of it): gone from the registry (heartbeat lapsed, or its engine

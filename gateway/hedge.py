@@ -5,16 +5,16 @@
             ◀── first success wins; the other call is cancelled and aborted on its worker
 
 The hedge delay is paced by the first worker's recent Reserve answers (the ones it won:
-`runtime/pace.py`, HEDGE_FACTOR), so busy workers are not all asked twice at full load; a
-frozen one is hedged after `reserve_hedge_s` unless it was slow just before. The request goes
-on with whichever worker answered first (under the id that worker holds it by: each attempt has
-an id of its own, so an abort of the loser never meets a later attempt on the same worker). The
-loser's reservation, if the worker grants it after all, is freed: its call is cancelled (a
-worker undoes a Reserve whose caller went away) and it is aborted in the background (a worker
-that had answered before the cancel reached it). A worker is *suspect* only when a Reserve to
-it misses its suspicion deadline, `reserve_timeout_s` paced by the worker's recent answers and
-stream gaps (`runtime/pace.py`), never for being slower than the hedge; a loser cancelled
-before its deadline is not judged.
+`runtime/pace.py`, HEDGE_FACTOR, at most HEDGE_CAP_S), so busy workers are not all asked twice
+at full load; a frozen one is hedged after `reserve_hedge_s` unless it was slow just before,
+and after 1 s at most. The request goes on with whichever worker answered first (under the id
+that worker holds it by: each attempt has an id of its own, so an abort of the loser never
+meets a later attempt on the same worker). The loser's reservation, if the worker grants it
+after all, is freed: its call is cancelled (a worker undoes a Reserve whose caller went away)
+and it is aborted in the background (a worker that had answered before the cancel reached it).
+A worker is *suspect* only when a Reserve to it misses its suspicion deadline,
+`reserve_timeout_s` paced by the worker's recent answers and stream gaps (`runtime/pace.py`),
+never for being slower than the hedge; a loser cancelled before its deadline is not judged.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from splitserve.gateway.router import NoWorkerError
 from splitserve.gateway.validation import Job
 from splitserve.kv_transfer.registry import WorkerInfo
 from splitserve.protos.v1 import worker_pb2
-from splitserve.runtime.pace import CAP_FACTOR, HEDGE_FACTOR
+from splitserve.runtime.pace import CAP_FACTOR
 
 if TYPE_CHECKING:
     from splitserve.gateway.orchestrator import Orchestrator, Route
@@ -81,9 +81,8 @@ async def hedged_reserve(
     attempts = [_send(orch, route.decode, request, deadline, obs, route.prefix_blocks)]
     hedge_at = math.inf
     if settings.reserve_hedge_s:
-        hedge_at = attempts[0].sent + orch.reserve_paces.deadline(
-            route.decode.worker_id, settings.reserve_hedge_s, HEDGE_FACTOR
-        )
+        delay_s = orch.reserve_paces.hedge_delay(route.decode.worker_id, settings.reserve_hedge_s)
+        hedge_at = attempts[0].sent + delay_s
     winner: _Attempt | None = None
     try:
         while winner is None:

@@ -79,7 +79,7 @@ _HELP = {
     "wait if that is longer); a decode worker that misses it is suspect and another is asked",
     "reserve_hedge_s": "seconds after which an unanswered Reserve is also sent to another "
     "decode worker, the first answer winning (0: no hedge); a floor: twice the worker's recent "
-    "peak Reserve answer when longer",
+    "peak Reserve answer when longer, at most 1 s",
     "stall_timeout_s": "seconds of silence (at least; paced as --reserve-timeout-s) after which "
     "a Decode stream's worker is checked; gone from the registry, the stream moves elsewhere",
     "suspect_s": "seconds a worker that missed a deadline gets no new requests",

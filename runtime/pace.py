@@ -18,7 +18,8 @@ deadline while it is frozen; the cap bounds what a short freeze that ended can s
 The gateway's Reserve hedge is paced the same way, on its own peaks (Reserve answers only, with
 HEDGE_FACTOR): a decode worker whose Reserves all take 0.5 s at full load is hedged after 1 s,
 not after the 0.3 s floor, which would send nearly every Reserve twice just when the workers
-have the least room for it.
+have the least room for it. It waits at most HEDGE_CAP_S (or the floor, if longer), so a frozen
+worker never delays a new request by more than that.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from collections.abc import Callable
 
 PACE_FACTOR = 3.0  # a deadline is this many times the worker's recent peak wait, at least
 HEDGE_FACTOR = 2.0  # a hedge waits this many times the worker's recent peak answer, at least
+HEDGE_CAP_S = 1.0  # and at most this (or the flag, if longer): a frozen worker's cost
 HALF_LIFE_S = 10.0  # a peak not seen again halves in this long
 CAP_FACTOR = 10.0  # a paced deadline is at most this many times its floor
 
@@ -79,6 +81,10 @@ class Paces:
     def peak(self, worker_id: str) -> float:
         peak = self._peaks.get(worker_id)
         return 0.0 if peak is None else peak.value()
+
+    def hedge_delay(self, worker_id: str, floor_s: float) -> float:
+        """How long a Reserve to `worker_id` waits before it is hedged (the module doc)."""
+        return min(self.deadline(worker_id, floor_s, HEDGE_FACTOR), max(floor_s, HEDGE_CAP_S))
 
     def deadline(self, worker_id: str, floor_s: float, factor: float = PACE_FACTOR) -> float:
         """How long `worker_id` may keep a caller waiting before it is suspect (`factor`: of

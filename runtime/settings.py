@@ -160,7 +160,7 @@ class GatewaySettings:
     reserve_timeout_s: float = 1.0
     # A Reserve unanswered this long is also sent to another decode worker, the first answer
     # wins (gateway/hedge.py): a frozen worker delays a new request about this much (0: off);
-    # paced: twice the worker's recent peak Reserve answer when that is longer
+    # paced: twice the worker's recent peak Reserve answer when that is longer, at most 1 s
     reserve_hedge_s: float = 0.3
     # A Decode stream silent this long (paced as the Reserve deadline) has its worker's
     # liveness checked (then every quarter of it): gone from the registry, the stream moves

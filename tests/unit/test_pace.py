@@ -8,6 +8,7 @@ import pytest
 from splitserve.runtime.pace import (
     CAP_FACTOR,
     HALF_LIFE_S,
+    HEDGE_CAP_S,
     HEDGE_FACTOR,
     PACE_FACTOR,
     DecayingPeak,
@@ -61,15 +62,17 @@ def test_a_long_wait_stretches_the_deadline_at_most_to_the_cap():
 
 
 def test_the_hedge_waits_twice_a_busy_workers_recent_answers_and_the_floor_for_a_quick_one():
-    """The Reserve hedge's pace (gateway/hedge.py): 0.3 s floor, twice the recent peak."""
+    """The Reserve hedge's pace (gateway/hedge.py): the floor, twice the recent peak, at most
+    1 s unless the floor is longer."""
     paces = Paces(clock=Clock())
     paces.observe("busy", 0.5)
     paces.observe("quick", 0.01)
     assert HEDGE_FACTOR == 2.0
-    assert paces.deadline("busy", 0.3, HEDGE_FACTOR) == pytest.approx(1.0)
-    assert paces.deadline("quick", 0.3, HEDGE_FACTOR) == pytest.approx(0.3)
+    assert paces.hedge_delay("busy", 0.3) == pytest.approx(1.0)
+    assert paces.hedge_delay("quick", 0.3) == pytest.approx(0.3)
     paces.observe("busy", 5.0)  # an answer from a worker that was frozen, once it went on
-    assert paces.deadline("busy", 0.3, HEDGE_FACTOR) == pytest.approx(CAP_FACTOR * 0.3)
+    assert paces.hedge_delay("busy", 0.3) == pytest.approx(HEDGE_CAP_S)  # never past 1 s
+    assert paces.hedge_delay("busy", 2.0) == pytest.approx(2.0)  # a flag above 1 s: the flag
 
 
 def test_the_half_life_must_be_positive():
