@@ -5,16 +5,17 @@
             ◀── first success wins; the other call is cancelled and aborted on its worker
 
 The hedge delay is paced by the first worker's recent Reserve answers (the ones it won:
-`runtime/pace.py`, HEDGE_FACTOR, at most HEDGE_CAP_S), so busy workers are not all asked twice
-at full load; a frozen one is hedged after `reserve_hedge_s` unless it was slow just before,
-and after 1 s at most. The request goes on with whichever worker answered first (under the id
-that worker holds it by: each attempt has an id of its own, so an abort of the loser never
-meets a later attempt on the same worker). The loser's reservation, if the worker grants it
-after all, is freed: its call is cancelled (a worker undoes a Reserve whose caller went away)
-and it is aborted in the background (a worker that had answered before the cancel reached it).
-A worker is *suspect* only when a Reserve to it misses its suspicion deadline,
-`reserve_timeout_s` paced by the worker's recent answers and stream gaps (`runtime/pace.py`),
-never for being slower than the hedge; a loser cancelled before its deadline is not judged.
+`runtime/pace.py`, HEDGE_FACTOR, at most HEDGE_CAP_S) and counts from when it was last heard
+from, so busy workers are not all asked twice at full load; a frozen one is hedged
+`reserve_hedge_s` (1 s at most) after its last answer. The request goes on with whichever
+worker answered first (under the id that worker holds it by: each attempt has an id of its own,
+so an abort of the loser never meets a later attempt on the same worker). The loser's
+reservation, if the worker grants it after all, is freed: its call is cancelled (a worker
+undoes a Reserve whose caller went away) and it is aborted in the background (a worker that had
+answered before the cancel reached it). A worker is *suspect* only when a Reserve to it misses
+its suspicion deadline, `reserve_timeout_s` paced by the worker's recent answers and stream
+gaps (`runtime/pace.py`), never for being slower than the hedge; a loser cancelled before its
+deadline is not judged.
 """
 
 from __future__ import annotations
@@ -79,7 +80,7 @@ async def hedged_reserve(
     settings = orch.settings.failover
     floor_s = settings.reserve_timeout_s
     attempts = [_send(orch, route.decode, request, deadline, obs, route.prefix_blocks)]
-    hedge_at = math.inf
+    hedge_at = delay_s = math.inf
     if settings.reserve_hedge_s:
         delay_s = orch.reserve_paces.hedge_delay(route.decode.worker_id, settings.reserve_hedge_s)
         hedge_at = attempts[0].sent + delay_s
@@ -102,6 +103,11 @@ async def hedged_reserve(
                     orch.suspects.mark(
                         a.worker.worker_id, f"no answer to Reserve in {due_s:.1f} s", "reserve"
                     )
+            # NOTE: the delay counts from when the first worker was last heard from: one that
+            # answers other calls meanwhile is busy, not frozen
+            heard = orch.paces.last_heard(attempts[0].worker.worker_id)
+            if now >= hedge_at and heard > attempts[0].sent and heard + delay_s > now:
+                hedge_at = heard + delay_s
             if now >= hedge_at:
                 hedge_at = math.inf  # NOTE: one hedge per round
                 hedge = await _hedge(orch, job, route, request, deadline, obs, refused, attempts)
@@ -165,8 +171,9 @@ def _send(
 
     def ended(task: asyncio.Future[worker_pb2.KVDestination]) -> None:
         attempt.answered = time.monotonic()
-        if not task.cancelled():
-            task.exception()  # NOTE: a loser's error is nobody's to raise: asyncio won't log it
+        if not task.cancelled() and task.exception() is None:
+            orch.paces.heard(worker.worker_id)
+        # NOTE: a loser's error is nobody's to raise: asyncio won't log it once retrieved above
 
     attempt.task.add_done_callback(ended)
     return attempt

@@ -19,7 +19,9 @@ The gateway's Reserve hedge is paced the same way, on its own peaks (Reserve ans
 HEDGE_FACTOR): a decode worker whose Reserves all take 0.5 s at full load is hedged after 1 s,
 not after the 0.3 s floor, which would send nearly every Reserve twice just when the workers
 have the least room for it. It waits at most HEDGE_CAP_S (or the floor, if longer), so a frozen
-worker never delays a new request by more than that.
+worker never delays a new request by more than that. And it counts from the last time the worker
+was heard from (a Reserve answered, a stream message), not from the Reserve's send: a busy worker
+answering others is slow, not frozen, and is not hedged while it keeps answering.
 """
 
 from __future__ import annotations
@@ -70,13 +72,23 @@ class Paces:
     def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self._clock = clock
         self._peaks: dict[str, DecayingPeak] = {}
+        self._heard: dict[str, float] = {}
 
     def observe(self, worker_id: str, seconds: float) -> None:
-        """A wait on `worker_id` that ended after `seconds`."""
+        """A wait on `worker_id` that ended after `seconds` (it was heard from just now)."""
         peak = self._peaks.get(worker_id)
         if peak is None:
             peak = self._peaks[worker_id] = DecayingPeak(clock=self._clock)
         peak.observe(seconds)
+        self._heard[worker_id] = self._clock()
+
+    def heard(self, worker_id: str) -> None:
+        """`worker_id` answered something just now (it is not frozen)."""
+        self._heard[worker_id] = self._clock()
+
+    def last_heard(self, worker_id: str) -> float:
+        """When `worker_id` last answered anything observed here (0.0: never)."""
+        return self._heard.get(worker_id, 0.0)
 
     def peak(self, worker_id: str) -> float:
         peak = self._peaks.get(worker_id)

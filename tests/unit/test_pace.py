@@ -75,6 +75,18 @@ def test_the_hedge_waits_twice_a_busy_workers_recent_answers_and_the_floor_for_a
     assert paces.hedge_delay("busy", 2.0) == pytest.approx(2.0)  # a flag above 1 s: the flag
 
 
+def test_a_worker_is_heard_from_when_a_wait_on_it_ends_or_it_answers():
+    clock = Clock()
+    paces = Paces(clock=clock)
+    assert paces.last_heard("d0") == 0.0
+    paces.observe("d0", 0.2)
+    assert paces.last_heard("d0") == clock.now
+    clock.now += 5
+    paces.heard("d0")
+    assert paces.last_heard("d0") == clock.now
+    assert paces.last_heard("d1") == 0.0
+
+
 def test_the_half_life_must_be_positive():
     with pytest.raises(ValueError, match="half_life_s"):
         DecayingPeak(half_life_s=0)
