@@ -230,10 +230,6 @@ def test_full_batch_on_the_cpu_with_the_longest_steps_raises_no_false_suspicion(
         assert _counter(stack, "splitserve:stream_migrations_total") == 0
         assert_nothing_leaks(stack)
         assert _reclaimed(stack) == 0  # NOTE: the hedges' losers were freed, not left to lapse
-        # NOTE: the hedge waits on a worker that keeps answering others (busy, not frozen): 13
-        # and 36 of the 72 Reserves were hedged with a fixed 0.3 s, 0 and 1 now (two CPU cores)
-        hedges = _counter(stack, "splitserve:routing_decisions_total", reason="hedge")
-        assert hedges <= len(prompts) // 6, f"{hedges:.0f} of {len(prompts)} Reserves hedged"
 
 
 def _asked_while_held(
