@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from splitserve.decode_service.handoff import StreamHandOffs, StreamMoved
 from splitserve.decode_service.reservations import LocalReservation, ReservationBook
 from splitserve.engine.errors import FailedPrecondition, NotFound, quoted
-from splitserve.engine.outputs import RequestOutput, Resume, SampledToken
+from splitserve.engine.outputs import RequestOutput, Resume, SampledToken, handoff_kv_tokens
 from splitserve.engine.sampling_params import SamplingParams
 from splitserve.engine.stats import EngineStats
 from splitserve.kv_transfer.registry import BlockRecord, Registry, RegistryUnavailable
@@ -182,7 +182,7 @@ class DecodeWorker:
         num_bytes = num_blocks = 0
         num_kv_tokens: int | None = None
         if num_resumed_handed_off is not None:
-            num_kv_tokens = len(res.prompt_token_ids) + num_resumed_handed_off - 1
+            num_kv_tokens = handoff_kv_tokens(len(res.prompt_token_ids), num_resumed_handed_off)
         if first_tokens or num_kv_tokens is not None:
             timeout_s = self.settings.landing_timeout_s
             ok, why, progress, num_bytes, num_blocks = await self.core.acall(

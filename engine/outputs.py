@@ -80,3 +80,9 @@ class Resume:
 
     sample_index: int
     output_token_ids: tuple[int, ...]
+
+
+def handoff_kv_tokens(num_prompt_tokens: int, num_resumed_tokens: int) -> int:
+    """Leading tokens whose KV a resumed sample needs handed to its new worker: all but the last
+    token it has (the last is its next input; engine/parking.py)."""
+    return num_prompt_tokens + num_resumed_tokens - 1

@@ -45,11 +45,6 @@ def kv_kept(err: BaseException) -> int | None:
         return None
 
 
-def num_kv_tokens_needed(num_prompt_tokens: int, resume: worker_pb2.ResumeFrom) -> int:
-    """Leading tokens whose KV a resumed stream needs: all but the last one it has."""
-    return num_prompt_tokens + len(resume.output_token_ids) - 1
-
-
 async def hand_off(
     stubs: Stubs,
     source: WorkerInfo,

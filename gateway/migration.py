@@ -56,13 +56,13 @@ from typing import TYPE_CHECKING, Any
 import grpc
 
 from splitserve.engine.errors import DeadlineExceeded, Unavailable
+from splitserve.engine.outputs import handoff_kv_tokens
 from splitserve.gateway.failover import FailoverSettings
 from splitserve.gateway.handoff import (
     HANDED_OFF,
     RECOMPUTED,
     hand_off,
     kv_kept,
-    num_kv_tokens_needed,
 )
 from splitserve.gateway.observability import DECODE, RequestObservation
 from splitserve.gateway.validation import Job
@@ -273,7 +273,7 @@ class StreamMover:
         if moved.reason != ROLE_CHANGE:
             why = f"its Decode stream was lost ({moved.reason})"
             orch.suspects.mark(lost.worker_id, why, "stream")
-        need = num_kv_tokens_needed(len(job.prompt_token_ids), resume)
+        need = handoff_kv_tokens(len(job.prompt_token_ids), len(resume.output_token_ids))
         kept = moved.kv_kept is not None and 0 < need <= moved.kv_kept
         if not kept:
             self.abort_in_background(lost, lost_id)
