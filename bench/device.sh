@@ -31,7 +31,7 @@
 #   async           overlapped decode steps: GPU parity, decode step and FP8 throughput, on/off
 #   tensor-parallel bench/tensor_parallel.py on two GPUs: TP=2 against TP=1 (< 8 min)
 #   tensor-parallel-parity TP=2 float32 greedy tokens against HF on two GPUs, eager and with
-#                   the NCCL collectives captured in its decode graphs
+#                   the collectives captured in its decode graphs, over NCCL and peer memory
 #   tensor-parallel-serve  a model too big for one GPU served through the gateway by one
 #                   colocated worker at TP=2 (two GPUs, < 8 min)
 #   serving4-targets issue 26's four-GPU points: 1P+3D at 48 and 60 req/s with the defaults and

@@ -61,13 +61,15 @@ _MIN_ROW_S = 45.0  # a row is not started with less of the time budget left
 
 def _specs(args, path: Path, on_gpu: bool) -> list[dict]:
     """The rows in the order they run: the baseline, then what the acceptance asks of TP=N."""
-    names = [("TP=1", 1, True, False)]
+    names = [("TP=1", 1, True, False, False)]
     if "tpN" in args.configs:
-        names.append((f"TP={args.tp}", args.tp, True, False))
+        names.append((f"TP={args.tp}", args.tp, True, False, False))
     if on_gpu and "tpN-graphs" in args.configs:  # opt-in (tensor_parallel_cuda_graphs)
-        names.append((f"TP={args.tp} graphs", args.tp, True, True))
+        names.append((f"TP={args.tp} graphs", args.tp, True, True, False))
+    if on_gpu and "tpN-peer" in args.configs:  # graphs + the peer-memory all-reduce
+        names.append((f"TP={args.tp} graphs+peer", args.tp, True, True, True))
     if on_gpu and "tp1-eager" in args.configs:
-        names.append(("TP=1 eager", 1, False, False))
+        names.append(("TP=1 eager", 1, False, False, False))
     common = {
         "model": str(path),
         "on_gpu": on_gpu,
@@ -79,8 +81,8 @@ def _specs(args, path: Path, on_gpu: bool) -> list[dict]:
         "num_kv_blocks": args.num_kv_blocks,
     }
     return [
-        {**common, "name": name, "tp": tp, "graphs": graphs, "tp_graphs": tp_graphs}
-        for name, tp, graphs, tp_graphs in names
+        {**common, "name": name, "tp": tp, "graphs": graphs, "tp_graphs": tp_graphs, "peer": peer}
+        for name, tp, graphs, tp_graphs, peer in names
     ]
 
 
@@ -172,7 +174,8 @@ def summarize(args, rows: list[dict], collectives: dict, on_gpu: bool) -> dict:
                 floor_ms = read / (copy * 1e9) * 1e3
                 step = collectives["step"].get(str(batch))
                 if row["tp"] > 1 and step is not None:
-                    floor_ms += step["per_step_ms"]
+                    peer = row.get("peer_all_reduce") and "peer_per_step_ms" in step
+                    floor_ms += step["peer_per_step_ms" if peer else "per_step_ms"]
                 row[f"step_b{batch}_floor_ms"] = floor_ms
                 row[f"step_b{batch}_vs_floor"] = row[key] / floor_ms
         if row["tp"] > 1:
@@ -244,8 +247,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument(
         "--configs",
         nargs="+",
-        choices=["tp1-eager", "tpN", "tpN-graphs"],
-        default=["tp1-eager", "tpN", "tpN-graphs"],
+        choices=["tp1-eager", "tpN", "tpN-graphs", "tpN-peer"],
+        default=["tp1-eager", "tpN", "tpN-graphs", "tpN-peer"],
         help="rows beside the TP=1 baseline (eager ones and graphs rows on GPUs only)",
     )
     parser.add_argument("--out", default=None)
@@ -291,10 +294,18 @@ def print_engine_result(args, result: dict) -> None:
         print(
             table(
                 [{"tokens": k, **v} for k, v in coll["step"].items()],
-                ["tokens", "bytes", "one_all_reduce_us", "per_step_ms"],
+                [
+                    "tokens",
+                    "bytes",
+                    "one_all_reduce_us",
+                    "per_step_ms",
+                    "peer_all_reduce_us",
+                    "peer_per_step_ms",
+                    "peer_sum_ok",
+                ],
             )
         )
-    columns = ["config", "cuda_graphs", "engine_up_s"]
+    columns = ["config", "cuda_graphs", "peer_all_reduce", "engine_up_s"]
     columns += [f"ttft_{n}_{s}" for n in args.prompt_lens for s in ("ms", "speedup")]
     columns += [f"step_b{b}_{s}" for b in args.batches for s in ("ms", "speedup")]
     if result["copy_GB_per_s"] is not None:

@@ -19,6 +19,9 @@ import torch
 
 from bench.common import device_name, sync
 
+# NOTE: the engine's one-shot limit (engine/parallel/peer_all_reduce.py).
+PEER_BYTES = 1 << 20
+
 
 def _free_port() -> int:
     with socket.socket() as s:
@@ -26,15 +29,25 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _time_all_reduce(group, x: torch.Tensor, reps: int) -> float:
+def _time_all_reduce(all_reduce, x: torch.Tensor, reps: int) -> float:
     for _ in range(3):
-        group.all_reduce(x)
+        all_reduce(x)
     sync()
     start = time.perf_counter()
     for _ in range(reps):
-        group.all_reduce(x)
+        all_reduce(x)
     sync()
     return (time.perf_counter() - start) / reps
+
+
+def _backend_all_reduce(group):
+    """The backend's own all-reduce (NCCL or gloo), past any peer-memory path."""
+
+    def run(x: torch.Tensor) -> torch.Tensor:
+        group._pg.allreduce([x]).wait()
+        return x
+
+    return run
 
 
 def _collective_rank(rank: int, size: int, port: int, device: str, spec: dict, out) -> None:
@@ -53,14 +66,18 @@ def _collective_rank(rank: int, size: int, port: int, device: str, spec: dict, o
             extra["copy_GB_per_s"] = copy_bandwidth(2 << 30, dev)["GB_per_s"]
             torch.cuda.empty_cache()
     timeout = spec["timeout_s"]
-    group = TorchGroup(Shard(rank, size), Rendezvous("127.0.0.1", port, timeout, timeout), dev)
+    rendezvous = Rendezvous("127.0.0.1", port, timeout, timeout)
+    peer_bytes = PEER_BYTES if dev.type == "cuda" else 0
+    group = TorchGroup(Shard(rank, size), rendezvous, dev, peer_all_reduce_bytes=peer_bytes)
+    backend = _backend_all_reduce(group)
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     elem = torch.empty((), dtype=dtype).element_size()
     big = torch.ones(spec["big_bytes"] // elem, dtype=dtype, device=dev)
-    seconds = _time_all_reduce(group, big, spec["reps"])
+    seconds = _time_all_reduce(backend, big, spec["reps"])
     del big
     result: dict[str, Any] = {
         "backend": group.backend,
+        "peer_all_reduce": group.peer_all_reduce,
         "all_reduce_bytes": spec["big_bytes"],
         "all_reduce_ms": seconds * 1e3,
         "bus_GB_per_s": spec["big_bytes"] * 2 * (size - 1) / size / seconds / 1e9,
@@ -68,12 +85,19 @@ def _collective_rank(rank: int, size: int, port: int, device: str, spec: dict, o
     }
     for tokens in spec["tokens"]:
         x = torch.ones(tokens, spec["hidden"], dtype=dtype, device=dev)
-        one = _time_all_reduce(group, x, spec["reps"])
-        result["step"][str(tokens)] = {
+        one = _time_all_reduce(backend, x, spec["reps"])
+        row = result["step"][str(tokens)] = {
             "one_all_reduce_us": one * 1e6,
             "per_step_ms": one * spec["per_step"] * 1e3,
             "bytes": x.numel() * elem,
         }
+        if group.peer_all_reduce and x.numel() * elem <= PEER_BYTES:
+            peer = _time_all_reduce(group.all_reduce, x, spec["reps"])
+            row["peer_all_reduce_us"] = peer * 1e6
+            row["peer_per_step_ms"] = peer * spec["per_step"] * 1e3
+            x.fill_(rank + 1)  # NOTE: checked too: the sum of 1..size in every element
+            group.all_reduce(x)
+            row["peer_sum_ok"] = bool((x == size * (size + 1) / 2).all().item())
     if rank == 0:
         out.put({**result, **extra})
     group.close()

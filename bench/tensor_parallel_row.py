@@ -118,6 +118,10 @@ def _measure_ttft(engine, name: str, length: int, reps: int) -> None:
     progress(f"{name}: TTFT at {length} tokens: {value:.2f} ms")
 
 
+# NOTE: the engine's one-shot limit (engine/parallel/peer_all_reduce.py).
+PEER_BYTES = 1 << 20
+
+
 def run(spec: dict) -> None:
     """Start the engine `spec` describes and emit its measurements one by one."""
     from splitserve.engine import LLMEngine
@@ -132,6 +136,7 @@ def run(spec: dict) -> None:
         tensor_parallel_size=spec["tp"],
         enable_cuda_graphs=spec["graphs"],
         tensor_parallel_cuda_graphs=spec["tp_graphs"],
+        tensor_parallel_peer_all_reduce_bytes=PEER_BYTES if spec.get("peer") else 0,
         # NOTE: TP > 1 can't overlap steps (engine/overlap.py), so no configuration does: the
         # rows differ in degree and graphs only.
         async_scheduling=False,
@@ -151,6 +156,9 @@ def run(spec: dict) -> None:
         device=device_name(),
         engine_up_s=up_s,
         cuda_graphs=engine.runner.graphs is not None,
+        peer_all_reduce=engine.followers is not None
+        and engine.followers.group is not None
+        and engine.followers.group.peer_all_reduce,
         weight_bytes_rank0=rank_weight_bytes(engine),
         kv_bytes_per_token_rank0=2
         * local.num_layers

@@ -129,6 +129,7 @@ class LLMEngine(LoRAEngineMixin, DisaggregationMixin, ParkingMixin):
     def shutdown(self) -> None:
         """Stop this engine's other tensor-parallel ranks (idempotent; nothing at TP=1)."""
         if self.followers is not None:
+            self.runner.release_cuda_graphs()
             self.followers.shutdown()
 
     @property

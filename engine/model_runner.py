@@ -7,6 +7,7 @@ SchedulerOutput ──▶ input_ids / positions / slot_mapping / block_tables �
 from __future__ import annotations
 
 import dataclasses
+import gc
 from dataclasses import dataclass, field
 
 import torch
@@ -70,6 +71,16 @@ class ModelRunner:
         )
         graphs.capture()
         self.graphs = graphs
+
+    def release_cuda_graphs(self) -> None:
+        """Drop the captured graphs once the GPU is idle. Before a tensor-parallel group is
+        released: graphs that captured its collectives keep its communicator in use."""
+        if self.graphs is None and not self.verify_steps:
+            return
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self.graphs, self.verify_steps = None, {}
+        gc.collect()
 
     @torch.inference_mode()
     def execute(

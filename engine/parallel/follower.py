@@ -54,7 +54,12 @@ def main(args: FollowerArgs) -> None:
     # `_exit_with_parent` ends this process.
     rendezvous = dataclasses.replace(args.rendezvous, timeout_s=FOREVER.total_seconds())
     start = time.monotonic()
-    group = TorchGroup(Shard(rank, config.tensor_parallel_size), rendezvous, platform.device)
+    group = TorchGroup(
+        Shard(rank, config.tensor_parallel_size),
+        rendezvous,
+        platform.device,
+        peer_all_reduce_bytes=config.tensor_parallel_peer_all_reduce_bytes,
+    )
     log.info("rank %d on %s: joined the group (%s)", rank, platform.device, group.backend)
     try:
         model_config = ModelConfig.from_pretrained(model_dir)
@@ -92,7 +97,8 @@ def main(args: FollowerArgs) -> None:
         group.close(abort=True)
         raise
     # NOTE: rank 0 releases its communicator as it sends the stop (launcher.py): NCCL's
-    # destroy waits for every rank of the host.
+    # destroy waits for every rank of the host. The graphs that captured it go first.
+    runner.release_cuda_graphs()
     group.close()
 
 

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from splitserve.engine.parallel.peer_all_reduce import PeerAllReduce, try_peer_all_reduce
 from splitserve.engine.parallel.sharding import SINGLE, Shard
 
 log = logging.getLogger(__name__)
@@ -87,10 +88,12 @@ class TorchGroup(ParallelGroup):
         rendezvous: Rendezvous,
         device: torch.device,
         check_peers: Callable[[], None] | None = None,
+        peer_all_reduce_bytes: int = 0,
     ) -> None:
         """Join the group (blocks until every rank has). Rank 0 calls `check_peers` while it
         waits, so that a follower that died while starting fails it at once, not at the
-        timeout."""
+        timeout. `peer_all_reduce_bytes` > 0 (GPUs only): all-reduces up to that size go over
+        peer memory, not NCCL (peer_all_reduce.py), where every rank can set it up."""
         self.shard = shard
         self.device = device
         self._store = dist.TCPStore(
@@ -107,6 +110,17 @@ class TorchGroup(ParallelGroup):
             self._store.set(f"joined/{shard.rank}", "1")
         self._closed = False
         self._connect(rendezvous, check_peers)
+        self._peer: PeerAllReduce | None = None
+        if peer_all_reduce_bytes > 0 and device.type == "cuda" and shard.size > 1:
+            name = f"splitserve-tp-{rendezvous.host}-{rendezvous.port}"
+            self._peer = try_peer_all_reduce(
+                self._store, name, shard.rank, shard.size, device, peer_all_reduce_bytes
+            )
+
+    @property
+    def peer_all_reduce(self) -> bool:
+        """Whether small all-reduces go over peer memory (else all go to NCCL or gloo)."""
+        return self._peer is not None
 
     def _make_backend(self, timeout: datetime.timedelta) -> None:
         shard = self.shard
@@ -174,6 +188,9 @@ class TorchGroup(ParallelGroup):
             time.sleep(0.05)
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        peer = self._peer
+        if peer is not None and peer.fits(x):
+            return peer(x)
         self._pg.allreduce([x]).wait()
         return x
 

@@ -98,11 +98,22 @@ class Followers:
         device = torch.device(config.device)
         log.info("tensor-parallel: %d followers started; joining the group", size - 1)
         try:
-            group = TorchGroup(Shard(0, size), rendezvous, device, followers.check)
+            group = TorchGroup(
+                Shard(0, size),
+                rendezvous,
+                device,
+                followers.check,
+                config.tensor_parallel_peer_all_reduce_bytes,
+            )
         except BaseException:
             followers.kill()
             raise
-        log.info("tensor-parallel: %d ranks joined (%s)", size, group.backend)
+        log.info(
+            "tensor-parallel: %d ranks joined (%s%s)",
+            size,
+            group.backend,
+            ", small all-reduces over peer memory" if group.peer_all_reduce else "",
+        )
         followers.group = group
         followers.channel = StepPlanChannel(group, device)
         return followers
