@@ -20,6 +20,7 @@
 #   serving         bench/serving.py, disaggregated against colocated (two GPUs)
 #   serving4        bench/serving.py on four GPUs, 1P+3D: before/after the engine core process
 #   serving-step    one decode worker's serving step at batch 128 and 256 against offline
+#   serving-step-1gpu  the same with P and D sharing one GPU
 #   structured      bench/structured.py (sampler step, batch 64, half constrained vs free)
 #   fp8             FP8 weights and KV cache: GEMV tiles, decode floor, throughput, accuracy
 #   fp8-profile     where an FP8 batch-1 decode step's time goes (graph replay, host, kernels)
@@ -113,6 +114,17 @@ for step in "$@"; do
         run "serving_step_$c" 20 python3 -m bench.serving --configs 1P+1D --label "c$c" \
           --workloads 512/512@$((c / 4)) --duration-s 12 --concurrency "$c" \
           --client-processes 8 --timeout-s 300 --out "$OUT/serving_step_$c.json"
+      done
+      run roofline_768 12 python3 -m bench.decode_roofline --batches 128 256 --context 768 \
+        --pdl on --async-scheduling on --out "$OUT/roofline_768.json" ;;
+    serving-step-1gpu)
+      # The same on one GPU shared by P and D (when only one is lent): the closed loop's waves
+      # of fixed-length streams keep prefill to short bursts between 512-step decode runs.
+      for c in 128 256; do
+        run "serving_step_1gpu_$c" 20 python3 -m bench.serving --configs "1P+1D one GPU" \
+          --label "c$c" --workloads 512/512@$((c / 4)) --duration-s 12 --concurrency "$c" \
+          --client-processes 8 --timeout-s 300 --worker-args=--kv-cache-memory-bytes=38000000000 \
+          --out "$OUT/serving_step_1gpu_$c.json"
       done
       run roofline_768 12 python3 -m bench.decode_roofline --batches 128 256 --context 768 \
         --pdl on --async-scheduling on --out "$OUT/roofline_768.json" ;;
