@@ -114,7 +114,7 @@ class TorchGroup(ParallelGroup):
         if peer_all_reduce_bytes > 0 and device.type == "cuda" and shard.size > 1:
             name = f"splitserve-tp-{rendezvous.host}-{rendezvous.port}"
             self._peer = try_peer_all_reduce(
-                self._store, name, shard.rank, shard.size, device, peer_all_reduce_bytes
+                self._store, name, shard.rank, shard.size, device, self._pg, peer_all_reduce_bytes
             )
 
     @property
@@ -228,6 +228,10 @@ class TorchGroup(ParallelGroup):
         if self._closed:
             return
         self._closed = True
+        peer = getattr(self, "_peer", None)
+        if peer is not None:
+            self._peer = None
+            peer.close()
         # NOTE: a group that failed to form has no backend to release; older torch releases
         # name the method with a leading underscore.
         backend = getattr(self, "_pg", None)

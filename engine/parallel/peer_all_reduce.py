@@ -16,9 +16,12 @@ with a warning: the engine runs either way.
 
 from __future__ import annotations
 
+import contextlib
 import logging
+from typing import Any
 
 import torch
+import torch._C._distributed_c10d as c10d
 import torch.distributed as dist
 
 log = logging.getLogger(__name__)
@@ -40,22 +43,33 @@ class PeerAllReduce:
         rank: int,
         size: int,
         device: torch.device,
+        backend: Any,
         max_bytes: int = DEFAULT_MAX_BYTES,
     ) -> None:
         """Map the buffer on every rank (a collective: every rank calls it, in the same
-        order). `name` must be the same on every rank and unique on the host."""
+        order). `name` must be the same on every rank and unique on the host; `backend` is the
+        group's own (NCCL) backend, registered under `name` for the kernel to find."""
         from torch.distributed import _symmetric_memory as symm
 
         self.name = name
         self.max_bytes = max_bytes
-        # NOTE: the group's membership travels in our own store, under a prefix: symmetric
-        # memory needs no torch.distributed default group (set_group_info is what
-        # enable_symm_mem_for_group did for a registered one).
+        # NOTE: symmetric memory finds its group by name among torch.distributed's registered
+        # process groups; ours has no default group, so a process group around this engine's
+        # backend is registered under its own name (membership travels in our store).
         prefixed = dist.PrefixStore(f"symm-mem/{name}/", store)
-        symm._SymmetricMemory.set_group_info(name, rank, size, prefixed)
+        # NOTE: held: the registry keeps only a weak reference.
+        self._group = _register_group(name, prefixed, rank, size, device, backend)
+        set_info = getattr(symm._SymmetricMemory, "set_group_info", None)
+        if set_info is not None and not symm.is_symm_mem_enabled_for_group(name):  # type: ignore[arg-type]
+            set_info(name, rank, size, prefixed)
         self.buffer = symm.empty(max_bytes, dtype=torch.uint8, device=device)
         # NOTE: a plain name: torch 2.11 has no GroupName type (later ones accept a str too).
         self._handle = symm.rendezvous(self.buffer, name)  # type: ignore[arg-type]
+
+    def close(self) -> None:
+        """Forget the group's name (its buffer goes with this object)."""
+        with contextlib.suppress(Exception):
+            c10d._unregister_process_group(self.name)  # type: ignore[arg-type]
 
     def fits(self, x: torch.Tensor) -> bool:
         return (
@@ -74,12 +88,31 @@ class PeerAllReduce:
         return x
 
 
+def _register_group(
+    name: str, store: dist.Store, rank: int, size: int, device: torch.device, backend: Any
+) -> dist.ProcessGroup:
+    kind = (
+        dist.ProcessGroup.BackendType.NCCL
+        if device.type == "cuda" and isinstance(backend, dist.ProcessGroupNCCL)
+        else dist.ProcessGroup.BackendType.GLOO
+    )
+    group = dist.ProcessGroup(store, rank, size)
+    group._set_default_backend(kind)
+    group._register_backend(
+        device if kind == dist.ProcessGroup.BackendType.NCCL else torch.device("cpu"), kind, backend
+    )
+    group._set_group_name(name)  # type: ignore[arg-type]
+    c10d._register_process_group(name, group)  # type: ignore[arg-type]
+    return group
+
+
 def try_peer_all_reduce(
     store: dist.Store,
     name: str,
     rank: int,
     size: int,
     device: torch.device,
+    backend: Any,
     max_bytes: int,
 ) -> PeerAllReduce | None:
     """A PeerAllReduce, or None (logged) when this host or torch cannot make one.
@@ -89,7 +122,7 @@ def try_peer_all_reduce(
     ok = True
     peer: PeerAllReduce | None = None
     try:
-        peer = PeerAllReduce(store, name, rank, size, device, max_bytes)
+        peer = PeerAllReduce(store, name, rank, size, device, backend, max_bytes)
     except Exception as exc:  # noqa: BLE001 - any failure means "use NCCL"
         ok = False
         log.warning(
