@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from splitserve.engine.errors import FailedPrecondition, NotFound, Unavailable, quoted
-from splitserve.kv_transfer.registry import BlockRecord, Registry, RegistryUnavailable
+from splitserve.kv_transfer.registry import BlockRecord, Registry
 from splitserve.kv_transfer.transport import Peer
 from splitserve.protos.v1 import worker_pb2
 from splitserve.runtime.engine_core.client import EngineCoreClient
@@ -137,7 +137,7 @@ class StreamHandOffs:
                     await self.core.acall("abort", request_id)
             raise
         finally:
-            await asyncio.to_thread(self._release, request_id, parked.fence)
+            await asyncio.to_thread(self.registry.release_quietly, request_id, parked.fence)
         self.num_sent += 1
         log.info(
             "handed off the KV of %s (%d tokens, %d blocks) to %s",
@@ -157,7 +157,7 @@ class StreamHandOffs:
             log.warning("freeing the KV kept for %s: no hand-off came", quoted(request_id))
             if self.core.running:
                 self.core.call("abort", request_id)
-            self._release(request_id, parked[request_id].fence)
+            self.registry.release_quietly(request_id, parked[request_id].fence)
         for request_id, p in parked.items():
             if request_id not in lapsed:
                 self.registry.renew(request_id, p.fence, self.settings.lease_s)
@@ -170,7 +170,3 @@ class StreamHandOffs:
         return [
             BlockRecord(r, "owned", me, "", p.fence, p.block_ids, None) for r, p in parked.items()
         ]
-
-    def _release(self, request_id: str, fence: int) -> None:
-        with contextlib.suppress(RegistryUnavailable):
-            self.registry.release(request_id, fence)

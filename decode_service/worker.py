@@ -28,7 +28,7 @@ from splitserve.engine.errors import FailedPrecondition, NotFound, quoted
 from splitserve.engine.outputs import RequestOutput, Resume, SampledToken, handoff_kv_tokens
 from splitserve.engine.sampling_params import SamplingParams
 from splitserve.engine.stats import EngineStats
-from splitserve.kv_transfer.registry import BlockRecord, Registry, RegistryUnavailable
+from splitserve.kv_transfer.registry import BlockRecord, Registry
 from splitserve.runtime.engine_core.client import EngineCoreClient
 from splitserve.runtime.engine_core.protocol import first_tokens_to_wire, params_to_wire
 
@@ -259,13 +259,7 @@ class DecodeWorker:
             return  # NOTE: moved off with its KV kept: its hand-off (or lease) frees it
         if aborted:
             await self._abort_engine_async(request_id)
-        await asyncio.to_thread(self._release, request_id)
-
-    def _release(self, request_id: str, fence: int | None = None) -> None:
-        # NOTE: never fails the request (its last message may be out already): a record left
-        # behind while Redis is unreachable lapses with its lease.
-        with contextlib.suppress(RegistryUnavailable):
-            self.registry.release(request_id, fence)
+        await asyncio.to_thread(self.registry.release_quietly, request_id)
 
     @property
     def num_in_flight(self) -> int:
@@ -314,7 +308,7 @@ class DecodeWorker:
         aborted = await self._abort_engine_async(request_id)
         for held in (res, parked):
             if held is not None:
-                await asyncio.to_thread(self._release, request_id, held.fence)
+                await asyncio.to_thread(self.registry.release_quietly, request_id, held.fence)
         return aborted or res is not None or parked is not None
 
     async def _abort_engine_async(self, request_id: str) -> bool:

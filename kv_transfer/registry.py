@@ -28,6 +28,7 @@ raises RecordLost (UNAVAILABLE) after its retries, never StaleFenceError.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import time
@@ -311,6 +312,12 @@ class Registry(PrefixIndex, KVEndpoints, OwnRecords):
         if fence is None:
             return bool(self._client.delete(key))
         return bool(self._release(keys=[key], args=[int(fence)]))
+
+    def release_quietly(self, request_id: str, fence: int | None = None) -> None:
+        """`release`, except that an unreachable Redis is not an error: the record lapses with
+        its lease (for a request ending whose last message may be out already)."""
+        with contextlib.suppress(RegistryUnavailable):
+            self.release(request_id, fence)
 
     def get_record(self, request_id: str) -> BlockRecord | None:
         """The request's record, or None if it has none (never reserved, released or expired)."""
