@@ -301,6 +301,8 @@ def print_engine_result(args, result: dict) -> None:
                     "per_step_ms",
                     "peer_all_reduce_us",
                     "peer_per_step_ms",
+                    "one_shot_us",
+                    "two_shot_us",
                     "peer_sum_ok",
                 ],
             )

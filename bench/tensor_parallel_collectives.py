@@ -18,9 +18,7 @@ from typing import Any
 import torch
 
 from bench.common import device_name, sync
-
-# NOTE: the engine's one-shot limit (engine/parallel/peer_all_reduce.py).
-PEER_BYTES = 1 << 20
+from splitserve.engine.parallel.peer_all_reduce import DEFAULT_MAX_BYTES
 
 
 def _free_port() -> int:
@@ -67,7 +65,7 @@ def _collective_rank(rank: int, size: int, port: int, device: str, spec: dict, o
             torch.cuda.empty_cache()
     timeout = spec["timeout_s"]
     rendezvous = Rendezvous("127.0.0.1", port, timeout, timeout)
-    peer_bytes = PEER_BYTES if dev.type == "cuda" else 0
+    peer_bytes = DEFAULT_MAX_BYTES if dev.type == "cuda" else 0
     group = TorchGroup(Shard(rank, size), rendezvous, dev, peer_all_reduce_bytes=peer_bytes)
     backend = _backend_all_reduce(group)
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
@@ -91,13 +89,23 @@ def _collective_rank(rank: int, size: int, port: int, device: str, spec: dict, o
             "per_step_ms": one * spec["per_step"] * 1e3,
             "bytes": x.numel() * elem,
         }
-        if group.peer_all_reduce and x.numel() * elem <= PEER_BYTES:
-            peer = _time_all_reduce(group.all_reduce, x, spec["reps"])
-            row["peer_all_reduce_us"] = peer * 1e6
-            row["peer_per_step_ms"] = peer * spec["per_step"] * 1e3
-            x.fill_(rank + 1)  # NOTE: checked too: the sum of 1..size in every element
-            group.all_reduce(x)
-            row["peer_sum_ok"] = bool((x == size * (size + 1) / 2).all().item())
+        peer = group._peer
+        if peer is not None and peer.fits(x):
+            # NOTE: what the engine takes at this size, then each kind alone (each checked:
+            # the sum of 1..size in every element)
+            seconds = _time_all_reduce(group.all_reduce, x, spec["reps"])
+            row["peer_all_reduce_us"] = seconds * 1e6
+            row["peer_per_step_ms"] = seconds * spec["per_step"] * 1e3
+            ok = True
+            kinds = {"one_shot": peer.one_shot, "two_shot": peer.two_shot}
+            if x.numel() % size:
+                del kinds["two_shot"]
+            for kind, fn in kinds.items():
+                row[f"{kind}_us"] = _time_all_reduce(fn, x, spec["reps"]) * 1e6
+                x.fill_(rank + 1)
+                fn(x)
+                ok = ok and bool((x == size * (size + 1) / 2).all().item())
+            row["peer_sum_ok"] = ok
     if rank == 0:
         out.put({**result, **extra})
     group.close()

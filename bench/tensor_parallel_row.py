@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from bench.common import device_name, sync
+from splitserve.engine.parallel.peer_all_reduce import DEFAULT_MAX_BYTES
 
 RESULT_PREFIX = "@@ "
 RESULT_FD_ENV = "SPLITSERVE_BENCH_RESULT_FD"  # where `emit` writes, if set
@@ -118,10 +119,6 @@ def _measure_ttft(engine, name: str, length: int, reps: int) -> None:
     progress(f"{name}: TTFT at {length} tokens: {value:.2f} ms")
 
 
-# NOTE: the engine's one-shot limit (engine/parallel/peer_all_reduce.py).
-PEER_BYTES = 1 << 20
-
-
 def run(spec: dict) -> None:
     """Start the engine `spec` describes and emit its measurements one by one."""
     from splitserve.engine import LLMEngine
@@ -136,7 +133,7 @@ def run(spec: dict) -> None:
         tensor_parallel_size=spec["tp"],
         enable_cuda_graphs=spec["graphs"],
         tensor_parallel_cuda_graphs=spec["tp_graphs"],
-        tensor_parallel_peer_all_reduce_bytes=PEER_BYTES if spec.get("peer") else 0,
+        tensor_parallel_peer_all_reduce_bytes=DEFAULT_MAX_BYTES if spec.get("peer") else 0,
         # NOTE: TP > 1 can't overlap steps (engine/overlap.py), so no configuration does: the
         # rows differ in degree and graphs only.
         async_scheduling=False,

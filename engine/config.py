@@ -101,8 +101,8 @@ class EngineConfig:
     # Capture decode graphs at TP > 1 too, the collectives inside them (NCCL): off until it is
     # measured on GPUs; without it TP > 1 runs its steps eager.
     tensor_parallel_cuda_graphs: bool = False
-    # All-reduces of up to this many bytes (a decode step's) go over peer memory at TP > 1 on
-    # GPUs, not NCCL (engine/parallel/peer_all_reduce.py); 0: NCCL for all.
+    # All-reduces of up to this many bytes go over peer memory at TP > 1 on GPUs, not NCCL
+    # (engine/parallel/peer_all_reduce.py: one-shot up to 1 MiB, two-shot above); 0: NCCL.
     tensor_parallel_peer_all_reduce_bytes: int = 0
     seed: int = 0
 

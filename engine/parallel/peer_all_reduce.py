@@ -1,4 +1,4 @@
-"""A one-shot all-reduce over peer memory, for the small all-reduces of a decode step.
+"""All-reduces over peer memory (NVLink), for tensor parallelism's per-layer sums.
 
 NCCL's ring all-reduce of a decode step's activations (8 KiB at batch 1 for a 4096-wide model)
 costs tens of microseconds of launch and protocol, about as much as reading half the layer's
@@ -8,10 +8,10 @@ kernel reads every rank's copy and sums them (`symm_mem.one_shot_all_reduce_out`
 microseconds. It is what vLLM's and SGLang's custom all-reduces do; here PyTorch's maintained
 kernel does it. It captures into CUDA graphs like any kernel.
 
-Only tensors up to the buffer's size take it (one-shot reads `size - 1` full copies: past about
-a megabyte a ring is cheaper); larger ones go to NCCL. Set up
-fails (no peer access between the GPUs, a torch without symmetric memory) fall back to NCCL
-with a warning: the engine runs either way.
+Up to a megabyte one-shot (each rank reads `size - 1` full copies); above it, up to the buffer's
+size, two-shot (reduce-scatter then all-gather over the same mapping, for a prefill's
+all-reduces); larger ones go to NCCL. A set-up that fails (no peer access between the GPUs, a
+torch without symmetric memory) falls back to NCCL with a warning: the engine runs either way.
 """
 
 from __future__ import annotations
@@ -26,8 +26,10 @@ import torch.distributed as dist
 
 log = logging.getLogger(__name__)
 
-# NOTE: past this, NCCL's ring wins on two NVLink-joined GPUs (bench/tensor_parallel measures it).
-DEFAULT_MAX_BYTES = 1 << 20
+# NOTE: up to this, one-shot (least latency: a decode step's all-reduces); past it two-shot,
+# up to the buffer's size (a prefill's); past that, NCCL. bench/tensor_parallel times all three.
+ONE_SHOT_MAX_BYTES = 1 << 20
+DEFAULT_MAX_BYTES = 64 << 20
 # NOTE: the dtypes PyTorch's one-shot kernel sums.
 _SUMMED = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -52,6 +54,7 @@ class PeerAllReduce:
         from torch.distributed import _symmetric_memory as symm
 
         self.name = name
+        self.size = size
         self.max_bytes = max_bytes
         # NOTE: symmetric memory finds its group by name among torch.distributed's registered
         # process groups; ours has no default group, so a process group around this engine's
@@ -72,19 +75,39 @@ class PeerAllReduce:
             c10d._unregister_process_group(self.name)  # type: ignore[arg-type]
 
     def fits(self, x: torch.Tensor) -> bool:
+        nbytes = x.numel() * x.element_size()
         return (
             x.dtype in _SUMMED
-            and x.numel() * x.element_size() <= self.max_bytes
+            and nbytes <= self.max_bytes
             and x.is_contiguous()
+            and (nbytes <= ONE_SHOT_MAX_BYTES or x.numel() % self.size == 0)
         )
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """Sum `x` over ranks, in place; returns it. The caller checked `fits`."""
+        if x.numel() * x.element_size() <= ONE_SHOT_MAX_BYTES:
+            return self.one_shot(x)
+        return self.two_shot(x)
+
+    def _slot(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         flat = x.view(-1)
         # NOTE: offset 0, so the slice starts where every rank's mapping does.
         slot = self.buffer.view(x.dtype)[: flat.numel()]
         slot.copy_(flat)
+        return flat, slot
+
+    def one_shot(self, x: torch.Tensor) -> torch.Tensor:
+        """Every rank reads every peer's whole copy and sums: one kernel, least latency."""
+        flat, slot = self._slot(x)
         torch.ops.symm_mem.one_shot_all_reduce_out(slot, "sum", self.name, flat)
+        return x
+
+    def two_shot(self, x: torch.Tensor) -> torch.Tensor:
+        """Each rank sums its 1/size share from every peer, then gathers the others' sums:
+        each byte crosses the link once each way, for the larger (prefill) all-reduces."""
+        flat, slot = self._slot(x)
+        torch.ops.symm_mem.two_shot_all_reduce_(slot, "sum", self.name)
+        flat.copy_(slot)
         return x
 
 

@@ -30,7 +30,7 @@ def test_gpu_tp2_float32_greedy_tokens_match_hf(tmp_path, graphs, peer):
         device="cuda:0",
         tensor_parallel_size=2,
         tensor_parallel_cuda_graphs=graphs,
-        tensor_parallel_peer_all_reduce_bytes=(1 << 20) if peer else 0,
+        tensor_parallel_peer_all_reduce_bytes=(64 << 20) if peer else 0,
         num_kv_blocks=256,
         max_num_seqs=8,
     )
