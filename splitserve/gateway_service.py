@@ -26,6 +26,7 @@ from splitserve.gateway.stubs import Stubs
 from splitserve.kv_transfer.registry import Registry
 from splitserve.protos.v1 import gateway_pb2_grpc
 from splitserve.runtime.auth import member_channel_interceptors
+from splitserve.runtime.gc_heap import settle
 from splitserve.runtime.lifecycle import State
 from splitserve.runtime.metrics import RequestMetrics, RoutingMetrics
 from splitserve.runtime.security import Security
@@ -138,6 +139,7 @@ def start_gateway(
     except BaseException:
         opened.close()
         raise
+    pauses = settle("gateway")
     opened.lifecycle.set_serving()
 
     def stop() -> None:
@@ -148,6 +150,7 @@ def start_gateway(
         shared.stop()
         registry.close()
         metrics.close()
+        pauses.log_summary()
 
     return Running(
         opened.server,

@@ -31,6 +31,7 @@ from splitserve.runtime.engine_core.client import CoreStartError, EngineCoreClie
 from splitserve.runtime.engine_core.protocol import endpoint_from_wire
 from splitserve.runtime.engine_metrics import EngineCollector
 from splitserve.runtime.engine_watch import EngineWatch
+from splitserve.runtime.gc_heap import settle
 from splitserve.runtime.metrics import KVTransferMetrics, Metrics, RequestMetrics
 from splitserve.runtime.security import Security
 from splitserve.runtime.serving import Opened, Running, ServiceSpec, open_service
@@ -161,6 +162,7 @@ def start_worker(
         raise
     if served.pending is not None:
         opened.lifecycle.also_wait_for(served.pending)
+    pauses = settle(f"{role} worker")
     opened.lifecycle.set_serving()
     engine_core = core
 
@@ -175,6 +177,7 @@ def start_worker(
         engine_core.stop()
         registry.close()
         metrics.close()
+        pauses.log_summary()
 
     leave = served.presence.leave
     return Running(

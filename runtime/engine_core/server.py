@@ -26,6 +26,7 @@ import zmq
 from splitserve.engine.engine_loop import EngineLoop
 from splitserve.engine.outputs import RequestOutput
 from splitserve.runtime.engine_core.protocol import StepEncoder, error_to_wire, pack, unpack
+from splitserve.runtime.gc_heap import settle
 
 log = logging.getLogger(__name__)
 
@@ -112,6 +113,7 @@ def serve(build: Build, command_address: str, event_address: str, own_process: b
         commands_in.close()
         ctx.term()
         return
+    pauses = settle("engine core") if own_process else None
     emitter.send(["ready", handler.info()])
     table = handler.commands()
     try:
@@ -131,6 +133,8 @@ def serve(build: Build, command_address: str, event_address: str, own_process: b
         events.close()
         commands_in.close()
         ctx.term()
+        if pauses is not None:
+            pauses.log_summary()
 
 
 def _dispatch(
