@@ -21,6 +21,7 @@
 #   serving4        bench/serving.py on four GPUs, 1P+3D: before/after the engine core process
 #   serving-step    one decode worker's serving step at batch 128 and 256 against offline
 #   serving-step-1gpu  the same with P and D sharing one GPU
+#   gc-freeze       one shared GPU, 128 streams: serving processes' heap frozen or not
 #   structured      bench/structured.py (sampler step, batch 64, half constrained vs free)
 #   fp8             FP8 weights and KV cache: GEMV tiles, decode floor, throughput, accuracy
 #   fp8-profile     where an FP8 batch-1 decode step's time goes (graph replay, host, kernels)
@@ -128,6 +129,17 @@ for step in "$@"; do
       done
       run roofline_768 12 python3 -m bench.decode_roofline --batches 128 256 --context 768 \
         --pdl on --async-scheduling on --out "$OUT/roofline_768.json" ;;
+    gc-freeze)
+      # The same closed loop at 128 streams on one shared GPU, the serving processes' start-up
+      # heap frozen (the default) and not: ITL and step tails, and each process's collections.
+      for f in 0 1; do
+        SPLITSERVE_GC_FREEZE=$f SPLITSERVE_LOG_LEVEL=INFO run "gc_freeze_$f" 6 python3 -m \
+          bench.serving --configs "1P+1D one GPU" --label "gc-freeze-$f" \
+          --workloads 512/512@32 --duration-s 20 --concurrency 128 --client-processes 8 \
+          --timeout-s 300 --worker-args=--kv-cache-memory-bytes=38000000000 \
+          --out "$OUT/gc_freeze_$f.json"
+        grep -h "garbage collection\|steps, mean batch" "$OUT/gc_freeze_$f.log" | cut -c1-220
+      done ;;
     fp8-profile)
       run roofline_fp8_profile 60 python3 -m bench.decode_roofline --quantization fp8 --pdl on \
         --breakdown --profile --out "$OUT/roofline_fp8_profile.json" ;;
