@@ -14,3 +14,17 @@ def test_columns_fit_their_widest_cell() -> None:
     lines = table([{"a": 12345, "b": "x"}, {"a": 1}], ["a", "b"]).splitlines()
     assert len({len(line) for line in lines}) == 1
     assert lines[1].split() == ["12345", "x"]
+
+
+def test_a_step_quantile_reads_linearly_within_its_bucket():
+    from bench.serving import _step_quantile_est
+
+    inf = float("inf")
+    before = {0.005: 0.0, 0.006: 10.0, 0.007: 10.0, inf: 10.0}
+    # 100 steps this run: 50 in (5, 6] ms, 50 in (6, 7] ms
+    after = {0.005: 0.0, 0.006: 60.0, 0.007: 110.0, inf: 110.0}
+    assert _step_quantile_est(before, after, 0.5) == 6.0
+    assert abs(_step_quantile_est(before, after, 0.75) - 6.5) < 1e-9
+    assert abs(_step_quantile_est(before, after, 0.25) - 5.5) < 1e-9
+    # all above the last finite bound: its bound, not infinity
+    assert _step_quantile_est({}, {0.005: 0.0, inf: 4.0}, 0.5) == 5.0
