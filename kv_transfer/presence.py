@@ -3,7 +3,9 @@ one background thread, and a periodic housekeeping call on another (a housekeepi
 waits on a long engine step never delays a heartbeat).
 
 A draining worker `leave`s: it is out of the registry at once (so the gateway routes nothing
-new to it), while housekeeping (lease renewal, reclaiming) goes on until `stop`.
+new to it), while housekeeping (lease renewal, reclaiming) goes on until `stop`. A worker
+changing role only steps out of routing (`RolePresence.step_aside` in splitserve/role_switch.py):
+its heartbeats keep its KV endpoint, so that it is still a KV peer meanwhile.
 
 A heartbeat that finds the advertisement gone (Redis restarted empty, or the worker was frozen
 past its TTL) registers again, KV endpoint included, and calls `on_rejoin` (e.g. to re-publish
@@ -57,6 +59,7 @@ class Presence:
         self._stop = threading.Event()
         self._kind = self._worker_id = ""
         self._left = False
+        self._aside = False  # left routing only, a KV peer still (`RolePresence.step_aside`)
         self._lock = threading.Lock()  # NOTE: a heartbeat never re-registers after `leave`
         self._thread = threading.Thread(target=self._run, name="presence", daemon=True)
         self._housekeeper = threading.Thread(
@@ -76,9 +79,9 @@ class Presence:
     def leave(self) -> None:
         """Leave the registry at once (not after the TTL); housekeeping goes on."""
         with self._lock:
-            if self._left:
+            if self._left and not self._aside:
                 return
-            self._left = True
+            self._left, self._aside = True, False
             if not self._worker_id:
                 return  # never registered
             try:
@@ -99,6 +102,8 @@ class Presence:
                 with self._lock:
                     if not self._left:
                         self._beat()
+                    elif self._aside:
+                        self.registry.keep_endpoint(self._worker_id, self.ttl_s, self.kv_endpoint)
             except RegistryUnavailable:
                 pass  # NOTE: the registry logs the outage once; the next tick tries again
             except Exception:  # noqa: BLE001 - keep beating through anything else

@@ -7,6 +7,7 @@ Key layout, everything under `{ns}:` (the namespace)::
     {ns}:workers:{kind}             set     ids of workers of that kind (pruned lazily)
     {ns}:worker:{kind}:{worker_id}  hash    WorkerInfo fields; PEXPIRE = heartbeat TTL
     {ns}:kv_endpoint:{worker_id}    hash    what its KV peers need (registry_endpoints); same TTL
+    {ns}:kv_peers                   set     ids of workers with a KV endpoint (pruned lazily)
     {ns}:req:{request_id}           hash    state, owner, writer, fence, blocks; PEXPIRE = lease
     {ns}:prefix:{hash_hex}          set     ids of workers holding that block in their prefix cache
     {ns}:prefix_worker:{worker_id}  set     hash_hex of every block that worker holds
@@ -196,6 +197,8 @@ class Registry(PrefixIndex, KVEndpoints, OwnRecords):
         pipe.hgetall(endpoint_key)
         pipe.pexpire(endpoint_key, ttl_ms)
         pipe.sadd(self._worker_set(info.kind), info.worker_id)
+        if endpoint_key in self._written:
+            pipe.sadd(self._peers_set(), info.worker_id)
         before, _, _, _, endpoint, *_ = pipe.execute()
         previous, self._written[key] = self._written.get(key), stored(mapping)
         if before and previous is not None:  # NOTE: written here before: still its own?
@@ -213,7 +216,32 @@ class Registry(PrefixIndex, KVEndpoints, OwnRecords):
         pipe.delete(self._worker_key(kind, worker_id))
         pipe.delete(self._endpoint_key(worker_id))
         pipe.srem(self._worker_set(kind), worker_id)
+        pipe.srem(self._peers_set(), worker_id)
         pipe.execute()
+
+    def withdraw_worker(self, kind: str, worker_id: str) -> None:
+        """Take a worker out of routing at once (nothing new is sent to it) while it stays a
+        KV peer: its KV endpoint is kept (`keep_endpoint` keeps it alive), so what it still
+        pushes is taken and what was reserved on it can still be pushed to."""
+        pipe = self._client.pipeline(transaction=True)
+        pipe.delete(self._worker_key(kind, worker_id))
+        pipe.srem(self._worker_set(kind), worker_id)
+        pipe.execute()
+
+    def keep_endpoint(
+        self, worker_id: str, ttl_s: float, kv_endpoint: Mapping[str, bytes] | None
+    ) -> None:
+        """Extend the TTL of a withdrawn worker's KV endpoint (published again if Redis lost
+        it): its heartbeat while it is out of routing."""
+        if not kv_endpoint:
+            return
+        ttl_ms = _ms(ttl_s, "ttl_s")
+        pipe = self._client.pipeline(transaction=True)
+        pipe.pexpire(self._endpoint_key(worker_id), ttl_ms)
+        pipe.sadd(self._peers_set(), worker_id)
+        kept, _ = pipe.execute()
+        if not kept:
+            self._publish_endpoint(worker_id, kv_endpoint, ttl_ms)
 
     def live_workers(self, kind: str) -> list[WorkerInfo]:
         """Workers of `kind` whose advertisement has not expired, sorted by id.

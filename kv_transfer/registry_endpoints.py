@@ -2,7 +2,9 @@
 KV peers, kept as long as it heartbeats. A decode worker publishes what senders need to reach
 its receivers (`KVReceiver.endpoint`), a prefill worker what receivers know its senders by
 (`KVSender.endpoint`). Sealed with the cluster secret, their access-granting fields encrypted
-(registry_seal.py). Part of `Registry` (see registry.py for the key layout)."""
+(registry_seal.py). Its worker is listed in `{ns}:kv_peers` while it is published: a worker out
+of routing for a while (changing role: `Registry.withdraw_worker`) is still a KV peer. Part of
+`Registry` (see registry.py for the key layout)."""
 
 from __future__ import annotations
 
@@ -22,12 +24,16 @@ class KVEndpoints:
     _ns: str
     _seal: Seal
     _written: dict[str, dict[str, bytes]]
+    _live_workers: Any  # the script that reads hashes and prunes the ids of those gone
 
     def _endpoint_key(self, worker_id: str) -> str:
         return f"{self._ns}:kv_endpoint:{worker_id}"
 
     def _worker_set(self, kind: str) -> str:
         return f"{self._ns}:workers:{kind}"
+
+    def _peers_set(self) -> str:
+        return f"{self._ns}:kv_peers"
 
     def _publish_endpoint(self, worker_id: str, endpoint: Mapping[str, bytes], ttl_ms: int) -> None:
         key = self._endpoint_key(worker_id)
@@ -36,6 +42,7 @@ class KVEndpoints:
         sealed: dict[Any, Any] = self._seal.seal(key, endpoint)
         pipe.hset(key, mapping=sealed)
         pipe.pexpire(key, ttl_ms)
+        pipe.sadd(self._peers_set(), worker_id)
         pipe.execute()
         self._written[key] = {as_text(k): as_bytes(v) for k, v in sealed.items()}
 
@@ -51,17 +58,22 @@ class KVEndpoints:
         return self._open_endpoint(worker_id, self._client.hgetall(self._endpoint_key(worker_id)))
 
     def kv_endpoint_values(self, field: str) -> set[bytes]:
-        """What live workers of every kind published under endpoint `field` in records that
-        open (sealed by a member): e.g. the agent names NIXL senders are known by."""
+        """What live KV peers (workers of every kind, and those out of routing while they change
+        role) published under endpoint `field` in records that open (sealed by a member): e.g.
+        the agent names NIXL senders are known by."""
         pipe = self._client.pipeline(transaction=False)
         for kind in WORKER_KINDS:
             pipe.smembers(self._worker_set(kind))
+        pipe.smembers(self._peers_set())
         ids = sorted({as_text(m) for members in pipe.execute() for m in members})
-        pipe = self._client.pipeline(transaction=False)
-        for worker_id in ids:
-            pipe.hgetall(self._endpoint_key(worker_id))
+        if not ids:
+            return set()
+        # NOTE: one script (registry_lua.LIVE_WORKERS): peers whose endpoint lapsed are pruned
+        keys = [self._peers_set()] + [self._endpoint_key(i) for i in ids]
+        rows = self._live_workers(keys=keys, args=ids)
         values = set()
-        for worker_id, raw in zip(ids, pipe.execute(), strict=True):
+        for worker_id, row in zip(ids, rows, strict=True):
+            raw = dict(zip(row[::2], row[1::2], strict=True))
             endpoint = self._open_endpoint(worker_id, raw)
             if endpoint is not None and field in endpoint:
                 values.add(endpoint[field])

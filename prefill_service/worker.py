@@ -95,10 +95,11 @@ class PrefillWorker:
     ) -> PrefillResult:
         s = self.settings
         self.registry.begin_write(request_id, s.worker_id, destination.fence, s.lease_s)
-        route = self.senders.route(destination)
-        peer = route.peer
         self._observations[request_id] = obs
         try:
+            # NOTE: in the try: a destination that published no endpoint is unreachable too
+            route = self.senders.route(destination)
+            peer = route.peer
             future = self.core.submit(
                 "prefill",
                 request_id,

@@ -6,7 +6,9 @@ engine (`splitserve/switchable_core.py`); its role is what the registry lists it
 the gateway sends it. A switch:
 
     SetRole(to) ─▶ refuse new work of the old role (UNAVAILABLE: the gateway tries elsewhere)
-               ─▶ leave the registry (nothing new is routed here)
+               ─▶ leave the registry's routing (nothing new is routed here), a KV peer still
+                  (its KV endpoint kept: what it pushes meanwhile is taken, what was reserved
+                  here can still be pushed to)
                ─▶ drain the old role: prefills in flight finish; decode streams finish, and those
                   still running at the drain timeout end UNAVAILABLE "changing role", which the
                   gateway resumes on another decode worker (`gateway/migration.py`)
@@ -135,7 +137,7 @@ class RoleSwitch:
         try:
             presence = self.presence
             if presence is not None:
-                await asyncio.to_thread(presence.leave)
+                await asyncio.to_thread(presence.step_aside)
             timeout_s = drain_timeout_s or self.drain_timeout_s
             if previous == "prefill":
                 await self._drained("prefill", timeout_s)
@@ -166,14 +168,34 @@ class RoleSwitch:
 
 
 class RolePresence(Presence):
-    """A worker's presence that can join again, under another kind, after `leave`."""
+    """A worker's presence that can step out of routing while it changes role, and join again
+    under another kind."""
+
+    def step_aside(self) -> None:
+        """Out of routing at once (the gateway sends nothing new here), but still a KV peer:
+        the KV endpoint stays, kept alive by the heartbeats, until `rejoin` or `leave`.
+
+        NOTE: a worker changing role still pushes KV (the hand-offs of the streams it moves,
+        the prefills it drains), and receivers take a push only from a sender whose endpoint a
+        live peer published (kv_transfer/nixl_vetting.py); a prefill may still push into what
+        was reserved here before. Without its endpoint, both would be refused."""
+        with self._lock:
+            if self._left:
+                return
+            self._left = self._aside = True
+            if not self._worker_id:
+                return  # never registered
+            try:
+                self.registry.withdraw_worker(self._kind, self._worker_id)
+            except Exception:  # noqa: BLE001 - as `leave`: its record lapses after the TTL
+                log.warning("could not take %s out of routing", self._worker_id)
 
     def rejoin(self, kind: str) -> None:
         """Register under `kind` (its new role); heartbeats resume. A worker that can't serve
         just now (`info` raises `Stalled`) is left to the heartbeats, which join it once it
         can."""
         with self._lock:
-            self._kind, self._left = kind, False
+            self._kind, self._left, self._aside = kind, False, False
             try:
                 info = self.info()
             except Stalled:

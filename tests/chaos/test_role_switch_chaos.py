@@ -7,6 +7,7 @@ the decode worker that resumes them: nothing is recomputed there."""
 from __future__ import annotations
 
 import threading
+import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
@@ -121,6 +122,18 @@ def _decode_stats(stack, worker) -> worker_pb2.WorkerStats:
         )
 
 
+def _held(stack, live, ended: list[threading.Event], timeout_s: float = 30.0) -> dict[str, int]:
+    """Each decode worker's requests, once they account for every stream not `ended` yet (a
+    stream's first message can reach the client before its worker's stats count it)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        held = {w.worker_id: stats(w, stack).num_requests for w in live}
+        if sum(held.values()) >= sum(not e.is_set() for e in ended):
+            return held
+        assert time.monotonic() < deadline, f"the workers hold {held} of the open streams"
+        time.sleep(0.05)
+
+
 def test_streams_moved_off_a_worker_turning_prefill_hand_their_kv_off(tiny_models, stack):
     model_dir = tiny_models["llama"]
     prompts = random_prompts([60, 90, 45, 120], 400, seed=41)
@@ -137,6 +150,7 @@ def test_streams_moved_off_a_worker_turning_prefill_hand_their_kv_off(tiny_model
     assert len(live) == 2
     before = {kv: _migrations(stack, kv) for kv in ("handed_off", "recomputed")}
     started = [threading.Event() for _ in prompts]
+    ended = [threading.Event() for _ in prompts]
 
     def run(i: int):
         def tapped():
@@ -144,14 +158,18 @@ def test_streams_moved_off_a_worker_turning_prefill_hand_their_kv_off(tiny_model
                 started[i].set()
                 yield msg
 
-        return collect(tapped())
+        try:
+            return collect(tapped())
+        finally:
+            ended[i].set()
 
     with ThreadPoolExecutor(len(prompts)) as pool:
         running = [pool.submit(run, i) for i in range(len(prompts))]
         for event in started:
             assert event.wait(60), "a stream never started"
         # NOTE: every stream has its first tokens and decodes (none is near its end)
-        busiest = max(live, key=lambda w: stats(w, stack).num_running)
+        held = _held(stack, live, ended)
+        busiest = max(live, key=lambda w: held[w.worker_id])
         other = next(w for w in live if w is not busiest)
         prefilled = stats(other, stack).num_prefill_tokens
         sent = _decode_stats(stack, busiest).num_handoffs_sent
@@ -159,7 +177,7 @@ def test_streams_moved_off_a_worker_turning_prefill_hand_their_kv_off(tiny_model
         results = [f.result() for f in running]
     assert [r.token_ids[0] for r in results] == expected
     moved = switched.num_streams_moved
-    assert moved >= 1
+    assert moved >= 1, f"{busiest.worker_id} moved none; requests held before: {held}"
     # NOTE: the streams moved with their KV: the worker that resumed them computed none of their
     # prompts or tokens again (its own streams' prompt KV came from the prefill worker)
     assert stats(other, stack).num_prefill_tokens == prefilled

@@ -153,3 +153,35 @@ def test_a_push_without_the_reservations_capability_is_refused(setup, capability
         assert err.code() == grpc.StatusCode.FAILED_PRECONDITION
         assert "capability" in err.details()
     assert_nothing_leaks(stack)
+
+
+def test_a_prefill_whose_destination_published_no_endpoint_fails_aborted(setup):
+    """The destination is unreachable, not the prefill worker: ABORTED, which the gateway
+    retries with a fresh reservation without writing this prefill worker off (UNAVAILABLE
+    would, and with it the only prefill worker: "no prefill worker is alive")."""
+    stack, _, sender, _ = setup
+    if sender.name == "grpc":
+        pytest.skip("over gRPC a worker that published no endpoint is pushed to at its address")
+    (prefill,) = [w for w in workers(stack) if w.kind == "prefill" and w.worker_id != "rogue"]
+    registry = Registry(stack.redis_url)
+    try:
+        # NOTE: blocks reserved on a worker whose endpoint is not in the registry (none here)
+        res = registry.reserve("no-endpoint-1", "ghost", [0, 1, 2, 3], lease_s=30)
+        dest = worker_pb2.KVDestination(
+            worker_id="ghost", address="127.0.0.1:9", block_ids=res.block_ids,
+            fence=res.fence, kv_transports=["nixl"],
+        )  # fmt: skip
+        request = worker_pb2.PrefillRequest(
+            request_id="no-endpoint-1",
+            prompt_token_ids=PROMPT,
+            sampling=convert.sampling_to_proto(GREEDY),
+            destination=dest,
+        )
+        with grpc.insecure_channel(prefill.address) as channel, pytest.raises(grpc.RpcError) as err:
+            worker_pb2_grpc.PrefillWorkerStub(channel).Prefill(request, timeout=30)
+        assert err.value.code() == grpc.StatusCode.ABORTED
+        assert "ghost published no nixl endpoint" in err.value.details()
+        registry.release("no-endpoint-1")
+    finally:
+        registry.close()
+    assert_nothing_leaks(stack)
