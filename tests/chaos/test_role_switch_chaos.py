@@ -82,17 +82,21 @@ def test_streams_survive_workers_flipping_roles_under_load(tiny_models, stack):
     with ThreadPoolExecutor(len(prompts) + 1) as pool:
         flipper = pool.submit(flip)
         try:
-            results = list(
-                pool.map(
-                    lambda job: collect(stream(stub, job[0], job[1], timeout_s=180)),
-                    zip(prompts, params, strict=True),
+            # NOTE: waves of the same streams until decode-0 has gone round every role at least
+            # once under them (on a fast host one wave may end before that)
+            while True:
+                results = list(
+                    pool.map(
+                        lambda job: collect(stream(stub, job[0], job[1], timeout_s=180)),
+                        zip(prompts, params, strict=True),
+                    )
                 )
-            )
+                assert [r.token_ids[0] for r in results] == expected
+                if len(switches) >= len(FLIPS):
+                    break
         finally:
             done.set()  # NOTE: also when a stream failed, or the flipper would go on
         flipper.result()
-    assert [r.token_ids[0] for r in results] == expected
-    assert len(switches) >= 3
     # NOTE: whether a flip catches streams on decode-0 is up to timing; the hand-off itself
     # is proven deterministically below and in tests/e2e/test_role_switch.py (streams at the
     # drain timeout move). Here: whatever the flips hit, no stream is lost and nothing leaks.
@@ -137,11 +141,13 @@ def _held(stack, live, ended: list[threading.Event], timeout_s: float = 30.0) ->
 def test_streams_moved_off_a_worker_turning_prefill_hand_their_kv_off(tiny_models, stack):
     model_dir = tiny_models["llama"]
     prompts = random_prompts([60, 90, 45, 120], 400, seed=41)
+    # NOTE: long streams: none ends between the look at what each worker holds and the switch,
+    # however loaded the host
     params = [
-        SamplingParams(temperature=0, max_tokens=300, ignore_eos=True, repetition_penalty=1.2),
-        SamplingParams(temperature=0.8, top_k=50, seed=11, max_tokens=120, ignore_eos=True),
-        SamplingParams(temperature=0, max_tokens=300, ignore_eos=True),
-        SamplingParams(temperature=0, max_tokens=300, ignore_eos=True, frequency_penalty=0.5),
+        SamplingParams(temperature=0, max_tokens=1200, ignore_eos=True, repetition_penalty=1.2),
+        SamplingParams(temperature=0.8, top_k=50, seed=11, max_tokens=1200, ignore_eos=True),
+        SamplingParams(temperature=0, max_tokens=1200, ignore_eos=True),
+        SamplingParams(temperature=0, max_tokens=1200, ignore_eos=True, frequency_penalty=0.5),
     ]
     llm = LLM(model_dir)
     expected = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
