@@ -27,7 +27,8 @@ from tests.engine.hf_oracle import random_prompts
 pytestmark = pytest.mark.slow
 
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
-LONG = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)
+# NOTE: long enough that all three still run when the switch comes, however loaded the host
+LONG = SamplingParams(temperature=0, max_tokens=1200, ignore_eos=True)
 
 
 def _secret(stack) -> str:
