@@ -5,7 +5,10 @@ limits the gateway.
 
     python -m bench.relay_client --address 127.0.0.1:PORT --streams 64 --start T0 --end T1
 
-Prints one JSON line: tokens, messages and requests seen inside [start, end), errors by status.
+Prints one JSON line: tokens, messages and requests seen inside [start, end), errors by status,
+and `gap_hist`: the gaps between a stream's consecutive token messages inside the window, as a
+histogram of 0.1 ms buckets (bucket -> count; the benchmark merges them and reads p50/p99). A
+message that merges k tokens is one gap, so gaps also show what merging costs in latency.
 """
 
 from __future__ import annotations
@@ -28,14 +31,20 @@ async def _stream(
     start: float,
     end: float,
     seen: Counter,
+    gaps: Counter,
 ) -> None:
     while time.time() < end:
+        last = 0.0  # when this stream's previous token message came (0: none yet)
         try:
             async for msg in stub.Generate(request, timeout=max(1.0, end - time.time() + 30)):
                 now = time.time()
                 if msg.HasField("chunk") and start <= now < end:
                     seen["tokens"] += len(msg.chunk.token_ids)
                     seen["messages"] += 1
+                    if last:
+                        gaps[int((now - last) * GAP_BUCKETS_PER_S)] += 1
+                if msg.HasField("chunk"):
+                    last = now
                 elif msg.HasField("finished") and start <= now < end:
                     seen["requests"] += 1
                 if now >= end:
@@ -45,8 +54,12 @@ async def _stream(
             await asyncio.sleep(0.05)
 
 
-async def _run(args: argparse.Namespace) -> Counter:
+GAP_BUCKETS_PER_S = 10_000  # gap histogram resolution: 0.1 ms
+
+
+async def _run(args: argparse.Namespace) -> tuple[Counter, Counter]:
     seen: Counter = Counter()
+    gaps: Counter = Counter()
     request = gateway_pb2.GenerateRequest(
         token_ids=gateway_pb2.TokenIds(ids=list(range(10, 10 + args.prompt_len))),
         sampling=common_pb2.SamplingParams(
@@ -58,9 +71,9 @@ async def _run(args: argparse.Namespace) -> Counter:
     async with grpc.aio.insecure_channel(args.address) as channel:
         stub = gateway_pb2_grpc.GatewayStub(channel)
         await asyncio.gather(
-            *(_stream(stub, request, args.start, args.end, seen) for _ in range(args.streams))
+            *(_stream(stub, request, args.start, args.end, seen, gaps) for _ in range(args.streams))
         )
-    return seen
+    return seen, gaps
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -73,8 +86,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prompt-len", type=int, default=8)
     parser.add_argument("--stream-interval", type=int, default=0, help="0: the gateway's")
     args = parser.parse_args(argv)
-    seen = asyncio.run(_run(args))
-    print(json.dumps(dict(seen)), flush=True)
+    seen, gaps = asyncio.run(_run(args))
+    print(json.dumps({**seen, "gap_hist": dict(gaps)}), flush=True)
     return 0
 
 
