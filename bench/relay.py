@@ -13,9 +13,9 @@ public gRPC API and count the tokens that arrive inside a measured window; meanw
 processes' CPU time is read from /proc. Per (processes, stream_interval): output tokens/s,
 client messages/s and messages per token, gateway CPU cores used, tokens/s per gateway core —
 the number that sizes the gateway (docs/deploy.md) — and p50/p99 of the gaps between a
-stream's consecutive token messages as its client sees them. The clients and fakes share the
-host's cores with the gateway: on a small host they limit the total, which is why tokens/s per
-core is reported.
+stream's consecutive token messages as its client sees them, and of its inter-token latency (a
+message's gap spread over its tokens). The clients and fakes share the host's cores with the
+gateway: on a small host they limit the total, which is why tokens/s per core is reported.
 """
 
 from __future__ import annotations
@@ -97,13 +97,13 @@ def run_one(
         cores = sum(meter.stop().values())
         t1 = time.monotonic()
         seen: dict[str, int] = {}
-        gaps: dict[int, int] = {}
+        hists: dict[str, dict[int, int]] = {"gap_hist": {}, "itl_hist": {}}
         for client in clients:
             out, _ = client.communicate(timeout=120)
             for key, value in json.loads(out.strip().splitlines()[-1]).items():
-                if key == "gap_hist":
+                if key in hists:
                     for bucket, count in value.items():
-                        gaps[int(bucket)] = gaps.get(int(bucket), 0) + count
+                        hists[key][int(bucket)] = hists[key].get(int(bucket), 0) + count
                 else:
                     seen[key] = seen.get(key, 0) + value
     finally:
@@ -125,15 +125,17 @@ def run_one(
         "requests_per_s": seen.get("requests", 0) / window,
         "gateway_cores": cores,
         "tokens_per_s_per_core": tokens_s / cores if cores > 0 else 0.0,
-        "gap_p50_ms": gap_quantile_ms(gaps, 0.50),
-        "gap_p99_ms": gap_quantile_ms(gaps, 0.99),
+        "gap_p50_ms": gap_quantile_ms(hists["gap_hist"], 0.50),
+        "gap_p99_ms": gap_quantile_ms(hists["gap_hist"], 0.99),
+        "itl_p50_ms": gap_quantile_ms(hists["itl_hist"], 0.50),
+        "itl_p99_ms": gap_quantile_ms(hists["itl_hist"], 0.99),
         "errors": {k: v for k, v in seen.items() if k.startswith("error_")},
     }
 
 
 def gap_quantile_ms(hist: dict[int, int], q: float) -> float:
-    """The `q` quantile (upper bucket edge, ms) of the clients' gap histograms between a
-    stream's consecutive token messages (bench/relay_client.py); 0.0 if none was seen."""
+    """The `q` quantile (upper bucket edge, ms) of the clients' merged gap (or inter-token
+    latency) histograms (bench/relay_client.py); 0.0 if none was seen."""
     total = sum(hist.values())
     if not total:
         return 0.0
@@ -220,6 +222,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 COLUMNS = [
     "processes", "stream_interval", "streams", "tokens_per_s", "messages_per_s",
     "messages_per_token", "gateway_cores", "tokens_per_s_per_core", "gap_p50_ms", "gap_p99_ms",
+    "itl_p50_ms", "itl_p99_ms",
 ]  # fmt: skip
 
 

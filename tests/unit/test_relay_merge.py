@@ -116,11 +116,33 @@ def _run(coro):
     return asyncio.run(coro)
 
 
+def _reading_ahead(feed: _Feed, claim, **kwargs) -> StreamReader:
+    """A reader whose handler counts as behind from its second `take` on (a task then reads
+    ahead) and never holds for more than the one message it waits for anyway."""
+    kwargs = {"hold_after_s": 0, "hold_until": 1, **kwargs}
+    return StreamReader(feed.stream(), claim, **kwargs)
+
+
+def test_a_handler_that_keeps_up_reads_one_message_at_a_time_itself():
+    async def main():
+        feed = _Feed()
+        reader = StreamReader(feed.stream(), RequestTable().claim("r"), hold_after_s=3600)
+        for i in (1, 2, 3):
+            feed.send(_chunk(i))
+        feed.send(None)
+        batches = [[m.chunk.token_ids[0] for m in await reader.take()] for _ in range(4)]
+        assert batches == [[1], [2], [3], []]
+        await reader.close()
+        assert feed.closed
+
+    _run(main())
+
+
 def test_messages_that_arrive_while_the_handler_is_busy_come_in_one_take():
     async def main():
         feed = _Feed()
         claim = RequestTable().claim("r")
-        reader = StreamReader(feed.stream(), claim)
+        reader = _reading_ahead(feed, claim)
         feed.send(_chunk(1))
         assert [m.chunk.token_ids[0] for m in await reader.take()] == [1]
         for i in (2, 3, 4):  # the handler is "writing": the reader reads on
@@ -143,7 +165,9 @@ def test_messages_that_arrive_while_the_handler_is_busy_come_in_one_take():
 def test_a_stream_error_comes_after_the_messages_read_before_it():
     async def main():
         feed = _Feed()
-        reader = StreamReader(feed.stream(), RequestTable().claim("r"))
+        reader = _reading_ahead(feed, RequestTable().claim("r"))
+        feed.send(_chunk(0))
+        assert len(await reader.take()) == 1
         feed.send(_chunk(1))
         feed.send(RuntimeError("worker lost"))
         await _settle()
@@ -160,9 +184,11 @@ def test_an_abort_while_the_reader_waits_cancels_the_stream_and_ends_the_takes()
         feed = _Feed()
         table = RequestTable()
         claim = table.claim("r")
-        reader = StreamReader(feed.stream(), claim)
-        feed.send(_chunk(1))
+        reader = _reading_ahead(feed, claim)
+        feed.send(_chunk(0))
         assert len(await reader.take()) == 1
+        feed.send(_chunk(1))
+        assert len(await reader.take()) == 1  # the reader task runs from here on
         await _settle()
         assert claim.waiting  # the reader waits on the worker: that is where the abort lands
         assert table.abort("r")
@@ -176,7 +202,15 @@ def test_an_abort_while_the_reader_waits_cancels_the_stream_and_ends_the_takes()
 def test_a_full_buffer_holds_the_reader_back_until_the_handler_takes():
     async def main():
         feed = _Feed()
-        reader = StreamReader(feed.stream(), RequestTable().claim("r"), max_pending=3)
+        reader = _reading_ahead(feed, RequestTable().claim("r"), max_pending=3)
+        feed.send(_chunk(0))
+        assert len(await reader.take()) == 1
+        for i in range(5):
+            feed.send(_chunk(i))
+        assert len(await reader.take()) == 3  # a reader task starts: three read, then it waits
+        await _settle()
+        assert feed.queue.qsize() == 0  # room again: the last two read
+        assert len(await reader.take()) == 2
         for i in range(5):
             feed.send(_chunk(i))
         await _settle()
@@ -192,9 +226,12 @@ def test_a_full_buffer_holds_the_reader_back_until_the_handler_takes():
 def test_closing_mid_stream_cancels_the_read_and_closes_the_stream():
     async def main():
         feed = _Feed()
-        reader = StreamReader(feed.stream(), RequestTable().claim("r"))
+        reader = _reading_ahead(feed, RequestTable().claim("r"))
+        feed.send(_chunk(0))
+        assert len(await reader.take()) == 1
         feed.send(_chunk(1))
-        await _settle()
+        assert len(await reader.take()) == 1
+        await _settle()  # the reader task waits on the worker now
         await reader.close()
         assert feed.cancelled and feed.closed
         await reader.close()  # a second close is harmless
