@@ -16,11 +16,12 @@ Behind means: the handler's previous message took `hold_after_s` or more between
 write on an idle loop takes a fraction of that). Reading ahead alone does not make the queue
 visible: gRPC hands over one message per read, and a read takes the event loop about as many
 turns as a write, so a busy loop reads each stream exactly as fast as it writes it. So a handler
-that is behind also waits a little before it writes again: for `hold_until` messages, the
-stream's end, or as long again as its previous message took (at most `max_hold_s`), whichever
-comes first. Under load each write then carries several tokens, the loop spends its turns on
-reads, and the tokens a stream gets per second go up; a message waits at most `max_hold_s`
-longer than it would have.
+that is behind, and finds a message that came during its write, waits a little before it writes
+again: for `hold_until` messages, the stream's end, or as long again as its previous message
+took (at most `max_hold_s`), whichever comes first (none waiting: the worker is the slow
+side, and it does not wait). Under load each write then carries several tokens, the loop spends
+its turns on reads, and the tokens a stream gets per second go up; a message waits at most
+`max_hold_s` longer than it would have.
 
 At light load nothing changes: until a handler first falls behind it reads its stream itself,
 as before (no task, no wait, one token a message), and its first message never waits. Then
@@ -94,7 +95,9 @@ class StreamReader:
             if self._ended or not behind:
                 return await self._read_one(loop)
             self._task = asyncio.ensure_future(self._read())
-        if behind and len(self._pending) < self._hold_until:
+        # NOTE: only with a message already waiting: one that came during the write shows a
+        # backlog; none means the worker is the slow side, and waiting would only add latency
+        if behind and 0 < len(self._pending) < self._hold_until:
             await self._hold(loop, min(max(busy_s, self._min_hold_s), self._max_hold_s))
         while not self._pending and not self._task.done():
             await self._wait_for_reader(loop)

@@ -135,7 +135,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         )
         rid, num_generated = claim.request_id, 0  # NOTE: the client's id, not the workers'
         coalescer = Coalescer(interval)
-        # NOTE: read ahead of our writes: what queues up meanwhile goes out merged (relay.py)
+        # NOTE: once we fall behind, a task reads ahead and what queued up goes out merged
         reader = StreamReader(responses, claim)
         try:
             # NOTE: an Abort stops the stream before its next message, as between two reads

@@ -247,12 +247,15 @@ def test_a_handler_that_is_behind_waits_for_more_messages_to_write_as_one():
             feed.stream(), RequestTable().claim("r"), hold_after_s=0, hold_until=3,
             min_hold_s=3600, max_hold_s=3600,
         )  # fmt: skip
-        feed.send(_chunk(1))
+        feed.send(_chunk(0))
         assert len(await reader.take()) == 1  # the first message never waits
+        feed.send(_chunk(1))
+        assert len(await reader.take()) == 1  # behind, nothing waiting: a reader task starts
         feed.send(_chunk(2))
+        await _settle()
         held = asyncio.ensure_future(reader.take())
         await _settle()
-        assert not held.done()  # one message: it waits for more
+        assert not held.done()  # behind, one message waiting: it waits for more
         feed.send(_chunk(3))
         feed.send(_chunk(4))
         await _settle()
@@ -272,9 +275,12 @@ def test_a_held_take_waits_no_longer_than_its_limit():
         reader = StreamReader(
             feed.stream(), RequestTable().claim("r"), hold_after_s=0, hold_until=8, max_hold_s=0
         )
+        feed.send(_chunk(0))
+        await reader.take()
         feed.send(_chunk(1))
         await reader.take()
         feed.send(_chunk(2))
+        await _settle()
         batch = await asyncio.wait_for(reader.take(), 30)  # the limit, not the stream, ends it
         assert [m.chunk.token_ids[0] for m in batch] == [2]
         await reader.close()
