@@ -11,8 +11,10 @@ as the gateway reads them. Client processes (`bench/relay_client.py`) hold `--st
 concurrent Generate streams (512-token replies, asked again as soon as one ends) through the
 public gRPC API and count the tokens that arrive inside a measured window; meanwhile the gateway
 processes' CPU time is read from /proc. Per (processes, stream_interval): output tokens/s,
-client messages/s, gateway CPU cores used, and tokens/s per gateway core — the number that
-sizes the gateway (docs/deploy.md). The clients and fakes share the host's cores with the
+client messages/s and messages per token, gateway CPU cores used, tokens/s per gateway core —
+the number that sizes the gateway (docs/deploy.md) — and p50/p99 of the gaps between a
+stream's consecutive token messages as its client sees them, and of its inter-token latency (a
+message's gap spread over its tokens). The clients and fakes share the host's cores with the
 gateway: on a small host they limit the total, which is why tokens/s per core is reported.
 """
 
@@ -30,6 +32,7 @@ from typing import Any
 
 from bench.common import table, write_results
 from bench.proc_cpu import CPUMeter
+from bench.relay_client import GAP_BUCKETS_PER_S
 from splitserve.kv_transfer.redis_server import RedisServer
 from splitserve.up import free_port
 
@@ -94,10 +97,15 @@ def run_one(
         cores = sum(meter.stop().values())
         t1 = time.monotonic()
         seen: dict[str, int] = {}
+        hists: dict[str, dict[int, int]] = {"gap_hist": {}, "itl_hist": {}}
         for client in clients:
             out, _ = client.communicate(timeout=120)
             for key, value in json.loads(out.strip().splitlines()[-1]).items():
-                seen[key] = seen.get(key, 0) + value
+                if key in hists:
+                    for bucket, count in value.items():
+                        hists[key][int(bucket)] = hists[key].get(int(bucket), 0) + count
+                else:
+                    seen[key] = seen.get(key, 0) + value
     finally:
         proc.terminate()
         try:
@@ -106,17 +114,37 @@ def run_one(
             proc.kill()
     window = t1 - t0
     tokens_s = seen.get("tokens", 0) / window
+    messages = seen.get("messages", 0)
     return {
         "processes": processes,
         "stream_interval": interval,
         "streams": per_client * args.clients,
         "tokens_per_s": tokens_s,
-        "messages_per_s": seen.get("messages", 0) / window,
+        "messages_per_s": messages / window,
+        "messages_per_token": messages / seen["tokens"] if seen.get("tokens") else 0.0,
         "requests_per_s": seen.get("requests", 0) / window,
         "gateway_cores": cores,
         "tokens_per_s_per_core": tokens_s / cores if cores > 0 else 0.0,
+        "gap_p50_ms": gap_quantile_ms(hists["gap_hist"], 0.50),
+        "gap_p99_ms": gap_quantile_ms(hists["gap_hist"], 0.99),
+        "itl_p50_ms": gap_quantile_ms(hists["itl_hist"], 0.50),
+        "itl_p99_ms": gap_quantile_ms(hists["itl_hist"], 0.99),
         "errors": {k: v for k, v in seen.items() if k.startswith("error_")},
     }
+
+
+def gap_quantile_ms(hist: dict[int, int], q: float) -> float:
+    """The `q` quantile (upper bucket edge, ms) of the clients' merged gap (or inter-token
+    latency) histograms (bench/relay_client.py); 0.0 if none was seen."""
+    total = sum(hist.values())
+    if not total:
+        return 0.0
+    rank, seen = q * total, 0
+    for bucket in sorted(hist):
+        seen += hist[bucket]
+        if seen >= rank:
+            return (bucket + 1) * 1000 / GAP_BUCKETS_PER_S
+    raise AssertionError("unreachable")  # pragma: no cover
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -193,7 +221,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
 COLUMNS = [
     "processes", "stream_interval", "streams", "tokens_per_s", "messages_per_s",
-    "gateway_cores", "tokens_per_s_per_core",
+    "messages_per_token", "gateway_cores", "tokens_per_s_per_core", "gap_p50_ms", "gap_p99_ms",
+    "itl_p50_ms", "itl_p99_ms",
 ]  # fmt: skip
 
 

@@ -5,7 +5,13 @@ limits the gateway.
 
     python -m bench.relay_client --address 127.0.0.1:PORT --streams 64 --start T0 --end T1
 
-Prints one JSON line: tokens, messages and requests seen inside [start, end), errors by status.
+Prints one JSON line: tokens, messages and requests seen inside [start, end), errors by status,
+`gap_hist`: the gaps between a stream's consecutive token messages inside the window, as a
+histogram of 0.1 ms buckets (bucket -> count; the benchmark merges them and reads p50/p99), and
+`itl_hist`: the same per token, a message's gap spread evenly over its k tokens (k entries of
+gap / k, as the gateway's inter-token latency metric counts it). A message that merges k
+tokens is one long gap but k short inter-token latencies: the two together show what merging
+does to latency.
 """
 
 from __future__ import annotations
@@ -28,14 +34,23 @@ async def _stream(
     start: float,
     end: float,
     seen: Counter,
+    gaps: Counter,
+    itls: Counter,
 ) -> None:
     while time.time() < end:
+        last = 0.0  # when this stream's previous token message came (0: none yet)
         try:
             async for msg in stub.Generate(request, timeout=max(1.0, end - time.time() + 30)):
                 now = time.time()
                 if msg.HasField("chunk") and start <= now < end:
-                    seen["tokens"] += len(msg.chunk.token_ids)
+                    num_tokens = len(msg.chunk.token_ids)
+                    seen["tokens"] += num_tokens
                     seen["messages"] += 1
+                    if last and num_tokens:
+                        gaps[int((now - last) * GAP_BUCKETS_PER_S)] += 1
+                        itls[int((now - last) / num_tokens * GAP_BUCKETS_PER_S)] += num_tokens
+                if msg.HasField("chunk"):
+                    last = now
                 elif msg.HasField("finished") and start <= now < end:
                     seen["requests"] += 1
                 if now >= end:
@@ -45,8 +60,13 @@ async def _stream(
             await asyncio.sleep(0.05)
 
 
-async def _run(args: argparse.Namespace) -> Counter:
+GAP_BUCKETS_PER_S = 10_000  # gap histogram resolution: 0.1 ms
+
+
+async def _run(args: argparse.Namespace) -> tuple[Counter, Counter, Counter]:
     seen: Counter = Counter()
+    gaps: Counter = Counter()
+    itls: Counter = Counter()
     request = gateway_pb2.GenerateRequest(
         token_ids=gateway_pb2.TokenIds(ids=list(range(10, 10 + args.prompt_len))),
         sampling=common_pb2.SamplingParams(
@@ -58,9 +78,12 @@ async def _run(args: argparse.Namespace) -> Counter:
     async with grpc.aio.insecure_channel(args.address) as channel:
         stub = gateway_pb2_grpc.GatewayStub(channel)
         await asyncio.gather(
-            *(_stream(stub, request, args.start, args.end, seen) for _ in range(args.streams))
+            *(
+                _stream(stub, request, args.start, args.end, seen, gaps, itls)
+                for _ in range(args.streams)
+            )
         )
-    return seen
+    return seen, gaps, itls
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -73,8 +96,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prompt-len", type=int, default=8)
     parser.add_argument("--stream-interval", type=int, default=0, help="0: the gateway's")
     args = parser.parse_args(argv)
-    seen = asyncio.run(_run(args))
-    print(json.dumps(dict(seen)), flush=True)
+    seen, gaps, itls = asyncio.run(_run(args))
+    print(json.dumps({**seen, "gap_hist": dict(gaps), "itl_hist": dict(itls)}), flush=True)
     return 0
 
 

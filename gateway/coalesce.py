@@ -11,9 +11,14 @@ Interval 1 passes every chunk through as it is (not copied). A chunk that alread
 `interval` tokens or more (a worker that batches its own messages) also goes through as it is
 when nothing of its sample is held. Tokens are never held past the end of the stream: `flush`
 hands on what is left, before the final message.
+
+`merge_deltas` is the other half, which needs no interval: the chunks that queued up while a
+stream's previous client write was in progress (`relay.py`) become one chunk per sample.
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 from splitserve.engine.errors import InvalidRequest
 from splitserve.protos.v1 import common_pb2
@@ -29,6 +34,28 @@ def check_stream_interval(interval: int, what: str = "stream_interval") -> int:
             f"{what} must be 1 to {MAX_STREAM_INTERVAL} tokens per message, got {interval}"
         )
     return interval
+
+
+def merge_deltas(chunks: Sequence[common_pb2.SampleDelta]) -> list[common_pb2.SampleDelta]:
+    """One delta per sample for `chunks` (received in this order): each sample's token ids,
+    text and logprobs joined in order, the samples in the order they first appear. A sample
+    with one chunk keeps that chunk (not copied); the inputs are never changed."""
+    if len(chunks) == 1:
+        return list(chunks)
+    merged: dict[int, list[common_pb2.SampleDelta]] = {}
+    for chunk in chunks:
+        merged.setdefault(chunk.index, []).append(chunk)
+    return [parts[0] if len(parts) == 1 else _joined(parts) for parts in merged.values()]
+
+
+def _joined(parts: list[common_pb2.SampleDelta]) -> common_pb2.SampleDelta:
+    joined = common_pb2.SampleDelta(index=parts[0].index)
+    for part in parts:
+        joined.token_ids.extend(part.token_ids)
+        if part.logprobs:
+            joined.logprobs.extend(part.logprobs)
+    joined.text = "".join(part.text for part in parts)
+    return joined
 
 
 class Coalescer:

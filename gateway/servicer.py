@@ -15,12 +15,13 @@ import grpc
 
 from splitserve.engine.errors import Overloaded
 from splitserve.engine.model_config import ModelConfig
-from splitserve.gateway.coalesce import Coalescer, check_stream_interval
+from splitserve.gateway.coalesce import Coalescer, check_stream_interval, merge_deltas
 from splitserve.gateway.key_limits import PerKeyInflight, PerKeyTokenRate
 from splitserve.gateway.limits import AdvertisedLimits, check_adapter, check_job, check_request
 from splitserve.gateway.lora_admin import AdapterAdmin
 from splitserve.gateway.observability import GatewayObserver
 from splitserve.gateway.orchestrator import Orchestrator
+from splitserve.gateway.relay import StreamReader
 from splitserve.gateway.replicas import SharedRequests
 from splitserve.gateway.requests import Claim, RequestTable
 from splitserve.gateway.validation import Job, validate_request
@@ -127,46 +128,39 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         self, job: Job, claim: Claim, context: grpc.aio.ServicerContext, interval: int
     ) -> AsyncIterator[gateway_pb2.GenerateResponse]:
         obs = self.observer.start(job, context)
-        # NOTE: a client that goes away cancels this task; the orchestrator then aborts the
+        # NOTE: a client that goes away cancels this task; closing the reader then aborts the
         # request on P and D before the stream ends. An Abort does the same through `claim`.
         responses = self.orchestrator.run(
             job, context.time_remaining(), lambda: not (context.done() or context.cancelled()), obs
         )
         rid, num_generated = claim.request_id, 0  # NOTE: the client's id, not the workers'
         coalescer = Coalescer(interval)
+        # NOTE: once we fall behind, a task reads ahead and what queued up goes out merged
+        reader = StreamReader(responses, claim)
         try:
-            while not claim.aborted:
-                # NOTE: the task that drives this stream now (the HTTP API may change it).
-                claim.task, claim.waiting = asyncio.current_task(), True
-                try:
-                    msg = await anext(responses)
-                except StopAsyncIteration:
-                    break
-                except asyncio.CancelledError:
-                    if not claim.absorb_cancel():
-                        raise
-                    break  # NOTE: aborted; the orchestrator has freed what it held
-                finally:
-                    claim.waiting = False
-                if msg.HasField("chunk"):
-                    num_generated += len(msg.chunk.token_ids)
+            # NOTE: an Abort stops the stream before its next message, as between two reads
+            while (batch := await reader.take()) and not claim.aborted:
+                # NOTE: a stream's `finished` is its last message: it can only end a batch
+                end = batch.pop() if batch[-1].HasField("finished") else None
+                for chunk in merge_deltas([msg.chunk for msg in batch]):
+                    num_generated += len(chunk.token_ids)
                     claim.generated = num_generated
-                    delta = coalescer.add(msg.chunk)
+                    delta = coalescer.add(chunk)
                     if delta is not None:
                         obs.on_chunk(len(delta.token_ids))
                         yield gateway_pb2.GenerateResponse(request_id=rid, chunk=delta)
-                else:
+                if end is not None:
                     for delta in coalescer.flush():
                         obs.on_chunk(len(delta.token_ids))
                         yield gateway_pb2.GenerateResponse(request_id=rid, chunk=delta)
                     claim.finished = True
                     done = gateway_pb2.Finished(
-                        samples=msg.finished.samples, usage=msg.finished.usage
+                        samples=end.finished.samples, usage=end.finished.usage
                     )
                     obs.on_finished(done)
                     yield gateway_pb2.GenerateResponse(request_id=rid, finished=done)
             if claim.aborted and not claim.finished:
-                await responses.aclose()  # NOTE: first: what the request holds is freed
+                await reader.close()  # NOTE: first: what the request holds is freed
                 for delta in coalescer.flush():  # NOTE: usage counts them: the client gets them
                     yield gateway_pb2.GenerateResponse(request_id=rid, chunk=delta)
                 claim.finished = True
@@ -179,7 +173,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         else:
             obs.end(None)
         finally:
-            await responses.aclose()  # NOTE: now (frees the route), not whenever the GC does
+            await reader.close()  # NOTE: now (frees the route), not whenever the GC does
 
     def _release_shared(self, claim: Claim) -> None:
         """Give the id back in Redis without holding up the stream's end."""

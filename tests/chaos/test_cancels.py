@@ -22,6 +22,10 @@ from tests.engine.hf_oracle import random_prompts
 pytestmark = pytest.mark.slow
 
 LONG = SamplingParams(temperature=0, max_tokens=120, ignore_eos=True)
+# NOTE: long enough that the original outlives three refused duplicates even when its client
+# reads nothing meanwhile: the gateway then merges its tokens into few messages, which no
+# longer wait on the client one by one.
+LONGER = SamplingParams(temperature=0, max_tokens=1000, ignore_eos=True)
 FREED_WITHIN_S = 0.1
 
 
@@ -89,12 +93,15 @@ def _final(responses) -> tuple[list[int], gateway_pb2.Finished | None]:
     return tokens, final
 
 
-def test_a_duplicate_id_is_refused_and_the_original_runs_on(stack, offline):
+def test_a_duplicate_id_is_refused_and_the_original_runs_on(stack, model_dir, offline):
     stub = gateway(stack)
     prompts, expected = offline
-    for i, (prompt, tokens) in enumerate(zip(prompts, expected, strict=True)):
+    llm = LLM(model_dir)
+    outs = llm.generate(prompts, LONGER, use_tqdm=False)
+    longer = [o.outputs[0].token_ids for o in outs]
+    for i, (prompt, tokens) in enumerate(zip(prompts, longer, strict=True)):
         rid = f"dup-{i}"
-        original = stream(stub, prompt, LONG, request_id=rid, timeout_s=60)
+        original = stream(stub, prompt, LONGER, request_id=rid, timeout_s=60)
         # Half: the original is already streaming; half: it was sent 0.1 s before (queued,
         # prefilling or just decoding: it has arrived and claimed its id in Redis, which under
         # a loaded machine took longer than 50 ms; which of two calls in flight at once came

@@ -148,7 +148,7 @@ def test_a_running_request_id_is_refused_by_another_gateway(stack, other):
     assert done.finished.usage.completion_tokens == GREEDY.max_tokens
 
 
-def test_stream_interval_sends_four_tokens_a_chunk_over_grpc_and_http(stack, model_dir):
+def test_stream_interval_sends_at_least_four_tokens_a_chunk_over_grpc_and_http(stack, model_dir):
     llm = LLM(model_dir)
     want = llm.generate([[7] * 12], GREEDY, use_tqdm=False)[0].outputs[0]
     request = gateway_pb2.GenerateRequest(
@@ -161,7 +161,8 @@ def test_stream_interval_sends_four_tokens_a_chunk_over_grpc_and_http(stack, mod
         if msg.HasField("chunk"):
             chunks.append(list(msg.chunk.token_ids))
     assert [t for c in chunks for t in c] == want.token_ids
-    assert all(len(c) == 4 for c in chunks), chunks
+    # At least four a message but the last: what queued up meanwhile goes out with them.
+    assert all(len(c) >= 4 for c in chunks[:-1]) and chunks[-1], chunks
 
     body = {"model": model_dir.name, "prompt": [7] * 12, "max_tokens": GREEDY.max_tokens,
             "temperature": 0, "ignore_eos": True, "stream": True, "stream_interval": 4}  # fmt: skip

@@ -1,0 +1,289 @@
+"""Merging what queued up on a stream into one client message (gateway/coalesce.py
+`merge_deltas`) and reading a worker stream ahead of the client writes (gateway/relay.py)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from splitserve.gateway.coalesce import Coalescer, merge_deltas
+from splitserve.gateway.relay import StreamReader
+from splitserve.gateway.requests import RequestTable
+from splitserve.protos.v1 import common_pb2, worker_pb2
+
+
+def _delta(index: int, ids: list[int], logprobs: bool = False) -> common_pb2.SampleDelta:
+    delta = common_pb2.SampleDelta(index=index, token_ids=ids, text="".join(f"<{i}>" for i in ids))
+    if logprobs:
+        for i in ids:
+            delta.logprobs.add(token_id=i, logprob=-i / 10)
+    return delta
+
+
+def test_merge_covers_every_field_a_sample_delta_has():
+    # A field added to SampleDelta must be merged too: this fails until merge_deltas knows it.
+    fields = {f.name for f in common_pb2.SampleDelta.DESCRIPTOR.fields}
+    assert fields == {"index", "token_ids", "text", "logprobs"}
+
+
+def test_one_chunk_is_passed_through_uncopied():
+    chunk = _delta(0, [1])
+    (out,) = merge_deltas([chunk])
+    assert out is chunk
+    assert merge_deltas([]) == []
+
+
+def test_a_samples_chunks_join_in_order_with_text_and_logprobs():
+    chunks = [_delta(0, [1], True), _delta(0, [2, 3], True), _delta(0, [4], True)]
+    (out,) = merge_deltas(chunks)
+    assert out.index == 0
+    assert list(out.token_ids) == [1, 2, 3, 4]
+    assert out.text == "<1><2><3><4>"
+    assert [(lp.token_id, lp.logprob) for lp in out.logprobs] == [
+        (i, pytest.approx(-i / 10)) for i in (1, 2, 3, 4)
+    ]
+    assert [list(c.token_ids) for c in chunks] == [[1], [2, 3], [4]]  # inputs unchanged
+
+
+def test_samples_stay_apart_in_the_order_they_first_appear():
+    chunks = [_delta(1, [10]), _delta(0, [20]), _delta(1, [11]), _delta(2, [30]), _delta(0, [21])]
+    out = merge_deltas(chunks)
+    assert [(d.index, list(d.token_ids)) for d in out] == [(1, [10, 11]), (0, [20, 21]), (2, [30])]
+    assert out[2] is chunks[3]  # a sample with one chunk keeps it
+
+
+def test_a_chunk_with_text_but_no_tokens_keeps_its_text():
+    tail = common_pb2.SampleDelta(index=0, text="!")
+    (out,) = merge_deltas([_delta(0, [5]), tail])
+    assert list(out.token_ids) == [5] and out.text == "<5>!"
+
+
+def test_merged_chunks_then_meet_the_stream_interval():
+    coalescer = Coalescer(4)
+    (first,) = merge_deltas([_delta(0, [1]), _delta(0, [2])])
+    assert coalescer.add(first) is None  # 2 < 4: held
+    (second,) = merge_deltas([_delta(0, [3]), _delta(0, [4]), _delta(0, [5])])
+    out = coalescer.add(second)
+    assert out is not None and list(out.token_ids) == [1, 2, 3, 4, 5]
+
+
+# --- StreamReader: driven by a plain async generator whose messages the test releases ---
+
+
+class _Feed:
+    """An async generator of DecodeResponses that yields each one only when `send` says."""
+
+    def __init__(self) -> None:
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.closed = False
+        self.cancelled = False
+
+    def send(self, item) -> None:
+        self.queue.put_nowait(item)
+
+    async def stream(self):
+        try:
+            while True:
+                item = await self.queue.get()
+                if item is None:
+                    return
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+        except asyncio.CancelledError:
+            self.cancelled = True
+            raise
+        finally:
+            self.closed = True
+
+
+def _chunk(i: int) -> worker_pb2.DecodeResponse:
+    return worker_pb2.DecodeResponse(chunk=_delta(0, [i]))
+
+
+def _finished() -> worker_pb2.DecodeResponse:
+    return worker_pb2.DecodeResponse(finished=worker_pb2.DecodeFinished())
+
+
+async def _settle() -> None:
+    """Let every ready task run until none has anything left to do now."""
+    for _ in range(20):
+        await asyncio.sleep(0)
+
+
+def _run(coro):
+    return asyncio.run(coro)
+
+
+def _reading_ahead(feed: _Feed, claim, **kwargs) -> StreamReader:
+    """A reader whose handler counts as behind from its second `take` on (a task then reads
+    ahead) and never holds for more than the one message it waits for anyway."""
+    kwargs = {"hold_after_s": 0, "hold_until": 1, **kwargs}
+    return StreamReader(feed.stream(), claim, **kwargs)
+
+
+def test_a_handler_that_keeps_up_reads_one_message_at_a_time_itself():
+    async def main():
+        feed = _Feed()
+        reader = StreamReader(feed.stream(), RequestTable().claim("r"), hold_after_s=3600)
+        for i in (1, 2, 3):
+            feed.send(_chunk(i))
+        feed.send(None)
+        batches = [[m.chunk.token_ids[0] for m in await reader.take()] for _ in range(4)]
+        assert batches == [[1], [2], [3], []]
+        await reader.close()
+        assert feed.closed
+
+    _run(main())
+
+
+def test_messages_that_arrive_while_the_handler_is_busy_come_in_one_take():
+    async def main():
+        feed = _Feed()
+        claim = RequestTable().claim("r")
+        reader = _reading_ahead(feed, claim)
+        feed.send(_chunk(1))
+        assert [m.chunk.token_ids[0] for m in await reader.take()] == [1]
+        for i in (2, 3, 4):  # the handler is "writing": the reader reads on
+            feed.send(_chunk(i))
+        await _settle()
+        assert [m.chunk.token_ids[0] for m in await reader.take()] == [2, 3, 4]
+        feed.send(_chunk(5))
+        feed.send(_finished())
+        feed.send(None)
+        await _settle()
+        batch = await reader.take()
+        assert [m.HasField("finished") for m in batch] == [False, True]
+        assert await reader.take() == []
+        await reader.close()
+        assert feed.closed
+
+    _run(main())
+
+
+def test_a_stream_error_comes_after_the_messages_read_before_it():
+    async def main():
+        feed = _Feed()
+        reader = _reading_ahead(feed, RequestTable().claim("r"))
+        feed.send(_chunk(0))
+        assert len(await reader.take()) == 1
+        feed.send(_chunk(1))
+        feed.send(RuntimeError("worker lost"))
+        await _settle()
+        assert len(await reader.take()) == 1
+        with pytest.raises(RuntimeError, match="worker lost"):
+            await reader.take()
+        await reader.close()
+
+    _run(main())
+
+
+def test_an_abort_while_the_reader_waits_cancels_the_stream_and_ends_the_takes():
+    async def main():
+        feed = _Feed()
+        table = RequestTable()
+        claim = table.claim("r")
+        reader = _reading_ahead(feed, claim)
+        feed.send(_chunk(0))
+        assert len(await reader.take()) == 1
+        feed.send(_chunk(1))
+        assert len(await reader.take()) == 1  # the reader task runs from here on
+        await _settle()
+        assert claim.waiting  # the reader waits on the worker: that is where the abort lands
+        assert table.abort("r")
+        assert await reader.take() == []
+        assert feed.cancelled and claim.aborted
+        await reader.close()
+
+    _run(main())
+
+
+def test_a_full_buffer_holds_the_reader_back_until_the_handler_takes():
+    async def main():
+        feed = _Feed()
+        reader = _reading_ahead(feed, RequestTable().claim("r"), max_pending=3)
+        feed.send(_chunk(0))
+        assert len(await reader.take()) == 1
+        for i in range(5):
+            feed.send(_chunk(i))
+        assert len(await reader.take()) == 3  # a reader task starts: three read, then it waits
+        await _settle()
+        assert feed.queue.qsize() == 0  # room again: the last two read
+        assert len(await reader.take()) == 2
+        for i in range(5):
+            feed.send(_chunk(i))
+        await _settle()
+        assert feed.queue.qsize() == 2  # three read, two left with the worker
+        assert len(await reader.take()) == 3
+        await _settle()
+        assert len(await reader.take()) == 2
+        await reader.close()
+
+    _run(main())
+
+
+def test_closing_mid_stream_cancels_the_read_and_closes_the_stream():
+    async def main():
+        feed = _Feed()
+        reader = _reading_ahead(feed, RequestTable().claim("r"))
+        feed.send(_chunk(0))
+        assert len(await reader.take()) == 1
+        feed.send(_chunk(1))
+        assert len(await reader.take()) == 1
+        await _settle()  # the reader task waits on the worker now
+        await reader.close()
+        assert feed.cancelled and feed.closed
+        await reader.close()  # a second close is harmless
+
+    _run(main())
+
+
+def test_a_handler_that_is_behind_waits_for_more_messages_to_write_as_one():
+    async def main():
+        feed = _Feed()
+        # hold_after_s=0: every take after the first counts as behind; no time limit in sight
+        reader = StreamReader(
+            feed.stream(), RequestTable().claim("r"), hold_after_s=0, hold_until=3,
+            min_hold_s=3600, max_hold_s=3600,
+        )  # fmt: skip
+        feed.send(_chunk(0))
+        assert len(await reader.take()) == 1  # the first message never waits
+        feed.send(_chunk(1))
+        assert len(await reader.take()) == 1  # behind, nothing waiting: a reader task starts
+        feed.send(_chunk(2))
+        await _settle()
+        held = asyncio.ensure_future(reader.take())
+        await _settle()
+        assert not held.done()  # behind, one message waiting: it waits for more
+        feed.send(_chunk(3))
+        feed.send(_chunk(4))
+        await _settle()
+        assert [m.chunk.token_ids[0] for m in await held] == [2, 3, 4]
+        feed.send(_chunk(5))
+        feed.send(None)  # the stream's end releases a held take with what it has
+        assert [m.chunk.token_ids[0] for m in await reader.take()] == [5]
+        assert await reader.take() == []
+        await reader.close()
+
+    _run(main())
+
+
+def test_a_held_take_waits_no_longer_than_its_limit():
+    async def main():
+        feed = _Feed()
+        reader = StreamReader(
+            feed.stream(), RequestTable().claim("r"), hold_after_s=0, hold_until=8, max_hold_s=0
+        )
+        feed.send(_chunk(0))
+        await reader.take()
+        feed.send(_chunk(1))
+        await reader.take()
+        feed.send(_chunk(2))
+        await _settle()
+        batch = await asyncio.wait_for(reader.take(), 30)  # the limit, not the stream, ends it
+        assert [m.chunk.token_ids[0] for m in batch] == [2]
+        await reader.close()
+        assert feed.cancelled
+
+    _run(main())
