@@ -22,6 +22,7 @@
 #   serving-step    one decode worker's serving step at batch 128 and 256 against offline
 #   serving-step-1gpu  the same with P and D sharing one GPU
 #   gc-freeze       one shared GPU, 128 streams: serving processes' heap frozen or not
+#   relay-merge     one gateway process's relay with a behind stream's messages merged or not
 #   structured      bench/structured.py (sampler step, batch 64, half constrained vs free)
 #   fp8             FP8 weights and KV cache: GEMV tiles, decode floor, throughput, accuracy
 #   fp8-profile     where an FP8 batch-1 decode step's time goes (graph replay, host, kernels)
@@ -139,6 +140,17 @@ for step in "$@"; do
           --timeout-s 300 --worker-args=--kv-cache-memory-bytes=38000000000 \
           --out "$OUT/gc_freeze_$f.json"
         grep -h "garbage collection\|steps, mean batch" "$OUT/gc_freeze_$f.log" | cut -c1-220
+      done ;;
+    relay-merge)
+      # One gateway process, one token per worker message, 512 streams: the relay with a behind
+      # stream's messages merged (the default) and without, fakes as fast as read and at a
+      # 10 ms step.
+      for step in 0 10; do
+        for m in 0 1; do
+          SPLITSERVE_RELAY_MERGE=$m run "relay_step${step}_merge$m" 8 python3 -m bench.relay \
+            --processes 1 --intervals 1 --streams 512 --clients 8 --fake-processes 4 \
+            --seconds 8 --step-ms "$step" --out "$OUT/relay_step${step}_merge$m.json"
+        done
       done ;;
     fp8-profile)
       run roofline_fp8_profile 60 python3 -m bench.decode_roofline --quantization fp8 --pdl on \
