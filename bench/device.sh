@@ -120,7 +120,7 @@ for step in "$@"; do
       run roofline_768 12 python3 -m bench.decode_roofline --batches 128 256 --context 768 \
         --pdl on --async-scheduling on --out "$OUT/roofline_768.json" ;;
     serving-step-1gpu)
-      # The same on one GPU shared by P and D (when only one is lent): the closed loop's waves
+      # The same on one GPU shared by P and D (a host with one GPU): the closed loop's waves
       # of fixed-length streams keep prefill to short bursts between 512-step decode runs.
       for c in 128 256; do
         run "serving_step_1gpu_$c" 20 python3 -m bench.serving --configs "1P+1D one GPU" \

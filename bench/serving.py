@@ -41,7 +41,7 @@ CONFIGS = {
     "1P+1D": (1, 1, ("cuda:1", "cuda:0")),
     "2 colocated": (0, 2, ("cuda:0", "cuda:1")),
     # one GPU shared by both workers (give each a KV budget: --worker-args
-    # --kv-cache-memory-bytes N): a decode worker's serving step where only one GPU is lent; a
+    # --kv-cache-memory-bytes N): a decode worker's serving step on a host with one GPU; a
     # closed loop of fixed lengths keeps prefill to the short bursts between waves of streams
     "1P+1D one GPU": (1, 1, ("cuda:0", "cuda:0")),
     # four GPUs
