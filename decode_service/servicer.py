@@ -143,4 +143,5 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
             kv_blocks_received=worker.num_blocks_received,
             num_reclaimed=worker.num_reclaimed,
             num_handoffs_sent=worker.handoffs.num_sent,
+            num_leases_rewritten=worker.num_leases_rewritten,
         )

@@ -65,6 +65,7 @@ class DecodeWorker:
         self._active: dict[str, tuple[int, tuple[int, ...]]] = {}
         self._active_lock = threading.Lock()
         self.num_reclaimed = 0
+        self.num_leases_rewritten = 0
         self.num_bytes_received = 0  # KV of admitted requests (pushes of others are dropped)
         self.num_blocks_received = 0
         self._background: set[asyncio.Future[bool]] = set()  # aborts of abandoned reservations
@@ -178,7 +179,10 @@ class DecodeWorker:
         """
         res = self.reservations.get(request_id)
         if res is None:
-            raise NotFound(f"no reservation for request {request_id!r}")
+            raise NotFound(
+                f"no reservation for request {request_id!r} (never made, aborted, or its lease "
+                "lapsed before this Decode)"
+            )
         num_bytes = num_blocks = 0
         num_kv_tokens: int | None = None
         if num_resumed_handed_off is not None:
@@ -214,6 +218,7 @@ class DecodeWorker:
                     self.settings.worker_id,
                     res.fence,
                     self.settings.lease_s,
+                    res.block_ids,  # NOTE: held here: a lapsed record is written again
                 ),
                 self.core.acall(
                     "admit",
@@ -228,6 +233,12 @@ class DecodeWorker:
             for result in results:
                 if isinstance(result, BaseException):
                     raise result
+            if results[0] is True:
+                self.num_leases_rewritten += 1
+                log.warning(
+                    "the lease of %s lapsed before its Decode came: record written again",
+                    quoted(request_id),
+                )
             with self._active_lock:
                 self._active[request_id] = (res.fence, tuple(res.block_ids))
             if on_admitted is not None:

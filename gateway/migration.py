@@ -27,6 +27,12 @@ the Reserve and the Decode, and D2 decodes on without recomputing anything; a ha
 fails falls back to the recompute above. `splitserve:stream_migrations_total{reason, kv}`
 counts each move, `kv` handed_off or recomputed.
 
+A Decode can also come after its reservation's lease lapsed (Reserve and Decode more than
+`--lease-s` apart on an overloaded host). The decode worker writes the record again if it still
+holds the blocks (`Registry.handoff`); if it took them back already, the Decode fails NOT_FOUND
+before any token, and the sample is reserved again (on any decode worker, that one too: it is not
+suspect) and its KV recomputed.
+
 A Prefill whose KV goes to a decode worker that goes silent the same way is cancelled and
 fails ABORTED, which the orchestrator retries with a fresh reservation. A worker that misses a
 deadline (a Reserve not answered in `reserve_timeout_s`, a stalled stream or prefill) is
@@ -93,6 +99,10 @@ class WorkerLost(Exception):
 # hands off (decode_service/worker.py, `DecodeWorker.move_streams`): it is not lost, so it is
 # not made suspect (it may serve as a decode worker again a moment later).
 ROLE_CHANGE = "changing role"
+# A Decode that found no reservation: its lease lapsed (and its worker took the blocks back)
+# before the Decode came, on a host too busy to keep within `--lease-s`. Nothing was streamed
+# from it: the sample is reserved again, on any decode worker, and its KV recomputed.
+LAPSED = "reservation lapsed"
 
 
 def _why_moved(err: BaseException) -> str:
@@ -100,6 +110,12 @@ def _why_moved(err: BaseException) -> str:
         return "stalled"
     details = err.details() if isinstance(err, grpc.RpcError) else ""  # type: ignore[attr-defined]
     return ROLE_CHANGE if ROLE_CHANGE in (details or "") else "unavailable"
+
+
+def is_reservation_lapsed(err: BaseException, num_messages: int) -> bool:
+    """Whether a Decode failed because its reservation was gone before it came (see LAPSED)."""
+    not_found = isinstance(err, grpc.RpcError) and err.code() == grpc.StatusCode.NOT_FOUND
+    return not_found and num_messages == 0
 
 
 def is_worker_lost(err: BaseException) -> bool:
@@ -214,6 +230,7 @@ class StreamMover:
         handed_off = False  # the resumed stream's KV was handed off into its reservation
         for moves in range(settings.max_migrations + 1):
             worker_request_id = route.worker_request_id or job.request_id
+            num_messages = 0
             try:
                 with obs.call(DECODE, route.decode) as call:
                     stream = orch.stubs.decode(route.decode.address).Decode(
@@ -236,19 +253,22 @@ class StreamMover:
                     )
                     on_gap = functools.partial(orch.paces.observe, worker_id)
                     async for msg in watched(stream, stall_s, is_live, on_gap):
+                        num_messages += 1
                         ledger.record(msg)
                         yield msg
                 return
             except (grpc.RpcError, WorkerLost) as err:
                 movable = job.params.n == 1 and not route.cancelled
-                if not (is_worker_lost(err) and movable and moves < settings.max_migrations):
+                lapsed = is_reservation_lapsed(err, num_messages)
+                lost = lapsed or is_worker_lost(err)
+                if not (lost and movable and moves < settings.max_migrations):
                     if isinstance(err, WorkerLost):
                         raise Unavailable(
                             f"decode worker {route.decode.worker_id}: {err}"
                         ) from None
                     raise
                 stream.cancel()  # NOTE: should the worker wake up, it frees the request
-                reason = _why_moved(err)
+                reason = LAPSED if lapsed else _why_moved(err)
                 resume = ledger.resume_from(0)
                 moved = _Moved(moves + 1, reason, kv_kept(err) if reason == ROLE_CHANGE else None)
                 handed_off = await self._move(job, route, resume, moved, deadline, obs, ledger)
@@ -270,19 +290,22 @@ class StreamMover:
         otherwise the new worker recomputes it)."""
         orch = self.orch
         lost, lost_id = route.decode, route.worker_request_id or job.request_id
-        if moved.reason != ROLE_CHANGE:
+        if moved.reason not in (ROLE_CHANGE, LAPSED):
             why = f"its Decode stream was lost ({moved.reason})"
             orch.suspects.mark(lost.worker_id, why, "stream")
         need = handoff_kv_tokens(len(job.prompt_token_ids), len(resume.output_token_ids))
         kept = moved.kv_kept is not None and 0 < need <= moved.kv_kept
         if not kept:
             self.abort_in_background(lost, lost_id)
-        # A killed worker's prefix index is gone with it: routing must stop preferring it.
-        await asyncio.to_thread(orch.registry.clear_prefix_blocks, lost.worker_id)
+        lapsed = moved.reason == LAPSED  # NOTE: its worker is well: it may be picked again
+        if not lapsed:
+            # A killed worker's prefix index is gone with it: routing must stop preferring it.
+            await asyncio.to_thread(orch.registry.clear_prefix_blocks, lost.worker_id)
         route.worker_request_id = f"{job.request_id}~{moved.move}"
         resumed = dataclasses.replace(job, request_id=route.worker_request_id)
         try:
-            picked = await orch._pick_decode(resumed, obs, exclude={lost.worker_id})
+            exclude = set() if lapsed else {lost.worker_id}
+            picked = await orch._pick_decode(resumed, obs, exclude=exclude)
             route.decode, _, route.prefix_blocks = picked
             orch._count(lost.worker_id, -1)
             orch._count(route.decode.worker_id, +1)
@@ -298,9 +321,10 @@ class StreamMover:
         if kept and not handed_off:
             self.abort_in_background(lost, lost_id)
         kv = HANDED_OFF if handed_off else RECOMPUTED
+        what = "its reservation lapsed on" if lapsed else "lost"
         log.warning(
-            "request %s: decode worker %s lost (%s) after %d tokens; resumed on %s (KV %s)",
-            job.request_id, lost.worker_id, moved.reason, ledger.num_tokens,
+            "request %s: decode worker %s %s (%s) after %d tokens; resumed on %s (KV %s)",
+            job.request_id, lost.worker_id, what, moved.reason, ledger.num_tokens,
             route.decode.worker_id, kv.replace("_", " "),
         )  # fmt: skip
         obs.migrated(lost, route.decode, moved.reason, ledger.num_tokens, kv)

@@ -313,19 +313,38 @@ class Registry(PrefixIndex, KVEndpoints, OwnRecords):
         )
         self._check("begin_write", request_id, fence, as_text(status), as_text(detail))
 
-    def handoff(self, request_id: str, decode_worker: str, fence: int, lease_s: float) -> None:
+    def handoff(
+        self,
+        request_id: str,
+        decode_worker: str,
+        fence: int,
+        lease_s: float,
+        held: Sequence[int] | None = None,
+    ) -> bool:
         """Make `decode_worker` (the worker that reserved the blocks) their owner.
 
         The owned record keeps a lease, which the decode worker renews while it decodes, so a
         crashed decode worker's record lapses too. Idempotent for the same owner and fence.
-        Raises StaleFenceError if the record is gone or carries another fence, and
-        RegistryError if `decode_worker` is not the worker that reserved the blocks.
+        `held`: the blocks, when the caller still holds its reservation of them (nothing freed
+        them: only their holder releases a record): a record whose lease lapsed meanwhile (a
+        host too busy to send the Decode within the lease) is then written again, owned, and
+        True is returned. Raises StaleFenceError if the record is gone (and not `held`) or
+        carries another fence, and RegistryError if `decode_worker` did not reserve the blocks.
         """
         status, detail = self._handoff(
             keys=[self._req_key(request_id), self._since_key()],
-            args=[decode_worker, int(fence), _ms(lease_s, "lease_s")],
+            args=[
+                decode_worker,
+                int(fence),
+                _ms(lease_s, "lease_s"),
+                "" if held is None else json.dumps(list(held)),
+            ],
         )
-        self._check("handoff", request_id, fence, as_text(status), as_text(detail))
+        status = as_text(status)
+        if status == "rewritten":
+            return True
+        self._check("handoff", request_id, fence, status, as_text(detail))
+        return False
 
     def renew(self, request_id: str, fence: int, lease_s: float) -> bool:
         """Extend the lease; False if the record is gone or carries another fence."""

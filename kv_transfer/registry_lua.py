@@ -58,9 +58,17 @@ redis.call('PEXPIRE', KEYS[1], ARGV[3])
 return {'ok', ''}
 """
 )
+# ARGV: owner, fence, lease_ms, blocks (JSON; '' unless the owner still holds them: a record
+# whose lease lapsed meanwhile is then written again, owned).
 HANDOFF = (
     """
 local cur = redis.call('HMGET', KEYS[1], 'fence', 'owner')
+if not cur[1] and ARGV[4] ~= '' then
+  redis.call('HSET', KEYS[1], 'state', 'owned', 'owner', ARGV[1], 'writer', '',
+             'fence', ARGV[2], 'blocks', ARGV[4])
+  redis.call('PEXPIRE', KEYS[1], ARGV[3])
+  return {'rewritten', ''}
+end
 if not cur[1] then """
     + LOST
     + """ end

@@ -208,7 +208,7 @@ class GetStatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerStats(_message.Message):
-    __slots__ = ("worker_id", "num_total_blocks", "num_free_blocks", "num_cached_blocks", "num_running", "num_waiting", "num_reservations", "kv_bytes_received", "kv_blocks_received", "kv_bytes_sent", "prefix_cache_hit_tokens", "num_reclaimed", "num_requests", "num_pinned_blocks", "block_size", "num_prefill_tokens", "num_handoffs_sent")
+    __slots__ = ("worker_id", "num_total_blocks", "num_free_blocks", "num_cached_blocks", "num_running", "num_waiting", "num_reservations", "kv_bytes_received", "kv_blocks_received", "kv_bytes_sent", "prefix_cache_hit_tokens", "num_reclaimed", "num_requests", "num_pinned_blocks", "block_size", "num_prefill_tokens", "num_handoffs_sent", "num_leases_rewritten")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_TOTAL_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     NUM_FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -226,6 +226,7 @@ class WorkerStats(_message.Message):
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     NUM_PREFILL_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NUM_HANDOFFS_SENT_FIELD_NUMBER: _ClassVar[int]
+    NUM_LEASES_REWRITTEN_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     num_total_blocks: int
     num_free_blocks: int
@@ -243,4 +244,5 @@ class WorkerStats(_message.Message):
     block_size: int
     num_prefill_tokens: int
     num_handoffs_sent: int
-    def __init__(self, worker_id: _Optional[str] = ..., num_total_blocks: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_cached_blocks: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_reservations: _Optional[int] = ..., kv_bytes_received: _Optional[int] = ..., kv_blocks_received: _Optional[int] = ..., kv_bytes_sent: _Optional[int] = ..., prefix_cache_hit_tokens: _Optional[int] = ..., num_reclaimed: _Optional[int] = ..., num_requests: _Optional[int] = ..., num_pinned_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., num_prefill_tokens: _Optional[int] = ..., num_handoffs_sent: _Optional[int] = ...) -> None: ...
+    num_leases_rewritten: int
+    def __init__(self, worker_id: _Optional[str] = ..., num_total_blocks: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_cached_blocks: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_reservations: _Optional[int] = ..., kv_bytes_received: _Optional[int] = ..., kv_blocks_received: _Optional[int] = ..., kv_bytes_sent: _Optional[int] = ..., prefix_cache_hit_tokens: _Optional[int] = ..., num_reclaimed: _Optional[int] = ..., num_requests: _Optional[int] = ..., num_pinned_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., num_prefill_tokens: _Optional[int] = ..., num_handoffs_sent: _Optional[int] = ..., num_leases_rewritten: _Optional[int] = ...) -> None: ...

@@ -13,6 +13,7 @@ import pytest
 
 from splitserve.client import collect, stream
 from splitserve.engine import LLM, SamplingParams
+from splitserve.kv_transfer.registry import Registry
 from splitserve.protos import convert
 from splitserve.protos.v1 import worker_pb2, worker_pb2_grpc
 from tests.e2e.harness import assert_nothing_leaks, gateway, running_stack, stats, workers
@@ -63,6 +64,71 @@ def test_unclaimed_reservation_is_reclaimed_when_its_lease_expires(stack):
     # Nobody prefills or decodes it: the 3 s lease runs out and the worker takes the blocks back.
     assert_nothing_leaks(stack, timeout_s=15)
     assert stats(decode).num_reclaimed >= 1
+
+
+def _reserve(stub, request_id: str, prompt: list[int]) -> None:
+    stub.Reserve(
+        worker_pb2.ReserveRequest(
+            request_id=request_id,
+            prompt_token_ids=prompt,
+            sampling=convert.sampling_to_proto(GREEDY),
+        ),
+        timeout=10,
+    )
+
+
+def _decode(stub, request_id: str) -> list[int]:
+    request = worker_pb2.DecodeRequest(
+        request_id=request_id, sampling=convert.sampling_to_proto(GREEDY)
+    )
+    replies = stub.Decode(request, timeout=60)
+    return [t for r in replies if r.HasField("chunk") for t in r.chunk.token_ids]
+
+
+def test_a_decode_that_comes_after_its_lease_lapsed_decodes_or_is_refused_cleanly(
+    stack, tiny_models
+):
+    """Reserve and Decode more than the lease apart (an overloaded host): the record is gone
+    from Redis. If the worker still holds the blocks it writes the record again and decodes;
+    once its housekeeping took them back, the Decode fails NOT_FOUND before any token (the
+    gateway then reserves again: gateway/migration.py). Nothing leaks either way."""
+    decode = next(w for w in workers(stack) if w.kind == "decode")
+    prompt = random_prompts([40], 400, seed=53)[0]
+    llm = LLM(tiny_models["llama"])
+    expected = llm.generate([prompt], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+    registry = Registry(stack.redis_url)
+    before = stats(decode)
+    rewritten = 0
+    with grpc.insecure_channel(decode.address) as channel:
+        stub = worker_pb2_grpc.DecodeWorkerStub(channel)
+        # NOTE: the worker's housekeeping may reclaim between the two calls (rarely: it runs
+        # every half second); the record rewritten must be seen at least once in a few tries.
+        for attempt in range(6):
+            _reserve(stub, f"late-{attempt}", prompt)
+            assert registry.release(f"late-{attempt}")  # as a lapse does, in Redis alone
+            try:
+                assert _decode(stub, f"late-{attempt}") == expected
+                rewritten += 1
+                break
+            except grpc.RpcError as err:
+                assert err.code() == grpc.StatusCode.NOT_FOUND, err
+        assert rewritten == 1
+        assert stats(decode).num_leases_rewritten == before.num_leases_rewritten + 1
+        assert registry.get_record(f"late-{attempt}") is None  # released when it finished
+
+        reclaimed = stats(decode).num_reclaimed
+        _reserve(stub, "reclaimed", prompt)
+        assert registry.release("reclaimed")
+        deadline = time.monotonic() + 10
+        while stats(decode).num_reclaimed == reclaimed:
+            assert time.monotonic() < deadline, "the lapsed reservation was never reclaimed"
+            time.sleep(0.05)
+        with pytest.raises(grpc.RpcError) as err:
+            _decode(stub, "reclaimed")
+        assert err.value.code() == grpc.StatusCode.NOT_FOUND
+        assert "lease" in err.value.details()
+    registry.close()
+    assert_nothing_leaks(stack, timeout_s=15)
 
 
 def _holds_blocks(worker) -> bool:

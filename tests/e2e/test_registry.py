@@ -173,6 +173,35 @@ def test_steps_on_a_missing_or_finished_record_are_refused(registry: Registry) -
         registry.handoff("r1", "d9", res.fence, LEASE_S)
 
 
+def test_a_holder_whose_reservation_lapsed_owns_it_again_at_handoff(registry: Registry) -> None:
+    """A decode worker that still holds the blocks when its Decode comes after the lease ran out
+    (an overloaded host) writes the record again, owned under its fence; without the blocks the
+    hand-off is refused as before, and a record another reserve holds is never overwritten."""
+    res = registry.reserve("late", "d0", [4, 5], lease_s=TTL_S)
+    time.sleep(TTL_S + 0.15)
+    assert registry.get_record("late") is None
+    with pytest.raises(StaleFenceError) as err:
+        registry.handoff("late", "d0", res.fence, LEASE_S)
+    assert err.value.reason == "missing"
+    assert registry.handoff("late", "d0", res.fence, LEASE_S, held=[4, 5]) is True
+    rec = registry.get_record("late")
+    assert rec is not None
+    assert (rec.state, rec.owner, rec.fence, rec.block_ids) == ("owned", "d0", res.fence, (4, 5))
+    assert rec.ttl_ms is not None and 0 < rec.ttl_ms <= 5000
+    # present: an ordinary (idempotent) hand-off
+    assert registry.handoff("late", "d0", res.fence, LEASE_S, held=[4, 5]) is False
+    assert registry.renew("late", res.fence, LEASE_S)
+
+    old = registry.reserve("taken", "d0", [1], lease_s=TTL_S)
+    time.sleep(TTL_S + 0.15)
+    new = registry.reserve("taken", "d1", [2], LEASE_S)
+    with pytest.raises(StaleFenceError) as err:
+        registry.handoff("taken", "d0", old.fence, LEASE_S, held=[1])
+    assert err.value.reason == "fence"
+    rec = registry.get_record("taken")
+    assert rec is not None and (rec.owner, rec.fence, rec.block_ids) == ("d1", new.fence, (2,))
+
+
 def test_lapsed_lease_makes_the_request_appear_in_expired_requests(registry: Registry) -> None:
     short = registry.reserve("dies", "d0", [1], lease_s=TTL_S)
     renewed = registry.reserve("renewed", "d0", [2], lease_s=TTL_S)
