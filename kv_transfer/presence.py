@@ -2,10 +2,10 @@
 one background thread, and a periodic housekeeping call on another (a housekeeping call that
 waits on a long engine step never delays a heartbeat).
 
-A draining worker `leave`s: it is out of the registry at once (so the gateway routes nothing
-new to it), while housekeeping (lease renewal, reclaiming) goes on until `stop`. A worker
-changing role only steps out of routing (`RolePresence.step_aside` in splitserve/role_switch.py):
-its heartbeats keep its KV endpoint, so that it is still a KV peer meanwhile.
+A draining worker (stopping, or changing role: splitserve/role_switch.py) `step_aside`s: it is
+out of routing at once (the gateway sends nothing new to it), but its heartbeats keep its KV
+endpoint, so that it is still a KV peer for the pushes it finishes, and housekeeping (lease
+renewal, reclaiming) goes on. It `leave`s the registry altogether at `stop`.
 
 A heartbeat that finds the advertisement gone (Redis restarted empty, or the worker was frozen
 past its TTL) registers again, KV endpoint included, and calls `on_rejoin` (e.g. to re-publish
@@ -88,6 +88,26 @@ class Presence:
                 self.registry.deregister_worker(self._kind, self._worker_id)
             except Exception:  # noqa: BLE001 - Redis may already be gone at shutdown
                 log.warning("could not deregister %s", self._worker_id)
+
+    def step_aside(self) -> None:
+        """Out of routing at once (the gateway sends nothing new here), but still a KV peer:
+        the KV endpoint stays, kept alive by the heartbeats, until `leave` (or `rejoin`).
+
+        NOTE: a worker that drains (to stop, or to change role) still pushes KV (the prefills
+        it finishes, the hand-offs of the streams it moves), and receivers take a push only
+        from a sender whose endpoint a live peer published (kv_transfer/nixl_vetting.py); a
+        prefill may still push into what was reserved here before. Without its endpoint, both
+        would be refused."""
+        with self._lock:
+            if self._left:
+                return
+            self._left = self._aside = True
+            if not self._worker_id:
+                return  # never registered
+            try:
+                self.registry.withdraw_worker(self._kind, self._worker_id)
+            except Exception:  # noqa: BLE001 - as `leave`: its record lapses after the TTL
+                log.warning("could not take %s out of routing", self._worker_id)
 
     def stop(self) -> None:
         """Leave the registry (if not yet done) and stop the background thread."""

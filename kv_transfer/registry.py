@@ -60,6 +60,7 @@ from splitserve.kv_transfer.registry_records import (
     as_bytes,
     as_text,
     check_compatible,
+    ms,
     worker_from_fields,
 )
 from splitserve.kv_transfer.registry_retry import Outage, call, retrying
@@ -77,12 +78,6 @@ __all__ = [
     "StaleFenceError",
     "WorkerInfo",
 ]
-
-
-def _ms(seconds: float, what: str) -> int:
-    if not math.isfinite(seconds) or seconds <= 0:
-        raise ValueError(f"{what} must be a finite number of seconds > 0, got {seconds!r}")
-    return max(1, math.ceil(seconds * 1000))
 
 
 PATIENT = ("register_worker", "kv_endpoint", "live_workers", "reserve", "begin_write", "handoff")
@@ -116,9 +111,7 @@ class Registry(PrefixIndex, KVEndpoints, OwnRecords):
         registry._setup(client, namespace, retry_s)
         return registry
 
-    def _setup(
-        self, client: redis.Redis, namespace: str, retry_s: float, secret: str = ""
-    ) -> None:
+    def _setup(self, client: redis.Redis, namespace: str, retry_s: float, secret: str = "") -> None:
         if not namespace:
             raise ValueError("namespace must be non-empty")
         if not math.isfinite(retry_s) or retry_s < 0:
@@ -178,11 +171,11 @@ class Registry(PrefixIndex, KVEndpoints, OwnRecords):
                 for other in self.live_workers(kind):
                     check_compatible(info, other)
         if kv_endpoint:
-            self._publish_endpoint(info.worker_id, kv_endpoint, _ms(ttl_s, "ttl_s"))
+            self._publish_endpoint(info.worker_id, kv_endpoint, ms(ttl_s, "ttl_s"))
         self._advertise(info, ttl_s)
 
     def _advertise(self, info: WorkerInfo, ttl_s: float) -> bool:
-        ttl_ms = _ms(ttl_s, "ttl_s")
+        ttl_ms = ms(ttl_s, "ttl_s")
         key = self._worker_key(info.kind, info.worker_id)
         endpoint_key = self._endpoint_key(info.worker_id)
         plain = {f.name: str(getattr(info, f.name)).encode() for f in fields(info)}
@@ -218,30 +211,6 @@ class Registry(PrefixIndex, KVEndpoints, OwnRecords):
         pipe.srem(self._worker_set(kind), worker_id)
         pipe.srem(self._peers_set(), worker_id)
         pipe.execute()
-
-    def withdraw_worker(self, kind: str, worker_id: str) -> None:
-        """Take a worker out of routing at once (nothing new is sent to it) while it stays a
-        KV peer: its KV endpoint is kept (`keep_endpoint` keeps it alive), so what it still
-        pushes is taken and what was reserved on it can still be pushed to."""
-        pipe = self._client.pipeline(transaction=True)
-        pipe.delete(self._worker_key(kind, worker_id))
-        pipe.srem(self._worker_set(kind), worker_id)
-        pipe.execute()
-
-    def keep_endpoint(
-        self, worker_id: str, ttl_s: float, kv_endpoint: Mapping[str, bytes] | None
-    ) -> None:
-        """Extend the TTL of a withdrawn worker's KV endpoint (published again if Redis lost
-        it): its heartbeat while it is out of routing."""
-        if not kv_endpoint:
-            return
-        ttl_ms = _ms(ttl_s, "ttl_s")
-        pipe = self._client.pipeline(transaction=True)
-        pipe.pexpire(self._endpoint_key(worker_id), ttl_ms)
-        pipe.sadd(self._peers_set(), worker_id)
-        kept, _ = pipe.execute()
-        if not kept:
-            self._publish_endpoint(worker_id, kv_endpoint, ttl_ms)
 
     def live_workers(self, kind: str) -> list[WorkerInfo]:
         """Workers of `kind` whose advertisement has not expired, sorted by id.
@@ -283,7 +252,7 @@ class Registry(PrefixIndex, KVEndpoints, OwnRecords):
         blocks = tuple(block_ids)
         if any(isinstance(b, bool) or not isinstance(b, int) or b < 0 for b in blocks):
             raise ValueError(f"block_ids must be ints >= 0, got {list(blocks)!r}")
-        lease_ms = _ms(lease_s, "lease_s")
+        lease_ms = ms(lease_s, "lease_s")
         key = self._req_key(request_id)
         # NOTE: one nonce for every attempt: a retry finds the record its own earlier attempt
         # made (whose reply was lost) instead of failing as a duplicate.
@@ -309,7 +278,7 @@ class Registry(PrefixIndex, KVEndpoints, OwnRecords):
             raise ValueError("prefill_worker must be non-empty")
         status, detail = self._begin_write(
             keys=[self._req_key(request_id), self._since_key()],
-            args=[prefill_worker, int(fence), _ms(lease_s, "lease_s")],
+            args=[prefill_worker, int(fence), ms(lease_s, "lease_s")],
         )
         self._check("begin_write", request_id, fence, as_text(status), as_text(detail))
 
@@ -336,7 +305,7 @@ class Registry(PrefixIndex, KVEndpoints, OwnRecords):
             args=[
                 decode_worker,
                 int(fence),
-                _ms(lease_s, "lease_s"),
+                ms(lease_s, "lease_s"),
                 "" if held is None else json.dumps(list(held)),
             ],
         )
@@ -349,7 +318,7 @@ class Registry(PrefixIndex, KVEndpoints, OwnRecords):
     def renew(self, request_id: str, fence: int, lease_s: float) -> bool:
         """Extend the lease; False if the record is gone or carries another fence."""
         renewed = self._renew(
-            keys=[self._req_key(request_id)], args=[int(fence), _ms(lease_s, "lease_s")]
+            keys=[self._req_key(request_id)], args=[int(fence), ms(lease_s, "lease_s")]
         )
         return bool(renewed)
 
@@ -402,7 +371,7 @@ class Registry(PrefixIndex, KVEndpoints, OwnRecords):
         was released or whose lease lapsed), each with a fresh lease. `after` is the mark this
         returned last time (0 at first): nothing is done while it is current. Returns the
         current mark and how many records were re-published."""
-        args: list[str | int] = [_ms(lease_s, "lease_s"), int(after)]
+        args: list[str | int] = [ms(lease_s, "lease_s"), int(after)]
         keys = [self._since_key()]
         for r in records:
             args += [r.state, r.owner, int(r.fence), json.dumps(list(r.block_ids))]

@@ -13,7 +13,7 @@ from typing import Any
 
 import redis
 
-from splitserve.kv_transfer.registry_records import WORKER_KINDS, as_bytes, as_text
+from splitserve.kv_transfer.registry_records import WORKER_KINDS, as_bytes, as_text, ms
 from splitserve.kv_transfer.registry_seal import Seal
 
 
@@ -78,3 +78,27 @@ class KVEndpoints:
             if endpoint is not None and field in endpoint:
                 values.add(endpoint[field])
         return values
+
+    def withdraw_worker(self, kind: str, worker_id: str) -> None:
+        """Take a worker out of routing at once (nothing new is sent to it) while it stays a
+        KV peer: its KV endpoint is kept (`keep_endpoint` keeps it alive), so what it still
+        pushes is taken and what was reserved on it can still be pushed to."""
+        pipe = self._client.pipeline(transaction=True)
+        pipe.delete(self._worker_key(kind, worker_id))
+        pipe.srem(self._worker_set(kind), worker_id)
+        pipe.execute()
+
+    def keep_endpoint(
+        self, worker_id: str, ttl_s: float, kv_endpoint: Mapping[str, bytes] | None
+    ) -> None:
+        """Extend the TTL of a withdrawn worker's KV endpoint (published again if Redis lost
+        it): its heartbeat while it is out of routing."""
+        if not kv_endpoint:
+            return
+        ttl_ms = ms(ttl_s, "ttl_s")
+        pipe = self._client.pipeline(transaction=True)
+        pipe.pexpire(self._endpoint_key(worker_id), ttl_ms)
+        pipe.sadd(self._peers_set(), worker_id)
+        kept, _ = pipe.execute()
+        if not kept:
+            self._publish_endpoint(worker_id, kv_endpoint, ttl_ms)

@@ -4,6 +4,7 @@ errors of its steps (see `registry.py` for the life cycle)."""
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -156,3 +157,10 @@ class BlockRecord:
     fence: int
     block_ids: tuple[int, ...]
     ttl_ms: int | None
+
+
+def ms(seconds: float, what: str) -> int:
+    """`seconds` as whole milliseconds (at least 1) for Redis; ValueError unless finite, > 0."""
+    if not math.isfinite(seconds) or seconds <= 0:
+        raise ValueError(f"{what} must be a finite number of seconds > 0, got {seconds!r}")
+    return max(1, math.ceil(seconds * 1000))

@@ -168,27 +168,8 @@ class RoleSwitch:
 
 
 class RolePresence(Presence):
-    """A worker's presence that can step out of routing while it changes role, and join again
-    under another kind."""
-
-    def step_aside(self) -> None:
-        """Out of routing at once (the gateway sends nothing new here), but still a KV peer:
-        the KV endpoint stays, kept alive by the heartbeats, until `rejoin` or `leave`.
-
-        NOTE: a worker changing role still pushes KV (the hand-offs of the streams it moves,
-        the prefills it drains), and receivers take a push only from a sender whose endpoint a
-        live peer published (kv_transfer/nixl_vetting.py); a prefill may still push into what
-        was reserved here before. Without its endpoint, both would be refused."""
-        with self._lock:
-            if self._left:
-                return
-            self._left = self._aside = True
-            if not self._worker_id:
-                return  # never registered
-            try:
-                self.registry.withdraw_worker(self._kind, self._worker_id)
-            except Exception:  # noqa: BLE001 - as `leave`: its record lapses after the TTL
-                log.warning("could not take %s out of routing", self._worker_id)
+    """A worker's presence that steps out of routing while it changes role (`step_aside`), and
+    joins again under another kind."""
 
     def rejoin(self, kind: str) -> None:
         """Register under `kind` (its new role); heartbeats resume. A worker that can't serve

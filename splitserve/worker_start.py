@@ -179,7 +179,7 @@ def start_worker(
         metrics.close()
         pauses.log_summary()
 
-    leave = served.presence.leave
+    leave = served.presence.step_aside  # NOTE: a KV peer until it stops (kv_transfer/presence.py)
     return Running(
         opened.server, opened.address, opened.lifecycle, metrics, stop, leave, served.worker
     )

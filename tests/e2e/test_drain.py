@@ -15,6 +15,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from splitserve.client import collect, stream
 from splitserve.engine import SamplingParams
+from splitserve.kv_transfer.registry import Registry
 from splitserve.protos import convert
 from splitserve.protos.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from splitserve.up import StackSettings, start_stack, wait_ready
@@ -132,6 +133,10 @@ def test_sigterm_to_a_decode_worker_finishes_its_request_then_exits_0(started):
         "draining",
     )
     assert "decode-0" not in {w.worker_id for w in workers(stack)}, "still routable"
+    # NOTE: still a KV peer while it drains: a push it makes or takes (a prefill into what was
+    # reserved here) is vouched for by its endpoint (kv_transfer/presence.py)
+    registry = Registry(stack.redis_url)
+    assert registry.kv_endpoint("decode-0") is not None
     # A new request goes to the other decode worker meanwhile.
     other = collect(stream(gateway(stack), [7] * 10, SamplingParams(max_tokens=4), timeout_s=60))
     assert len(other.token_ids[0]) == 4
@@ -140,6 +145,8 @@ def test_sigterm_to_a_decode_worker_finishes_its_request_then_exits_0(started):
     assert finished.usage.completion_tokens == LONG.max_tokens
     assert proc.wait(timeout=30) == 0
     stack.processes.remove(proc)
+    assert registry.kv_endpoint("decode-0") is None  # it left for good when it stopped
+    registry.close()
     assert_nothing_leaks(stack)
 
 
