@@ -44,14 +44,26 @@ def back_to_back(engine, steps: int) -> float:
     return (time.perf_counter() - start) / steps
 
 
-def decode_step_times(engine, batch: int, context: int, steps: int) -> list[float]:
-    """Seconds per decode step. A synchronous engine's steps are each timed between two
-    device syncs. With overlapped steps a call returns while its step still runs, so the
-    figure is the steady-state period instead: `steps` back-to-back calls (after two that fill
-    the pipeline) and a final sync, divided by `steps`."""
+def _mean_tokens(engine) -> float:
+    running = engine.scheduler.running
+    return sum(s.num_tokens for s in running) / max(1, len(running))
+
+
+def decode_step_times(engine, batch: int, context: int, steps: int) -> tuple[list[float], float]:
+    """Seconds per decode step, and the mean tokens per sequence while they were timed. A
+    synchronous engine's steps are each timed between two device syncs. With overlapped steps
+    a call returns while its step still runs, so the figure is the steady-state period
+    instead: `steps` back-to-back calls (after two that fill the pipeline) and a final sync,
+    divided by `steps`.
+
+    NOTE: chunked prefill admits the sequences a chunk at a time and the first ones decode
+    while the rest prefill (a large batch takes batch * context / 2048 steps to fill), so
+    each may run to the model's length, and the batch is checked whole when timed: a step
+    timed after some finished would be a smaller batch's."""
     from splitserve.engine import SamplingParams
 
-    params = SamplingParams(temperature=0, max_tokens=steps + 8, ignore_eos=True)
+    room = engine.max_model_len - context
+    params = SamplingParams(temperature=0, max_tokens=room, ignore_eos=True)
     for i in range(batch):
         engine.add_request([10 + (i + j) % 5000 for j in range(context)], params)
     while (
@@ -59,6 +71,7 @@ def decode_step_times(engine, batch: int, context: int, steps: int) -> list[floa
         or engine.scheduler.waiting
     ):
         engine.step()  # prefill
+    before = _mean_tokens(engine)
     times = []
     if engine.overlap:
         engine.step()
@@ -70,9 +83,16 @@ def decode_step_times(engine, batch: int, context: int, steps: int) -> list[floa
         engine.step()
         sync()
         times.append(time.perf_counter() - start)
+    running = len(engine.scheduler.running)
+    mean_tokens = (before + _mean_tokens(engine)) / 2
     for seq in list(engine.scheduler.running):
         engine.abort_request(seq.request_id)
-    return times
+    if running != batch:
+        raise SystemExit(
+            f"batch {batch}: only {running} sequences still ran when timed (the KV pool, or "
+            "--max-model-len: the first ones decode while the rest prefill); raise it"
+        )
+    return times, mean_tokens
 
 
 def profile_steps(engine, batch: int, context: int, steps: int = 10) -> str:
@@ -219,8 +239,8 @@ def main() -> None:
             kv_elem = 1 if args.kv_cache_dtype == "fp8" else 2
             kv_per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * kv_elem
             for batch in args.batches:
-                times = decode_step_times(engine, batch, args.context, args.steps)
-                kv_bytes = batch * (args.context + args.steps // 2) * kv_per_token
+                times, mean_tokens = decode_step_times(engine, batch, args.context, args.steps)
+                kv_bytes = batch * mean_tokens * kv_per_token
                 rows.append(
                     {
                         "batch": batch,
@@ -231,6 +251,7 @@ def main() -> None:
                         "bytes": weight_bytes + kv_bytes,
                         "weights GB": weight_bytes / 1e9,
                         "KV MB": kv_bytes / 1e6,
+                        "mean context": round(mean_tokens),
                     }
                 )
     # NOTE: the bandwidth is measured before and after; the higher one sets the (lower) floor.

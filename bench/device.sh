@@ -21,6 +21,7 @@
 #   serving4        bench/serving.py on four GPUs, 1P+3D: before/after the engine core process
 #   serving-step    one decode worker's serving step at batch 128 and 256 against offline
 #   serving-step-1gpu  the same with P and D sharing one GPU
+#   serving-step-colocated  the same with one colocated worker on one GPU (its own prefills only)
 #   gc-freeze       one shared GPU, 128 streams: serving processes' heap frozen or not
 #   relay-merge     one gateway process's relay with a behind stream's messages merged or not
 #   structured      bench/structured.py (sampler step, batch 64, half constrained vs free)
@@ -127,6 +128,17 @@ for step in "$@"; do
           --label "c$c" --workloads 512/512@$((c / 4)) --duration-s 12 --concurrency "$c" \
           --client-processes 8 --timeout-s 300 --worker-args=--kv-cache-memory-bytes=38000000000 \
           --out "$OUT/serving_step_1gpu_$c.json"
+      done
+      run roofline_768 12 python3 -m bench.decode_roofline --batches 128 256 --context 768 \
+        --pdl on --async-scheduling on --out "$OUT/roofline_768.json" ;;
+    serving-step-colocated)
+      # One GPU, one colocated worker, closed loop of 512/512 waves: between waves it prefills
+      # (its own steps, outside the median), then decodes at the full batch; its median step
+      # against the offline step at the same batch and mean context.
+      for c in 128 256; do
+        run "serving_step_colocated_$c" 24 python3 -m bench.serving --configs "1 colocated" \
+          --label "c$c" --workloads 512/512@$((c / 4)) --duration-s 8 --concurrency "$c" \
+          --client-processes 8 --timeout-s 300 --out "$OUT/serving_step_colocated_$c.json"
       done
       run roofline_768 12 python3 -m bench.decode_roofline --batches 128 256 --context 768 \
         --pdl on --async-scheduling on --out "$OUT/roofline_768.json" ;;

@@ -44,6 +44,9 @@ CONFIGS = {
     # --kv-cache-memory-bytes N): a decode worker's serving step on a host with one GPU; a
     # closed loop of fixed lengths keeps prefill to the short bursts between waves of streams
     "1P+1D one GPU": (1, 1, ("cuda:0", "cuda:0")),
+    # one colocated worker: a decode worker's serving path (front, engine core process, the
+    # gateway's relay) with its own prefills as the only other steps (the closed loop's waves)
+    "1 colocated": (0, 1, ("cuda:0",)),
     # four GPUs
     "1P+3D": (1, 3, ("cuda:1", "cuda:2", "cuda:3", "cuda:0")),
     "2P+2D": (2, 2, ("cuda:2", "cuda:3", "cuda:0", "cuda:1")),

@@ -143,9 +143,6 @@ class Registry(PrefixIndex, KVEndpoints, OwnRecords):
 
     # -- keys ---------------------------------------------------------------------------------
 
-    def _worker_key(self, kind: str, worker_id: str) -> str:
-        return f"{self._ns}:worker:{kind}:{worker_id}"
-
     def _req_key(self, request_id: str) -> str:
         if not request_id:
             raise ValueError("request_id must be non-empty")

@@ -29,6 +29,9 @@ class KVEndpoints:
     def _endpoint_key(self, worker_id: str) -> str:
         return f"{self._ns}:kv_endpoint:{worker_id}"
 
+    def _worker_key(self, kind: str, worker_id: str) -> str:
+        return f"{self._ns}:worker:{kind}:{worker_id}"
+
     def _worker_set(self, kind: str) -> str:
         return f"{self._ns}:workers:{kind}"
 
