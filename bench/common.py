@@ -101,6 +101,25 @@ def copy_bandwidth(num_bytes: int = 1 << 30) -> float:
     return 2 * num_bytes / seconds
 
 
+def decode_room(engine: Any, context: int) -> int:
+    """Tokens a sequence of `context` tokens may decode: all the room the engine has. Chunked
+    prefill lets the first sequences of a batch decode while the rest prefill (a large batch
+    takes batch * context / 2048 steps to fill): a shorter budget ends some of them before the
+    batch is timed (`check_whole_batch`)."""
+    return int(engine.max_model_len) - context
+
+
+def check_whole_batch(engine: Any, batch: int) -> None:
+    """Stop the benchmark unless all `batch` sequences still run: a step timed after some
+    finished (or were preempted) is a smaller batch's."""
+    running = len(engine.scheduler.running)
+    if running != batch:
+        raise SystemExit(
+            f"batch {batch}: only {running} sequences ran when timed (their token budget, the "
+            "KV pool or the model's length ran out); raise --max-model-len or the pool"
+        )
+
+
 def write_results(path: str | Path, results: dict[str, Any]) -> None:
     out = Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -24,7 +24,16 @@ from pathlib import Path
 
 import torch
 
-from bench.common import SHAPES, device_name, model_dir, sync, table, write_results
+from bench.common import (
+    SHAPES,
+    check_whole_batch,
+    decode_room,
+    device_name,
+    model_dir,
+    sync,
+    table,
+    write_results,
+)
 from bench.kernels import copy_bandwidth
 
 
@@ -59,14 +68,14 @@ def decode_step_times(engine, batch: int, context: int, steps: int) -> tuple[lis
     NOTE: chunked prefill admits the sequences a chunk at a time and the first ones decode
     while the rest prefill (a large batch takes batch * context / 2048 steps to fill), so
     each may run to the model's length, and the batch is checked whole when timed: a step
-    timed after some finished would be a smaller batch's."""
+    timed after some finished would be a smaller batch's (bench.common.decode_room)."""
     from splitserve.engine import SamplingParams
 
-    room = engine.max_model_len - context
-    params = SamplingParams(temperature=0, max_tokens=room, ignore_eos=True)
+    params = SamplingParams(temperature=0, max_tokens=decode_room(engine, context), ignore_eos=True)
+    span = min(5000, engine.model_config.vocab_size - 10)
     for i in range(batch):
         # NOTE: prompts of their own per batch size: none is a prefix-cache hit
-        engine.add_request([10 + (batch * 131 + i + j) % 5000 for j in range(context)], params)
+        engine.add_request([10 + (batch * 131 + i + j) % span for j in range(context)], params)
     while (
         any(s.num_computed_tokens < s.num_tokens - 1 for s in engine.scheduler.running)
         or engine.scheduler.waiting
@@ -84,7 +93,7 @@ def decode_step_times(engine, batch: int, context: int, steps: int) -> tuple[lis
         engine.step()
         sync()
         times.append(time.perf_counter() - start)
-    running = len(engine.scheduler.running)
+    check_whole_batch(engine, batch)
     mean_tokens = (before + _mean_tokens(engine)) / 2
     for seq in list(engine.scheduler.running):
         engine.abort_request(seq.request_id)
@@ -93,11 +102,6 @@ def decode_step_times(engine, batch: int, context: int, steps: int) -> tuple[lis
     # where they take 14.2 alone
     while engine.has_unfinished_requests():
         engine.step()
-    if running != batch:
-        raise SystemExit(
-            f"batch {batch}: only {running} sequences still ran when timed (the KV pool, or "
-            "--max-model-len: the first ones decode while the rest prefill); raise it"
-        )
     return times, mean_tokens
 
 

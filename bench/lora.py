@@ -28,7 +28,15 @@ from typing import Any
 
 import torch
 
-from bench.common import device_name, model_dir, sync, table, write_results
+from bench.common import (
+    check_whole_batch,
+    decode_room,
+    device_name,
+    model_dir,
+    sync,
+    table,
+    write_results,
+)
 
 
 def random_adapter(name: str, engine: Any, rank: int, seed: int) -> Any:
@@ -69,7 +77,7 @@ def _finish(engine: Any) -> None:
 def decode_tokens_per_s(engine: Any, names: list[str | None], context: int, steps: int) -> float:
     from splitserve.engine import SamplingParams
 
-    params = SamplingParams(temperature=0, max_tokens=steps + 16, ignore_eos=True)
+    params = SamplingParams(temperature=0, max_tokens=decode_room(engine, context), ignore_eos=True)
     vocab = engine.model_config.vocab_size
     for i, name in enumerate(names):
         prompt = [(10 + 7 * i + j) % (vocab - 10) + 5 for j in range(context)]
@@ -86,6 +94,7 @@ def decode_tokens_per_s(engine: Any, names: list[str | None], context: int, step
         engine.step()
     sync()
     seconds = (time.perf_counter() - start) / steps
+    check_whole_batch(engine, len(names))
     _finish(engine)
     return len(names) / seconds
 
@@ -141,7 +150,10 @@ def main() -> None:
     if args.smoke:
         args.batch, args.context, args.prompt_len, args.steps = 8, 24, 24, 3
         counts = [1, 2, 4]
-    max_len = max(args.context, args.prompt_len) + args.steps + 64
+    # NOTE: + the tokens the first rows decode while the rest prefill (bench.common.decode_room)
+    max_len = (
+        max(args.context, args.prompt_len) + args.steps + 64 + args.batch * args.context // 2048
+    )
     with tempfile.TemporaryDirectory() as tmp:
         if args.smoke:
             from splitserve.testing.tiny_model import make_tiny_model

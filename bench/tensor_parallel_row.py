@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from bench.common import device_name, sync
+from bench.common import check_whole_batch, decode_room, device_name, sync
 from splitserve.engine.parallel.peer_all_reduce import DEFAULT_MAX_BYTES
 
 RESULT_PREFIX = "@@ "
@@ -81,7 +81,7 @@ def decode_step(engine, batch: int, context: int, steps: int) -> float:
     """Median seconds of an engine step while `batch` sequences of `context` tokens decode."""
     from splitserve.engine import SamplingParams
 
-    params = SamplingParams(temperature=0, max_tokens=steps + 8, ignore_eos=True)
+    params = SamplingParams(temperature=0, max_tokens=decode_room(engine, context), ignore_eos=True)
     gen = torch.Generator().manual_seed(batch)
     for _ in range(batch):
         engine.add_request(random_prompt(context, engine.model_config.vocab_size, gen), params)
@@ -98,6 +98,7 @@ def decode_step(engine, batch: int, context: int, steps: int) -> float:
         engine.step()
         sync()
         times.append(time.perf_counter() - start)
+    check_whole_batch(engine, batch)
     for seq in list(engine.scheduler.running):
         engine.abort_request(seq.request_id)
     engine.housekeeping()
@@ -138,7 +139,10 @@ def run(spec: dict) -> None:
         # rows differ in degree and graphs only.
         async_scheduling=False,
         enable_prefix_caching=False,
-        max_model_len=max(lengths[-1], spec["context"] + spec["steps"] + 16) + 16,
+        # NOTE: room for what the first rows decode while the rest prefill (bench.common)
+        max_model_len=max(lengths[-1], spec["context"] + spec["steps"] + 16)
+        + 16
+        + max(batches) * spec["context"] // max(lengths[-1], max(batches)),
         max_num_batched_tokens=max(lengths[-1], max(batches)),
         max_num_seqs=max(batches),
         num_kv_blocks=spec["num_kv_blocks"],
