@@ -69,6 +69,10 @@ class Presence:
         self._stalled = False
 
     def start(self) -> Presence:
+        """Register and start heartbeating (nothing, if it left before it started: its worker
+        died while starting)."""
+        if self._left:
+            return self
         first = self.info()
         self._kind, self._worker_id = first.kind, first.worker_id
         self.registry.register_worker(first, self.ttl_s, self.kv_endpoint)

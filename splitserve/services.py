@@ -61,7 +61,7 @@ def start_decode(
             stats = loaded.watch.latest()
             return worker_info(kind, service.worker_id, opened.address, stats, offered, limits)
 
-        presence = decode_presence(Presence, loaded, info, worker, decode).start()
+        presence = decode_presence(Presence, loaded, info, worker, decode)
         return serving_decode(decode, presence, decode)
 
     add = worker_pb2_grpc.add_DecodeWorkerServicer_to_server
@@ -104,15 +104,15 @@ def start_prefill(
                 "prefill", service.worker_id, opened.address, stats, senders.names, limits
             )
 
-        # NOTE: Prefill is refused until `set_serving`, after `start` wrote this record: a
-        # decode worker that reads the registry on a sender's first push finds its name.
+        # NOTE: routed only once `start` wrote this record, endpoint first: a decode worker that
+        # reads the registry on a sender's first push finds its name.
         presence = Presence(
             loaded.registry,
             info,
             ttl_s=worker.heartbeat_ttl_s,
             interval_s=worker.heartbeat_ttl_s / 6,
             kv_endpoint=senders.endpoint(),
-        ).start()
+        )
         return Served(prefill, presence, close=(servicer.close,))
 
     add = worker_pb2_grpc.add_PrefillWorkerServicer_to_server

@@ -81,7 +81,6 @@ def start_switchable(
             )
 
         presence = decode_presence(RolePresence, loaded, info, worker, decode)
-        presence.start()
         switch.presence = presence
         return serving_decode(switch, presence, decode, close=(prefill_servicer.close,))
 

@@ -43,8 +43,9 @@ P = TypeVar("P", bound=Presence)
 
 @dataclass(frozen=True)
 class Served:
-    """What a role's wiring built: `worker` (`Running.worker`), its heartbeat (started), and
-    what its stop and drain add to the common ones."""
+    """What a role's wiring built: `worker` (`Running.worker`), its heartbeat (not started:
+    `start_worker` starts it once the worker serves), and what its stop and drain add to the
+    common ones."""
 
     worker: object
     presence: Presence
@@ -132,8 +133,9 @@ def start_worker(
 ) -> Running:
     """A worker serving `specs`: its server opened (NOT_SERVING), its engine core (`role`)
     loaded (the model's tokenizer in the front if it `detokenizes` streams), then `wire` builds
-    and binds the role's parts and starts its heartbeat, and it turns SERVING. Anything failing
-    on the way stops the core and closes the server."""
+    and binds the role's parts, it turns SERVING, and then its heartbeat starts: it joins the
+    registry (so the gateway routes to it) only once it serves. Anything failing on the way
+    stops the core and closes the server."""
     opened = open_service(
         service,
         specs,
@@ -164,6 +166,14 @@ def start_worker(
         opened.lifecycle.also_wait_for(served.pending)
     pauses = settle(f"{role} worker")
     opened.lifecycle.set_serving()
+    try:
+        # NOTE: after SERVING: a worker the gateway finds in the registry takes its calls (one
+        # that answered "loading" was once taken for a dead prefill worker)
+        served.presence.start()
+    except BaseException:
+        core.stop()
+        opened.close()
+        raise
     engine_core = core
 
     def stop() -> None:
