@@ -117,8 +117,14 @@ def test_a_frozen_decode_worker_under_load_costs_seconds_with_default_deadlines(
     short = _greedy(4)
     expected = _offline(llm, prompts, long)
     expected_fresh = _offline(llm, fresh, short)
+    # NOTE: room on one decode worker for every stream at full length (24 x ~1070 tokens): with
+    # the harness's 400 blocks the survivor preempts, and a preempted stream is silent until
+    # room frees, which is capacity, not the failover this test times.
+    room = ("--num-kv-blocks", "2048")
     with (
-        running_stack(tiny_models["llama"], prefill=2, decode=2, metrics=True) as stack,
+        running_stack(
+            tiny_models["llama"], prefill=2, decode=2, worker_args=room, metrics=True
+        ) as stack,
         ThreadPoolExecutor(32) as pool,
     ):
         futures: list[Future[Timed]] = [
