@@ -157,6 +157,9 @@ def _send(
     # NOTE: the call's own timeout only bounds it: the paced deadline (at most CAP_FACTOR times
     # the floor) is kept by `hedged_reserve`, which cancels the call when it passes.
     longest = CAP_FACTOR * orch.settings.failover.reserve_timeout_s
+    # NOTE: the worker's own pace, for a gateway that has not waited on it yet (runtime/pace.py)
+    orch.paces.advertise(worker.worker_id, worker.pace_ms / 1000)
+    orch.reserve_paces.advertise(worker.worker_id, worker.pace_ms / 1000)
 
     async def call() -> worker_pb2.KVDestination:
         with obs.call(RESERVE, worker) as span:

@@ -63,6 +63,10 @@ class WorkerInfo:
     # blocks whatever the degrees (engine/parallel/kv_shards.py); a worker at TP > 1 offers
     # only transports that copy through its connector (gRPC), which `can_transfer` accounts for.
     tensor_parallel_size: int = 1
+    # Its engine loop's longest recent wait to answer (ms; about its longest step under its
+    # load): a gateway that has not yet waited on it paces its deadlines by this
+    # (runtime/pace.py), so a worker stepping 1 s is not suspect at a 1 s floor (0: not known).
+    pace_ms: int = 0
 
     def __post_init__(self) -> None:
         if not self.worker_id or not self.address:
@@ -77,6 +81,7 @@ class WorkerInfo:
             "max_num_seqs",
             "max_model_len",
             "tensor_parallel_size",
+            "pace_ms",
         ):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
@@ -109,6 +114,7 @@ def worker_from_fields(raw: dict[str, str]) -> WorkerInfo:
         kv_dtype=raw.get("kv_dtype", ""),
         adapters=tuple(json.loads(raw.get("adapters") or "[]")),
         tensor_parallel_size=int(raw.get("tensor_parallel_size", 1)),
+        pace_ms=int(raw.get("pace_ms", 0)),
     )
 
 

@@ -53,6 +53,13 @@ class EngineWatch:
         self._waits = DecayingPeak(clock=clock)  # how long answers took lately
 
     @property
+    def pace_s(self) -> float:
+        """The longest wait for an answer lately (decaying): about the loop's longest step
+        under its load, which the worker advertises for the gateways' deadlines."""
+        with self._lock:
+            return self._waits.value()
+
+    @property
     def deadline_s(self) -> float:
         """How long a question may go unanswered before the loop is taken for stalled."""
         return paced(self.stall_s, self._waits.value())

@@ -22,6 +22,12 @@ have the least room for it. It waits at most HEDGE_CAP_S (or the floor, if longe
 worker never delays a new request by more than that. And it counts from the last time the worker
 was heard from (a Reserve answered, a stream message), not from the Reserve's send: a busy worker
 answering others is slow, not frozen, and is not hedged while it keeps answering.
+
+A gateway that has not yet waited on a worker (it just started, or the worker is new) has no
+peak of its own for it. Each worker advertises its engine loop's recent peak wait in its
+registry record (`pace_ms`, from `EngineWatch`), and the peak a deadline uses is the larger of
+the two: a cold gateway does not take a worker stepping 1 s at a time for frozen at a 1 s floor.
+A frozen worker's record keeps the pace it had before it froze, which the cap bounds as well.
 """
 
 from __future__ import annotations
@@ -73,6 +79,7 @@ class Paces:
         self._clock = clock
         self._peaks: dict[str, DecayingPeak] = {}
         self._heard: dict[str, float] = {}
+        self._advertised: dict[str, float] = {}
 
     def observe(self, worker_id: str, seconds: float) -> None:
         """A wait on `worker_id` that ended after `seconds` (it was heard from just now)."""
@@ -81,6 +88,11 @@ class Paces:
             peak = self._peaks[worker_id] = DecayingPeak(clock=self._clock)
         peak.observe(seconds)
         self._heard[worker_id] = self._clock()
+
+    def advertise(self, worker_id: str, peak_s: float) -> None:
+        """The peak wait `worker_id` advertises for itself (its registry record's `pace_ms`),
+        the least its peak is taken to be here."""
+        self._advertised[worker_id] = peak_s
 
     def heard(self, worker_id: str) -> None:
         """`worker_id` answered something just now (it is not frozen)."""
@@ -92,7 +104,8 @@ class Paces:
 
     def peak(self, worker_id: str) -> float:
         peak = self._peaks.get(worker_id)
-        return 0.0 if peak is None else peak.value()
+        seen = 0.0 if peak is None else peak.value()
+        return max(seen, self._advertised.get(worker_id, 0.0))
 
     def hedge_delay(self, worker_id: str, floor_s: float) -> float:
         """How long a Reserve to `worker_id` waits before it is hedged (the module doc)."""

@@ -59,7 +59,10 @@ def start_decode(
 
         def info() -> WorkerInfo:
             stats = loaded.watch.latest()
-            return worker_info(kind, service.worker_id, opened.address, stats, offered, limits)
+            pace_s = loaded.watch.pace_s
+            return worker_info(
+                kind, service.worker_id, opened.address, stats, offered, limits, pace_s
+            )
 
         presence = decode_presence(Presence, loaded, info, worker, decode)
         return serving_decode(decode, presence, decode)
@@ -101,8 +104,9 @@ def start_prefill(
         def info() -> WorkerInfo:
             stats = loaded.watch.latest()
             return worker_info(
-                "prefill", service.worker_id, opened.address, stats, senders.names, limits
-            )
+                "prefill", service.worker_id, opened.address, stats, senders.names, limits,
+                loaded.watch.pace_s,
+            )  # fmt: skip
 
         # NOTE: routed only once `start` wrote this record, endpoint first: a decode worker that
         # reads the registry on a sender's first push finds its name.

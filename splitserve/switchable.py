@@ -78,6 +78,7 @@ def start_switchable(
                 loaded.watch.latest(),
                 transports,
                 limits,
+                loaded.watch.pace_s,
             )
 
         presence = decode_presence(RolePresence, loaded, info, worker, decode)

@@ -109,9 +109,11 @@ def worker_info(
     stats: EngineStats,
     kv_transports: tuple[str, ...] = (),
     limits: Mapping[str, Any] | None = None,
+    pace_s: float = 0.0,
 ) -> WorkerInfo:
-    """What a worker's heartbeat tells the registry (its load and free blocks, and the limits
-    of its engine that a request must respect: `engine_limits`, from its core)."""
+    """What a worker's heartbeat tells the registry (its load and free blocks, the limits of
+    its engine that a request must respect: `engine_limits`, from its core, and its loop's
+    recent pace: `EngineWatch.pace_s`)."""
     return WorkerInfo(
         worker_id=worker_id,
         kind=kind,
@@ -126,4 +128,5 @@ def worker_info(
         kv_dtype=limits["kv_dtype"] if limits else "",
         tensor_parallel_size=limits.get("tensor_parallel_size", 1) if limits else 1,
         adapters=tuple(stats.lora_adapters),
+        pace_ms=round(pace_s * 1000),
     )

@@ -104,6 +104,7 @@ def test_a_loop_whose_turns_take_long_lately_is_given_three_times_as_long():
     core.asked[1].set_result(_reply(2))  # the step held the answer 1.5 s
     watch.latest()  # the answer is read; a new question asked at 1.5
     assert watch.deadline_s == pytest.approx(4.5, abs=0.01)
+    assert watch.pace_s == pytest.approx(1.5)  # what the worker advertises to the gateways
     now[0] = 1.5 + 2.5
     assert watch.latest().num_requests_running == 2  # a long step, not a freeze
     now[0] = 1.5 + 4.0  # the peak has decayed to 1.5 * 0.5 ** 0.4: a deadline of 3.4 s

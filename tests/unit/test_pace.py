@@ -87,6 +87,24 @@ def test_a_worker_is_heard_from_when_a_wait_on_it_ends_or_it_answers():
     assert paces.last_heard("d1") == 0.0
 
 
+def test_a_cold_gateway_paces_a_worker_by_the_peak_it_advertises():
+    """A gateway that has not waited on a worker yet takes the worker's own advertised peak
+    (its record's pace_ms): one stepping 1 s at a time gets 3 s, not the 1 s floor; its hedge
+    waits twice that, at most 1 s. What the gateway observes itself counts when longer."""
+    paces = Paces(clock=Clock())
+    paces.advertise("cpu", 1.0)
+    paces.advertise("gpu", 0.0)  # a record from a worker that does not say
+    assert paces.deadline("cpu", 1.0) == pytest.approx(3.0)
+    assert paces.deadline("gpu", 1.0) == 1.0
+    assert paces.hedge_delay("cpu", 0.3) == pytest.approx(HEDGE_CAP_S)
+    paces.observe("cpu", 2.0)
+    assert paces.deadline("cpu", 1.0) == pytest.approx(6.0)
+    paces.advertise("cpu", 0.1)  # its steps got short again
+    assert paces.deadline("cpu", 1.0) == pytest.approx(6.0)  # the gateway's own peak still holds
+    paces.advertise("frozen-once", 60.0)
+    assert paces.deadline("frozen-once", 1.0) == CAP_FACTOR * 1.0
+
+
 def test_the_half_life_must_be_positive():
     with pytest.raises(ValueError, match="half_life_s"):
         DecayingPeak(half_life_s=0)

@@ -1,5 +1,6 @@
-"""A worker's record carries its tensor-parallel degree, and the gateway pairs a prefill worker
-with a decode worker only when a KV transport serves both (a worker at TP > 1 offers gRPC)."""
+"""A worker's record carries its tensor-parallel degree (and its loop's pace, which gateways
+pace their deadlines by), and the gateway pairs a prefill worker with a decode worker only when
+a KV transport serves both (a worker at TP > 1 offers gRPC)."""
 
 from __future__ import annotations
 
@@ -22,6 +23,15 @@ def test_the_record_round_trips_the_tensor_parallel_degree():
     assert worker_from_fields(fields).tensor_parallel_size == 2
     del fields["tensor_parallel_size"]  # a record from before the field: one rank
     assert worker_from_fields(fields).tensor_parallel_size == 1
+
+
+def test_the_record_round_trips_the_workers_pace():
+    info = dataclasses.replace(_info("decode", ("grpc",)), pace_ms=850)
+    fields = {f.name: str(getattr(info, f.name)) for f in dataclasses.fields(info)}
+    fields["kv_transports"], fields["adapters"] = "grpc", "[]"
+    assert worker_from_fields(fields).pace_ms == 850
+    del fields["pace_ms"]  # a record from before the field: not known
+    assert worker_from_fields(fields).pace_ms == 0
 
 
 def test_a_tp2_prefill_worker_pairs_only_with_decode_workers_it_can_push_to():
