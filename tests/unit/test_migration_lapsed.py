@@ -6,7 +6,8 @@ from __future__ import annotations
 import grpc
 import pytest
 
-from splitserve.gateway.migration import WorkerLost, is_reservation_lapsed, is_worker_lost
+from splitserve.gateway.migration import is_reservation_lapsed, is_worker_lost
+from splitserve.gateway.stream_watch import WorkerLost
 
 
 def _error(code: grpc.StatusCode) -> grpc.aio.AioRpcError:
