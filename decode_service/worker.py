@@ -18,11 +18,11 @@ import contextlib
 import logging
 import secrets
 import threading
-import time
 from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass
 
 from splitserve.decode_service.handoff import StreamHandOffs, StreamMoved
+from splitserve.decode_service.prefix_mirror import PrefixMirror
 from splitserve.decode_service.reservations import LocalReservation, ReservationBook
 from splitserve.engine.errors import FailedPrecondition, NotFound, quoted
 from splitserve.engine.outputs import RequestOutput, Resume, SampledToken, handoff_kv_tokens
@@ -71,13 +71,8 @@ class DecodeWorker:
         self._background: set[asyncio.Future[bool]] = set()  # aborts of abandoned reservations
         # Reserves under way, so that an abort arriving meanwhile undoes what they grant
         self._reserving: dict[str, asyncio.Task[LocalReservation]] = {}
-        self._next_prefix_sweep = 0.0
-        # NOTE: a worker restarted under the same id holds none of the blocks its last life
-        # indexed: routing must not prefer it for them.
-        registry.clear_prefix_blocks(settings.worker_id)
+        self.prefix = PrefixMirror(core, registry, settings.worker_id, settings.lease_s)
         self._since = 0  # the registry's mark of its data's start, at the last `restore`
-        self._prefix: dict[bytes, bool] = {}  # prefix-index changes not yet published
-        self._prefix_held: set[bytes] = set()  # what the registry's prefix index should list
         # running Decode streams: their outputs queue, and the loop that feeds it (move_streams)
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         # streams moved off with their KV kept for a hand-off (decode_service/handoff.py)
@@ -345,8 +340,7 @@ class DecodeWorker:
         )
         if restored:
             log.warning("re-published %d block record(s) that Redis lost", restored)
-        self._publish_prefix_events()
-        self._sweep_prefix_index()
+        self.prefix.publish()
         pending = self.reservations.ids()
         if pending:
             for request_id in self.registry.expired_requests(pending):
@@ -375,34 +369,3 @@ class DecodeWorker:
         for request_id, (fence, block_ids) in active.items():
             records.append(BlockRecord(request_id, "owned", me, "", fence, block_ids, None))
         return records + self.handoffs.records()
-
-    def _sweep_prefix_index(self) -> None:
-        """Drop the prefix entries of decode workers that died without leaving (every lease)."""
-        now = time.monotonic()
-        if now < self._next_prefix_sweep:
-            return
-        self._next_prefix_sweep = now + self.settings.lease_s
-        live = [w.worker_id for k in ("decode", "colocated") for w in self.registry.live_workers(k)]
-        for worker_id in self.registry.drop_stale_prefix_blocks([*live, self.settings.worker_id]):
-            log.warning("dropped the prefix index of %s: it is gone", worker_id)
-
-    def _publish_prefix_events(self) -> None:
-        # NOTE: changes that could not be published (Redis unreachable) wait for the next turn.
-        for added, block_hash in self.core.call("take_prefix_events"):
-            self._prefix[block_hash] = added  # only the last change of each hash matters
-            (self._prefix_held.add if added else self._prefix_held.discard)(block_hash)
-        added_hashes = [h for h, added in self._prefix.items() if added]
-        removed = [h for h, added in self._prefix.items() if not added]
-        worker_id = self.settings.worker_id
-        if added_hashes:
-            self.registry.add_prefix_blocks(worker_id, added_hashes)
-        if removed:
-            self.registry.remove_prefix_blocks(worker_id, removed)
-        self._prefix.clear()
-
-    def republish_prefix_index(self) -> None:
-        """After Redis lost its data: list again every block this worker holds."""
-        self.registry.add_prefix_blocks(self.settings.worker_id, list(self._prefix_held))
-
-    def leave_prefix_index(self) -> None:
-        self.registry.clear_prefix_blocks(self.settings.worker_id)

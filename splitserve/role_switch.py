@@ -145,7 +145,7 @@ class RoleSwitch:
                 if not await self._drained("decode", timeout_s):
                     moved = await self.decode.move_streams(f"to {kind}; the stream moves elsewhere")
                     await self._drained("decode", timeout_s)
-                await asyncio.to_thread(self.decode.leave_prefix_index)
+                await asyncio.to_thread(self.decode.prefix.leave)
             self.kind = kind
             if presence is not None:
                 await asyncio.to_thread(presence.rejoin, kind)

@@ -257,7 +257,7 @@ def decode_presence(
         interval_s=worker.heartbeat_ttl_s / 6,
         on_tick=decode.housekeeping,
         kv_endpoint=endpoint_from_wire(loaded.limits["kv_endpoint"]),
-        on_rejoin=decode.republish_prefix_index,
+        on_rejoin=decode.prefix.republish,
     )
 
 
@@ -273,7 +273,7 @@ def serving_decode(
     return Served(
         worker,
         presence,
-        leave=(decode.leave_prefix_index,),
+        leave=(decode.prefix.leave,),
         close=close,
         pending=lambda: len(decode.reservations),
     )
