@@ -18,6 +18,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from splitserve.stack_ports import new_ports
 from splitserve.up import free_port
 
 pytestmark = pytest.mark.slow
@@ -50,7 +51,9 @@ def _until(check, timeout_s: float = 90.0) -> None:
 def test_a_killed_gateway_process_is_restarted_and_sigterm_stops_the_group(
     tiny_models, redis_server
 ):
-    port, metrics = free_port("127.0.0.1"), free_port("127.0.0.1")
+    port = free_port("127.0.0.1")
+    # NOTE: two consecutive free ports: process i serves /metrics on metrics + i
+    metrics = new_ports("127.0.0.1", {port}, 2)
     cmd = [sys.executable, "-m", "splitserve.cli", "gateway", "--model", str(tiny_models["llama"]),
            "--redis-url", redis_server.url, "--port", str(port), "--processes", "2",
            "--metrics-port", str(metrics), "--drain-timeout-s", "2"]  # fmt: skip
