@@ -3,6 +3,7 @@
     python -m bench.relay                                   # 1 and 4 processes, intervals 1,4,16
     python -m bench.relay --processes 1,2,4,8 --intervals 1,2,4,8,16 --streams 512 --clients 8
     python -m bench.relay --smoke                           # CPU, seconds: checks that it runs
+    python -m bench.relay --processes 1 --intervals 1 --intervals-ms 0,20,50 --step-ms 10
 
 Everything is real but the workers' compute: a real `redis-server`, the real `splitserve gateway
 --processes N` (its own processes), and fake decode and prefill workers (`bench/relay_fakes.py`:
@@ -10,12 +11,12 @@ real gRPC servers on loopback, registered in Redis as real workers are) that sen
 as the gateway reads them. Client processes (`bench/relay_client.py`) hold `--streams`
 concurrent Generate streams (512-token replies, asked again as soon as one ends) through the
 public gRPC API and count the tokens that arrive inside a measured window; meanwhile the gateway
-processes' CPU time is read from /proc. Per (processes, stream_interval): output tokens/s,
-client messages/s and messages per token, gateway CPU cores used, tokens/s per gateway core —
-the number that sizes the gateway (docs/deploy.md) — and p50/p99 of the gaps between a
-stream's consecutive token messages as its client sees them, and of its inter-token latency (a
-message's gap spread over its tokens). The clients and fakes share the host's cores with the
-gateway: on a small host they limit the total, which is why tokens/s per core is reported.
+processes' CPU time is read from /proc. Per (processes, stream_interval, stream_interval_ms):
+output tokens/s, client messages/s and messages per token, gateway CPU cores used, tokens/s per
+gateway core — the number that sizes the gateway (docs/deploy.md) — and p50/p99 of the gaps
+between a stream's consecutive token messages as its client sees them, and of its inter-token
+latency (a message's gap spread over its tokens). The clients and fakes share the host's cores
+with the gateway: on a small host they limit the total, which is why tokens/s per core is reported.
 """
 
 from __future__ import annotations
@@ -60,12 +61,15 @@ def wait_serving(proc: subprocess.Popen[str], processes: int, timeout_s: float) 
             raise RuntimeError(f"the gateway was not serving within {timeout_s:.0f} s")
 
 
-def _gateway(args: argparse.Namespace, redis_url: str, model: str, processes: int, interval: int):
+def _gateway(
+    args: argparse.Namespace, redis_url: str, model: str, processes: int, interval: tuple[int, int]
+):
     port = free_port("127.0.0.1")
     cmd = [
         sys.executable, "-m", "splitserve.cli", "gateway", "--model", model,
         "--redis-url", redis_url, "--port", str(port), "--processes", str(processes),
-        "--stream-interval", str(interval), "--max-inflight", str(max(256, args.streams * 2)),
+        "--stream-interval", str(interval[0]), "--stream-interval-ms", str(interval[1]),
+        "--max-inflight", str(max(256, args.streams * 2)),
         "--drain-timeout-s", "2",
     ]  # fmt: skip
     proc = subprocess.Popen(cmd, start_new_session=True, stdout=subprocess.PIPE, text=True)
@@ -74,8 +78,9 @@ def _gateway(args: argparse.Namespace, redis_url: str, model: str, processes: in
 
 
 def run_one(
-    args: argparse.Namespace, redis_url: str, model: str, processes: int, interval: int
+    args: argparse.Namespace, redis_url: str, model: str, processes: int, interval: tuple[int, int]
 ) -> dict[str, Any]:
+    """One measured window; `interval`: the gateway's (--stream-interval, --stream-interval-ms)."""
     proc, address = _gateway(args, redis_url, model, processes, interval)
     try:
         meter = CPUMeter({"gateway": proc.pid})  # and its processes
@@ -117,7 +122,8 @@ def run_one(
     messages = seen.get("messages", 0)
     return {
         "processes": processes,
-        "stream_interval": interval,
+        "stream_interval": interval[0],
+        "stream_interval_ms": interval[1],
         "streams": per_client * args.clients,
         "tokens_per_s": tokens_s,
         "messages_per_s": messages / window,
@@ -151,6 +157,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--processes", default="1,4", help="gateway process counts")
     parser.add_argument("--intervals", default="1,4,16", help="stream_interval values")
+    parser.add_argument(
+        "--intervals-ms", default="0", help="stream_interval_ms values (each with each interval)"
+    )
     parser.add_argument("--streams", type=int, default=256, help="concurrent client streams")
     parser.add_argument("--clients", type=int, default=4, help="client processes")
     parser.add_argument("--decode", type=int, default=2, help="fake decode workers")
@@ -198,7 +207,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 if fake.stdout.readline().strip() != "ready":
                     raise RuntimeError("the fake workers did not start")
             for processes in (int(p) for p in args.processes.split(",")):
-                for interval in (int(i) for i in args.intervals.split(",")):
+                for interval in (
+                    (int(i), int(ms))
+                    for i in args.intervals.split(",")
+                    for ms in args.intervals_ms.split(",")
+                ):
                     row = run_one(args, redis.url, model, processes, interval)
                     rows.append(row)
                     print(table([row], COLUMNS).splitlines()[-1], flush=True)
@@ -220,9 +233,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
 
 COLUMNS = [
-    "processes", "stream_interval", "streams", "tokens_per_s", "messages_per_s",
-    "messages_per_token", "gateway_cores", "tokens_per_s_per_core", "gap_p50_ms", "gap_p99_ms",
-    "itl_p50_ms", "itl_p99_ms",
+    "processes", "stream_interval", "stream_interval_ms", "streams", "tokens_per_s",
+    "messages_per_s", "messages_per_token", "gateway_cores", "tokens_per_s_per_core",
+    "gap_p50_ms", "gap_p99_ms", "itl_p50_ms", "itl_p99_ms",
 ]  # fmt: skip
 
 

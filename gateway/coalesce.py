@@ -13,7 +13,9 @@ when nothing of its sample is held. Tokens are never held past the end of the st
 hands on what is left, before the final message.
 
 `merge_deltas` is the other half, which needs no interval: the chunks that queued up while a
-stream's previous client write was in progress (`relay.py`) become one chunk per sample.
+stream's previous client write was in progress (`relay.py`) become one chunk per sample. The
+same merge serves `stream_interval_ms`, a gap in time between a stream's messages (`relay.py`
+holds what comes sooner); the two settings combine (the time gate first, then the count).
 """
 
 from __future__ import annotations
@@ -25,6 +27,8 @@ from splitserve.protos.v1 import common_pb2
 
 # The most tokens per message a request may ask for: past this, every stream is one message.
 MAX_STREAM_INTERVAL = 4096
+# The longest gap between two messages a request may ask for (ms).
+MAX_STREAM_INTERVAL_MS = 10_000
 
 
 def check_stream_interval(interval: int, what: str = "stream_interval") -> int:
@@ -34,6 +38,15 @@ def check_stream_interval(interval: int, what: str = "stream_interval") -> int:
             f"{what} must be 1 to {MAX_STREAM_INTERVAL} tokens per message, got {interval}"
         )
     return interval
+
+
+def check_stream_interval_ms(interval_ms: int, what: str = "stream_interval_ms") -> int:
+    """`interval_ms` if it is 0..MAX_STREAM_INTERVAL_MS; else InvalidRequest naming `what`."""
+    if not 0 <= interval_ms <= MAX_STREAM_INTERVAL_MS:
+        raise InvalidRequest(
+            f"{what} must be 0 to {MAX_STREAM_INTERVAL_MS} ms between messages, got {interval_ms}"
+        )
+    return interval_ms
 
 
 def merge_deltas(chunks: Sequence[common_pb2.SampleDelta]) -> list[common_pb2.SampleDelta]:

@@ -19,6 +19,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from splitserve.engine.errors import InvalidRequest
+from splitserve.gateway.coalesce import check_stream_interval_ms
 from splitserve.gateway.structured_openai import structured_from_openai as structured_spec
 from splitserve.gateway.tool_choice import ToolPlan, plan_tools
 from splitserve.protos import convert
@@ -65,6 +66,8 @@ class _Sampling(BaseModel):
     stop_token_ids: list[int] | None = None
     # splitserve's extension: tokens per streamed chunk (GenerateRequest.stream_interval)
     stream_interval: int | None = None
+    # splitserve's extension: ms between streamed chunks at least (GenerateRequest's)
+    stream_interval_ms: int | None = None
     # structured outputs
     response_format: dict[str, Any] | None = None
     guided_json: Any = None
@@ -297,6 +300,8 @@ def _set_stream_interval(body: _Sampling, request: gateway_pb2.GenerateRequest) 
                 f"stream_interval must be 1 to 4096 tokens per message, got {body.stream_interval}"
             )
         request.stream_interval = body.stream_interval
+    if body.stream_interval_ms is not None:
+        request.stream_interval_ms = check_stream_interval_ms(body.stream_interval_ms)
 
 
 def _refuse(**unsupported: Any) -> None:

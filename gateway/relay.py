@@ -29,6 +29,12 @@ one task per request, not per message, and one timer per held `take`. The reader
 `max_pending` messages ahead of the handler, so a client that stops reading still holds its
 worker back through gRPC's flow control rather than the gateway's memory.
 
+A time gate (`min_gap_s`, the request's `stream_interval_ms`) holds every `take` after the
+first until that long has passed since the previous one returned, or the stream ends: whatever
+arrived meanwhile goes out as one message, so a stream gets at most one message per gap however
+fast its tokens come (a gated reader reads ahead from its second message on, and keeps up to
+`GATED_MAX_PENDING` messages, so a fast stream never waits on the gate's buffer).
+
 Aborts land where they did: `Claim.abort` cancels the task that waits on the workers (the
 handler's, or the reader's once there is one), and the orchestrator frees what the request
 holds.
@@ -54,6 +60,8 @@ HOLD_AFTER_S = 0.001 if os.environ.get(MERGE_ENV, "1") != "0" else math.inf
 HOLD_UNTIL = 8
 # ...or as long again as that message took, but no longer than this.
 MAX_HOLD_S = 0.005
+# Messages a time-gated reader keeps at most (past this the gate opens early).
+GATED_MAX_PENDING = 1024
 
 
 class StreamReader:
@@ -68,11 +76,14 @@ class StreamReader:
         hold_until: int = HOLD_UNTIL,
         max_hold_s: float = MAX_HOLD_S,
         min_hold_s: float = 0.0,
+        min_gap_s: float = 0.0,
     ) -> None:
-        """`hold_*`, `max_hold_s`: see the module doc; a hold lasts `min_hold_s` at least."""
+        """`hold_*`, `max_hold_s`: see the module doc; a hold lasts `min_hold_s` at least;
+        `min_gap_s`: the time gate (0: none)."""
         self._responses = responses
         self._claim = claim
-        self._max_pending = max_pending
+        self._min_gap_s = min_gap_s
+        self._max_pending = max(max_pending, GATED_MAX_PENDING) if min_gap_s > 0 else max_pending
         self._hold_after_s = hold_after_s
         self._hold_until = min(hold_until, max_pending)
         self._max_hold_s = max_hold_s
@@ -93,6 +104,8 @@ class StreamReader:
         (and, when the handler is behind, a little longer: see the module doc); [] once the
         stream ended (its end, or an abort); the stream's error after its last message."""
         loop = asyncio.get_running_loop()
+        if self._min_gap_s > 0 and self._returned_at is not None:
+            return await self._take_gated(loop)
         busy_s = loop.time() - self._returned_at if self._returned_at is not None else 0.0
         behind = self._returned_at is not None and busy_s >= self._hold_after_s
         if self._task is None:
@@ -102,7 +115,25 @@ class StreamReader:
         # NOTE: only with a message already waiting: one that came during the write shows a
         # backlog; none means the worker is the slow side, and waiting would only add latency
         if behind and 0 < len(self._pending) < self._hold_until:
-            await self._hold(loop, min(max(busy_s, self._min_hold_s), self._max_hold_s))
+            hold_s = min(max(busy_s, self._min_hold_s), self._max_hold_s)
+            await self._hold(loop, hold_s, self._hold_until)
+        return await self._handed_out(loop)
+
+    async def _take_gated(self, loop: asyncio.AbstractEventLoop) -> list[worker_pb2.DecodeResponse]:
+        """`take` with the time gate, after the first message (see the module doc)."""
+        assert self._returned_at is not None
+        if self._task is None:
+            if self._ended:
+                return []
+            self._task = asyncio.ensure_future(self._read())
+        wait_s = self._returned_at + self._min_gap_s - loop.time()
+        if wait_s > 0:
+            await self._hold(loop, wait_s, self._max_pending)
+        return await self._handed_out(loop)
+
+    async def _handed_out(self, loop: asyncio.AbstractEventLoop) -> list[worker_pb2.DecodeResponse]:
+        """What is pending (waiting for a message if none is); [] or the error at the end."""
+        assert self._task is not None
         while not self._pending and not self._task.done():
             await self._wait_for_reader(loop)
         if self._pending:
@@ -142,8 +173,8 @@ class StreamReader:
         self._returned_at = loop.time()
         return [msg]
 
-    async def _hold(self, loop: asyncio.AbstractEventLoop, hold_s: float) -> None:
-        """Until `hold_until` messages are pending, the stream ends, or `hold_s` passed."""
+    async def _hold(self, loop: asyncio.AbstractEventLoop, hold_s: float, until: int) -> None:
+        """Until `until` messages are pending, the stream ends, or `hold_s` passed."""
         expired = False
 
         def expire() -> None:
@@ -154,7 +185,7 @@ class StreamReader:
         timer = loop.call_later(hold_s, expire)
         assert self._task is not None
         try:
-            while len(self._pending) < self._hold_until and not self._task.done():
+            while len(self._pending) < until and not self._task.done():
                 if expired:
                     return
                 await self._wait_for_reader(loop)

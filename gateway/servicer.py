@@ -15,7 +15,12 @@ import grpc
 
 from splitserve.engine.errors import Overloaded
 from splitserve.engine.model_config import ModelConfig
-from splitserve.gateway.coalesce import Coalescer, check_stream_interval, merge_deltas
+from splitserve.gateway.coalesce import (
+    Coalescer,
+    check_stream_interval,
+    check_stream_interval_ms,
+    merge_deltas,
+)
 from splitserve.gateway.key_limits import PerKeyInflight, PerKeyTokenRate
 from splitserve.gateway.limits import AdvertisedLimits, check_adapter, check_job, check_request
 from splitserve.gateway.lora_admin import AdapterAdmin
@@ -48,6 +53,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         max_inflight_per_key: int = 0,
         max_tokens_per_minute_per_key: int = 0,
         stream_interval: int = 1,
+        stream_interval_ms: int = 0,
         shared: SharedRequests | None = None,
     ) -> None:
         self.orchestrator = orchestrator
@@ -66,6 +72,10 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         self.token_rate = PerKeyTokenRate(max_tokens_per_minute_per_key)
         # Tokens per client message when a request does not say (--stream-interval)
         self.stream_interval = check_stream_interval(stream_interval, "--stream-interval")
+        # Milliseconds between a stream's messages at least (--stream-interval-ms; 0: off)
+        self.stream_interval_ms = check_stream_interval_ms(
+            stream_interval_ms, "--stream-interval-ms"
+        )
 
     def _validate(self, request: gateway_pb2.GenerateRequest) -> Job:
         limits = self.limits.current()
@@ -76,10 +86,14 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             check_adapter(job.adapter, self.limits.current(fresh=True))
         return job
 
-    def _interval(self, request: gateway_pb2.GenerateRequest) -> int:
+    def _interval(self, request: gateway_pb2.GenerateRequest) -> tuple[int, int]:
+        """(tokens, milliseconds) per client message at least: the request's, or the flags'."""
+        tokens, ms = self.stream_interval, self.stream_interval_ms
         if request.HasField("stream_interval"):
-            return check_stream_interval(request.stream_interval)
-        return self.stream_interval
+            tokens = check_stream_interval(request.stream_interval)
+        if request.HasField("stream_interval_ms"):
+            ms = check_stream_interval_ms(request.stream_interval_ms)
+        return tokens, ms
 
     async def Generate(
         self, request: gateway_pb2.GenerateRequest, context: grpc.aio.ServicerContext
@@ -125,7 +139,11 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             self.token_rate.refund(claim.owner, most - claim.generated)
 
     async def _generate(
-        self, job: Job, claim: Claim, context: grpc.aio.ServicerContext, interval: int
+        self,
+        job: Job,
+        claim: Claim,
+        context: grpc.aio.ServicerContext,
+        interval: tuple[int, int],
     ) -> AsyncIterator[gateway_pb2.GenerateResponse]:
         obs = self.observer.start(job, context)
         # NOTE: a client that goes away cancels this task; closing the reader then aborts the
@@ -134,9 +152,11 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             job, context.time_remaining(), lambda: not (context.done() or context.cancelled()), obs
         )
         rid, num_generated = claim.request_id, 0  # NOTE: the client's id, not the workers'
-        coalescer = Coalescer(interval)
-        # NOTE: once we fall behind, a task reads ahead and what queued up goes out merged
-        reader = StreamReader(responses, claim)
+        tokens, ms = interval
+        coalescer = Coalescer(tokens)
+        # NOTE: once we fall behind (or from the second message on, with a time gate), a task
+        # reads ahead and what queued up goes out merged
+        reader = StreamReader(responses, claim, min_gap_s=ms / 1000)
         try:
             # NOTE: an Abort stops the stream before its next message, as between two reads
             while (batch := await reader.take()) and not claim.aborted:

@@ -50,6 +50,7 @@ _HELP = {
     "max_reservations_per_caller": "a decode worker's reservations per client (0: no limit)",
     "engine_core": "where the engine loop runs: process (its own) or thread (the worker's)",
     "stream_interval": "new tokens per stream message at least (1: as they come)",
+    "stream_interval_ms": "milliseconds between a stream's messages at least (0: as they come)",
     "speculative_method": "speculative decoding: ngram or draft (empty: off)",
     "num_speculative_tokens": "tokens proposed per sequence per step at most",
     "speculative_model": "--speculative-method draft: the draft checkpoint's directory",

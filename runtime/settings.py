@@ -174,6 +174,9 @@ class GatewaySettings:
     # New tokens per client message, per sample, when a request does not say (its
     # `stream_interval`): fewer, larger messages cost the gateway less (docs/deploy.md)
     stream_interval: int = 1
+    # Milliseconds between a stream's client messages at least, when a request does not say
+    # (its `stream_interval_ms`): tokens that come sooner go with the next message (0: off)
+    stream_interval_ms: int = 0
     # Gateway processes sharing the ports (SO_REUSEPORT); 0: sized to the host (docs/deploy.md)
     processes: int = 0
 
@@ -182,6 +185,11 @@ class GatewaySettings:
             raise ValueError(
                 f"--stream-interval must be 1 to 4096 tokens per message, got "
                 f"{self.stream_interval}"
+            )
+        if not 0 <= self.stream_interval_ms <= 10_000:
+            raise ValueError(
+                f"--stream-interval-ms must be 0 to 10000 ms between messages, got "
+                f"{self.stream_interval_ms}"
             )
         if not 0 <= self.processes <= 256:
             raise ValueError(

@@ -124,6 +124,7 @@ def start_gateway(
             max_inflight_per_key=gateway.max_inflight_per_key,
             max_tokens_per_minute_per_key=gateway.max_tokens_per_minute_per_key,
             stream_interval=gateway.stream_interval,
+            stream_interval_ms=gateway.stream_interval_ms,
             shared=shared,
         )
         opened.gates[0].bind(servicer)

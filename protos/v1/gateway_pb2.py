@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from splitserve.protos.v1 import common_pb2 as splitserve_dot_protos_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\"splitserve/protos/v1/gateway.proto\x12\rsplitserve.v1\x1a!splitserve/protos/v1/common.proto\">\n\x16LoadLoRAAdapterRequest\x12\x11\n\tlora_name\x18\x01 \x01(\t\x12\x11\n\tlora_path\x18\x02 \x01(\t\"-\n\x18UnloadLoRAAdapterRequest\x12\x11\n\tlora_name\x18\x01 \x01(\t\"&\n\x10LoRAAdapterReply\x12\x12\n\nworker_ids\x18\x01 \x03(\t\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"<\n\x0c\x43hatMessages\x12,\n\x08messages\x18\x01 \x03(\x0b\x32\x1a.splitserve.v1.ChatMessage\"\xa4\x02\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12,\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x17.splitserve.v1.TokenIdsH\x00\x12/\n\x08messages\x18\x06 \x01(\x0b\x32\x1b.splitserve.v1.ChatMessagesH\x00\x12/\n\x08sampling\x18\x04 \x01(\x0b\x32\x1d.splitserve.v1.SamplingParams\x12\x10\n\x08priority\x18\x05 \x01(\x05\x12\x1c\n\x0fstream_interval\x18\x07 \x01(\rH\x01\x88\x01\x01\x12\x0f\n\x07\x61\x64\x61pter\x18\x08 \x01(\tB\x08\n\x06promptB\x12\n\x10_stream_interval\"\x88\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12+\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x1a.splitserve.v1.SampleDeltaH\x00\x12+\n\x08\x66inished\x18\x03 \x01(\x0b\x32\x17.splitserve.v1.FinishedH\x00\x42\x06\n\x04kind\"]\n\x08\x46inished\x12,\n\x07samples\x18\x01 \x03(\x0b\x32\x1b.splitserve.v1.SampleFinish\x12#\n\x05usage\x18\x02 \x01(\x0b\x32\x14.splitserve.v1.Usage\"\x15\n\x13GetModelInfoRequest\"\x96\x01\n\x14GetModelInfoResponse\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x14\n\x0c\x61rchitecture\x18\x02 \x01(\t\x12\x15\n\rmax_model_len\x18\x03 \x01(\r\x12\x12\n\nvocab_size\x18\x04 \x01(\r\x12\x15\n\reos_token_ids\x18\x05 \x03(\r\x12\x12\n\nblock_size\x18\x06 \x01(\r2\xaf\x03\n\x07Gateway\x12M\n\x08Generate\x12\x1e.splitserve.v1.GenerateRequest\x1a\x1f.splitserve.v1.GenerateResponse0\x01\x12\x42\n\x05\x41\x62ort\x12\x1b.splitserve.v1.AbortRequest\x1a\x1c.splitserve.v1.AbortResponse\x12W\n\x0cGetModelInfo\x12\".splitserve.v1.GetModelInfoRequest\x1a#.splitserve.v1.GetModelInfoResponse\x12Y\n\x0fLoadLoRAAdapter\x12%.splitserve.v1.LoadLoRAAdapterRequest\x1a\x1f.splitserve.v1.LoRAAdapterReply\x12]\n\x11UnloadLoRAAdapter\x12\'.splitserve.v1.UnloadLoRAAdapterRequest\x1a\x1f.splitserve.v1.LoRAAdapterReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\"splitserve/protos/v1/gateway.proto\x12\rsplitserve.v1\x1a!splitserve/protos/v1/common.proto\">\n\x16LoadLoRAAdapterRequest\x12\x11\n\tlora_name\x18\x01 \x01(\t\x12\x11\n\tlora_path\x18\x02 \x01(\t\"-\n\x18UnloadLoRAAdapterRequest\x12\x11\n\tlora_name\x18\x01 \x01(\t\"&\n\x10LoRAAdapterReply\x12\x12\n\nworker_ids\x18\x01 \x03(\t\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"<\n\x0c\x43hatMessages\x12,\n\x08messages\x18\x01 \x03(\x0b\x32\x1a.splitserve.v1.ChatMessage\"\xdc\x02\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12,\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x17.splitserve.v1.TokenIdsH\x00\x12/\n\x08messages\x18\x06 \x01(\x0b\x32\x1b.splitserve.v1.ChatMessagesH\x00\x12/\n\x08sampling\x18\x04 \x01(\x0b\x32\x1d.splitserve.v1.SamplingParams\x12\x10\n\x08priority\x18\x05 \x01(\x05\x12\x1c\n\x0fstream_interval\x18\x07 \x01(\rH\x01\x88\x01\x01\x12\x1f\n\x12stream_interval_ms\x18\t \x01(\rH\x02\x88\x01\x01\x12\x0f\n\x07\x61\x64\x61pter\x18\x08 \x01(\tB\x08\n\x06promptB\x12\n\x10_stream_intervalB\x15\n\x13_stream_interval_ms\"\x88\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12+\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x1a.splitserve.v1.SampleDeltaH\x00\x12+\n\x08\x66inished\x18\x03 \x01(\x0b\x32\x17.splitserve.v1.FinishedH\x00\x42\x06\n\x04kind\"]\n\x08\x46inished\x12,\n\x07samples\x18\x01 \x03(\x0b\x32\x1b.splitserve.v1.SampleFinish\x12#\n\x05usage\x18\x02 \x01(\x0b\x32\x14.splitserve.v1.Usage\"\x15\n\x13GetModelInfoRequest\"\x96\x01\n\x14GetModelInfoResponse\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x14\n\x0c\x61rchitecture\x18\x02 \x01(\t\x12\x15\n\rmax_model_len\x18\x03 \x01(\r\x12\x12\n\nvocab_size\x18\x04 \x01(\r\x12\x15\n\reos_token_ids\x18\x05 \x03(\r\x12\x12\n\nblock_size\x18\x06 \x01(\r2\xaf\x03\n\x07Gateway\x12M\n\x08Generate\x12\x1e.splitserve.v1.GenerateRequest\x1a\x1f.splitserve.v1.GenerateResponse0\x01\x12\x42\n\x05\x41\x62ort\x12\x1b.splitserve.v1.AbortRequest\x1a\x1c.splitserve.v1.AbortResponse\x12W\n\x0cGetModelInfo\x12\".splitserve.v1.GetModelInfoRequest\x1a#.splitserve.v1.GetModelInfoResponse\x12Y\n\x0fLoadLoRAAdapter\x12%.splitserve.v1.LoadLoRAAdapterRequest\x1a\x1f.splitserve.v1.LoRAAdapterReply\x12]\n\x11UnloadLoRAAdapter\x12\'.splitserve.v1.UnloadLoRAAdapterRequest\x1a\x1f.splitserve.v1.LoRAAdapterReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -45,15 +45,15 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_CHATMESSAGES']._serialized_start=310
   _globals['_CHATMESSAGES']._serialized_end=370
   _globals['_GENERATEREQUEST']._serialized_start=373
-  _globals['_GENERATEREQUEST']._serialized_end=665
-  _globals['_GENERATERESPONSE']._serialized_start=668
-  _globals['_GENERATERESPONSE']._serialized_end=804
-  _globals['_FINISHED']._serialized_start=806
-  _globals['_FINISHED']._serialized_end=899
-  _globals['_GETMODELINFOREQUEST']._serialized_start=901
-  _globals['_GETMODELINFOREQUEST']._serialized_end=922
-  _globals['_GETMODELINFORESPONSE']._serialized_start=925
-  _globals['_GETMODELINFORESPONSE']._serialized_end=1075
-  _globals['_GATEWAY']._serialized_start=1078
-  _globals['_GATEWAY']._serialized_end=1509
+  _globals['_GENERATEREQUEST']._serialized_end=721
+  _globals['_GENERATERESPONSE']._serialized_start=724
+  _globals['_GENERATERESPONSE']._serialized_end=860
+  _globals['_FINISHED']._serialized_start=862
+  _globals['_FINISHED']._serialized_end=955
+  _globals['_GETMODELINFOREQUEST']._serialized_start=957
+  _globals['_GETMODELINFOREQUEST']._serialized_end=978
+  _globals['_GETMODELINFORESPONSE']._serialized_start=981
+  _globals['_GETMODELINFORESPONSE']._serialized_end=1131
+  _globals['_GATEWAY']._serialized_start=1134
+  _globals['_GATEWAY']._serialized_end=1565
 # @@protoc_insertion_point(module_scope)

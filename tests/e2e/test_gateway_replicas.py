@@ -174,3 +174,43 @@ def test_stream_interval_sends_at_least_four_tokens_a_chunk_over_grpc_and_http(s
     texts = [e["choices"][0]["text"] for e in events if e["choices"]]
     assert "".join(texts) == want.text
     assert len(texts) <= GREEDY.max_tokens // 4 + 1  # one event per 4 tokens (+ the last one)
+
+
+def test_stream_interval_ms_spaces_the_chunks_over_grpc_and_http(stack, model_dir):
+    """A request's stream_interval_ms: the same tokens, fewer messages, each chunk after the
+    first at least that long after the one before (a lower bound: never sent sooner)."""
+    # NOTE: long enough to span several gaps on any host (a CPU step takes a few ms)
+    params = SamplingParams(temperature=0, max_tokens=256, ignore_eos=True)
+    want = LLM(model_dir).generate([[9] * 12], params, use_tqdm=False)[0].outputs[0]
+    gap_s = 0.1
+    request = gateway_pb2.GenerateRequest(
+        token_ids=gateway_pb2.TokenIds(ids=[9] * 12),
+        sampling=convert.sampling_to_proto(params),
+        stream_interval_ms=round(gap_s * 1000),
+    )
+    chunks, arrivals = [], []
+    for msg in gateway(stack).Generate(request, timeout=60):
+        if msg.HasField("chunk"):
+            chunks.append(list(msg.chunk.token_ids))
+            arrivals.append(time.monotonic())
+    assert [t for c in chunks for t in c] == want.token_ids
+    # NOTE: not the last chunk: it is flushed at the stream's end, not at the gap; arrivals
+    # may bunch a little on a busy host, hence the margin
+    gaps = [b - a for a, b in zip(arrivals[:-2], arrivals[1:-1], strict=True)]
+    assert gaps and all(g >= gap_s * 0.5 for g in gaps), gaps
+    assert len(chunks) < len(want.token_ids) / 2, chunks
+
+    body = {"model": model_dir.name, "prompt": [9] * 12, "max_tokens": params.max_tokens,
+            "temperature": 0, "ignore_eos": True, "stream": True,
+            "stream_interval_ms": 100}  # fmt: skip
+    texts = []
+    with httpx.stream("POST", f"{stack.http_url}/completions", json=body, timeout=60) as reply:
+        for line in reply.iter_lines():
+            if line.startswith("data: {"):
+                event = json.loads(line[len("data: ") :])
+                if event["choices"]:
+                    texts.append(event["choices"][0]["text"])
+    assert "".join(texts) == want.text
+    body["stream_interval_ms"] = -1
+    reply = httpx.post(f"{stack.http_url}/completions", json=body, timeout=60)
+    assert reply.status_code == 400 and "stream_interval_ms" in reply.text, reply.text

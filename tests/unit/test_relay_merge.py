@@ -287,3 +287,82 @@ def test_a_held_take_waits_no_longer_than_its_limit():
         assert feed.cancelled
 
     _run(main())
+
+
+def test_a_time_gate_sends_what_came_within_the_gap_as_one_take_and_never_holds_the_end():
+    """`min_gap_s` (a request's stream_interval_ms): the first message goes at once; each later
+    take returns no sooner than the gap after the previous one, with everything that came
+    meanwhile; the stream's end opens the gate at once."""
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        feed = _Feed()
+        gap_s = 0.2
+        reader = StreamReader(feed.stream(), RequestTable().claim("r"), min_gap_s=gap_s)
+        feed.send(_chunk(0))
+        start = loop.time()
+        assert [m.chunk.token_ids[0] for m in await reader.take()] == [0]
+        assert loop.time() - start < gap_s  # the first message is not held
+
+        async def produce() -> None:  # a token every 20 ms: ten within one gap
+            for i in range(1, 21):
+                await asyncio.sleep(0.02)
+                feed.send(_chunk(i))
+            feed.send(_finished())
+            feed.send(None)
+
+        producer = asyncio.ensure_future(produce())
+        taken, times = [], []
+        last = loop.time()
+        while batch := await reader.take():
+            now = loop.time()
+            times.append(now - last)
+            last = now
+            taken.append(batch)
+        await producer
+        ids = [m.chunk.token_ids[0] for b in taken for m in b if m.HasField("chunk")]
+        assert ids == list(range(1, 21))
+        assert taken[-1][-1].HasField("finished")
+        assert len(taken) < 20 / 2  # several tokens a take, not one
+        # NOTE: a lower bound only: each take waited for the gap since the one before it
+        assert all(t >= gap_s * 0.99 for t in times[:-1]), times
+        await reader.close()
+        assert feed.closed
+
+    _run(main())
+
+
+def test_a_time_gate_keeps_a_fast_stream_in_one_take_however_many_messages_came():
+    async def main():
+        feed = _Feed()
+        reader = StreamReader(feed.stream(), RequestTable().claim("r"), min_gap_s=0.05)
+        feed.send(_chunk(0))
+        await reader.take()
+        for i in range(1, 201):  # past the reader's usual buffer of 64
+            feed.send(_chunk(i))
+        feed.send(None)
+        batch = await reader.take()
+        assert [m.chunk.token_ids[0] for m in batch] == list(range(1, 201))
+        assert await reader.take() == []
+        await reader.close()
+
+    _run(main())
+
+
+def test_an_abort_during_a_time_gate_ends_the_take():
+    async def main():
+        feed = _Feed()
+        table = RequestTable()
+        claim = table.claim("r")
+        reader = StreamReader(feed.stream(), claim, min_gap_s=3600)
+        feed.send(_chunk(0))
+        await reader.take()
+        held = asyncio.ensure_future(reader.take())
+        await _settle()
+        assert not held.done()
+        assert table.abort("r")
+        assert await asyncio.wait_for(held, 30) == []
+        assert feed.cancelled
+        await reader.close()
+
+    _run(main())

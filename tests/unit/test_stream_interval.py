@@ -7,7 +7,7 @@ import socket
 import pytest
 
 from splitserve.engine.errors import InvalidRequest
-from splitserve.gateway.coalesce import Coalescer, check_stream_interval
+from splitserve.gateway.coalesce import Coalescer, check_stream_interval, check_stream_interval_ms
 from splitserve.gateway_processes import default_processes, hold_port, inflight_share
 from splitserve.protos.v1 import common_pb2
 from splitserve.runtime.grpc_server import BindError
@@ -59,6 +59,13 @@ def test_an_interval_out_of_range_is_an_invalid_request(bad):
         check_stream_interval(bad)
 
 
+@pytest.mark.parametrize("bad", [-1, 10_001])
+def test_a_time_interval_out_of_range_is_an_invalid_request(bad):
+    with pytest.raises(InvalidRequest, match="stream_interval_ms must be 0 to 10000 ms"):
+        check_stream_interval_ms(bad)
+    assert check_stream_interval_ms(0) == 0 and check_stream_interval_ms(10_000) == 10_000
+
+
 def test_default_process_count_is_a_quarter_of_the_cores_from_one_to_eight():
     assert [default_processes(c) for c in (1, 2, 4, 8, 16, 64, 256)] == [1, 1, 1, 2, 4, 8, 8]
 
@@ -87,7 +94,15 @@ def test_a_held_port_keeps_a_second_gateway_group_out():
         held.close()
 
 
-@pytest.mark.parametrize(("field", "value"), [("stream_interval", 0), ("processes", -1)])
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("stream_interval", 0),
+        ("stream_interval_ms", -1),
+        ("stream_interval_ms", 10_001),
+        ("processes", -1),
+    ],
+)
 def test_gateway_flags_out_of_range_name_the_flag(field, value):
     from splitserve.runtime.settings import GatewaySettings
 
