@@ -58,10 +58,8 @@ def start_decode(
         offered = tuple(limits["kv_transports"])
 
         def info() -> WorkerInfo:
-            stats = loaded.watch.latest()
-            pace_s = loaded.watch.pace_s
             return worker_info(
-                kind, service.worker_id, opened.address, stats, offered, limits, pace_s
+                kind, service.worker_id, opened.address, loaded.watch, offered, limits
             )
 
         presence = decode_presence(Presence, loaded, info, worker, decode)
@@ -102,11 +100,9 @@ def start_prefill(
         opened.gates[0].bind(servicer)
 
         def info() -> WorkerInfo:
-            stats = loaded.watch.latest()
             return worker_info(
-                "prefill", service.worker_id, opened.address, stats, senders.names, limits,
-                loaded.watch.pace_s,
-            )  # fmt: skip
+                "prefill", service.worker_id, opened.address, loaded.watch, senders.names, limits
+            )
 
         # NOTE: routed only once `start` wrote this record, endpoint first: a decode worker that
         # reads the registry on a sender's first push finds its name.

@@ -75,10 +75,9 @@ def start_switchable(
                 switch.kind,
                 service.worker_id,
                 opened.address,
-                loaded.watch.latest(),
+                loaded.watch,
                 transports,
                 limits,
-                loaded.watch.pace_s,
             )
 
         presence = decode_presence(RolePresence, loaded, info, worker, decode)

@@ -12,8 +12,8 @@ from splitserve.engine.llm_engine import LLMEngine
 from splitserve.engine.model_config import ModelConfig
 from splitserve.engine.platform import resolve_device, resolve_dtype
 from splitserve.engine.spec_decode.config import SpeculativeConfig
-from splitserve.engine.stats import EngineStats
 from splitserve.kv_transfer.registry import WorkerInfo
+from splitserve.runtime.engine_watch import EngineWatch
 from splitserve.runtime.settings import ServiceSettings, WorkerSettings
 
 
@@ -106,14 +106,14 @@ def worker_info(
     kind: str,
     worker_id: str,
     address: str,
-    stats: EngineStats,
+    watch: EngineWatch,
     kv_transports: tuple[str, ...] = (),
     limits: Mapping[str, Any] | None = None,
-    pace_s: float = 0.0,
 ) -> WorkerInfo:
-    """What a worker's heartbeat tells the registry (its load and free blocks, the limits of
-    its engine that a request must respect: `engine_limits`, from its core, and its loop's
-    recent pace: `EngineWatch.pace_s`)."""
+    """What a worker's heartbeat tells the registry: its load and free blocks and its loop's
+    recent pace (from `watch`, which raises `Stalled` for a loop that stopped turning), and
+    the limits of its engine that a request must respect (`engine_limits`, from its core)."""
+    stats = watch.latest()
     return WorkerInfo(
         worker_id=worker_id,
         kind=kind,
@@ -128,5 +128,5 @@ def worker_info(
         kv_dtype=limits["kv_dtype"] if limits else "",
         tensor_parallel_size=limits.get("tensor_parallel_size", 1) if limits else 1,
         adapters=tuple(stats.lora_adapters),
-        pace_ms=round(pace_s * 1000),
+        pace_ms=round(watch.pace_s * 1000),
     )
