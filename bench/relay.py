@@ -62,7 +62,12 @@ def wait_serving(proc: subprocess.Popen[str], processes: int, timeout_s: float) 
 
 
 def _gateway(
-    args: argparse.Namespace, redis_url: str, model: str, processes: int, interval: tuple[int, int]
+    args: argparse.Namespace,
+    redis_url: str,
+    model: str,
+    processes: int,
+    interval: tuple[int, int],
+    decode_many: bool,
 ):
     port = free_port("127.0.0.1")
     cmd = [
@@ -70,7 +75,7 @@ def _gateway(
         "--redis-url", redis_url, "--port", str(port), "--processes", str(processes),
         "--stream-interval", str(interval[0]), "--stream-interval-ms", str(interval[1]),
         "--max-inflight", str(max(256, args.streams * 2)),
-        "--drain-timeout-s", "2",
+        "--drain-timeout-s", "2", "--decode-many", str(decode_many).lower(),
     ]  # fmt: skip
     proc = subprocess.Popen(cmd, start_new_session=True, stdout=subprocess.PIPE, text=True)
     wait_serving(proc, processes, timeout_s=120.0)
@@ -78,10 +83,16 @@ def _gateway(
 
 
 def run_one(
-    args: argparse.Namespace, redis_url: str, model: str, processes: int, interval: tuple[int, int]
+    args: argparse.Namespace,
+    redis_url: str,
+    model: str,
+    processes: int,
+    interval: tuple[int, int],
+    decode_many: bool = True,
 ) -> dict[str, Any]:
-    """One measured window; `interval`: the gateway's (--stream-interval, --stream-interval-ms)."""
-    proc, address = _gateway(args, redis_url, model, processes, interval)
+    """One measured window; `interval`: the gateway's (--stream-interval, --stream-interval-ms);
+    `decode_many`: its --decode-many (one call per fake decode worker, or one per stream)."""
+    proc, address = _gateway(args, redis_url, model, processes, interval, decode_many)
     try:
         meter = CPUMeter({"gateway": proc.pid})  # and its processes
         start = time.time() + args.warmup_s
@@ -122,6 +133,7 @@ def run_one(
     messages = seen.get("messages", 0)
     return {
         "processes": processes,
+        "decode_many": "on" if decode_many else "off",
         "stream_interval": interval[0],
         "stream_interval_ms": interval[1],
         "streams": per_client * args.clients,
@@ -170,6 +182,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         help="fake decode step: a token per stream per step, what queued sent as one message "
         "(0: as fast as the gateway reads)",
     )  # fmt: skip
+    parser.add_argument(
+        "--decode-many", default="on", help="the gateway's --decode-many: on, off or both (on,off)"
+    )
     parser.add_argument("--max-tokens", type=int, default=512)
     parser.add_argument("--seconds", type=float, default=10.0, help="measured window")
     parser.add_argument("--warmup-s", type=float, default=3.0)
@@ -206,15 +221,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 assert fake.stdout is not None
                 if fake.stdout.readline().strip() != "ready":
                     raise RuntimeError("the fake workers did not start")
-            for processes in (int(p) for p in args.processes.split(",")):
-                for interval in (
-                    (int(i), int(ms))
-                    for i in args.intervals.split(",")
-                    for ms in args.intervals_ms.split(",")
-                ):
-                    row = run_one(args, redis.url, model, processes, interval)
-                    rows.append(row)
-                    print(table([row], COLUMNS).splitlines()[-1], flush=True)
+            for processes, interval, many in (
+                (int(p), (int(i), int(ms)), many == "on")
+                for p in args.processes.split(",")
+                for i in args.intervals.split(",")
+                for ms in args.intervals_ms.split(",")
+                for many in args.decode_many.split(",")
+            ):
+                row = run_one(args, redis.url, model, processes, interval, many)
+                rows.append(row)
+                print(table([row], COLUMNS).splitlines()[-1], flush=True)
         finally:
             for fake in fakes:
                 fake.terminate()
@@ -233,7 +249,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
 
 COLUMNS = [
-    "processes", "stream_interval", "stream_interval_ms", "streams", "tokens_per_s",
+    "processes", "decode_many", "stream_interval", "stream_interval_ms", "streams", "tokens_per_s",
     "messages_per_s", "messages_per_token", "gateway_cores", "tokens_per_s_per_core",
     "gap_p50_ms", "gap_p99_ms", "itl_p50_ms", "itl_p99_ms",
 ]  # fmt: skip

@@ -91,6 +91,63 @@ class FakeDecode(worker_pb2_grpc.DecodeWorkerServicer):
             finished=worker_pb2.DecodeFinished(samples=[finish], usage=usage)
         )
 
+    async def DecodeMany(self, controls, context) -> AsyncIterator[worker_pb2.DecodeBatch]:  # noqa: N802
+        """As a decode worker does: a step gives every stream on the call its next token(s)
+        (`--tokens-per-message`; with `--step-ms`, those of every step since the last message),
+        and one message carries the step's tokens of all of them. Without `--step-ms` the next
+        step begins once the previous message is written (as fast as the gateway reads)."""
+        streams: dict[int, list[int]] = {}  # stream -> [tokens sent, tokens to send]
+        woken = asyncio.Event()
+
+        async def read() -> None:
+            async for control in controls:
+                if control.WhichOneof("kind") == "start":
+                    sampling = control.start.request.sampling
+                    total = sampling.max_tokens if sampling.HasField("max_tokens") else 16
+                    streams[control.start.stream] = [0, total]
+                else:
+                    streams.pop(control.cancel, None)
+                woken.set()
+
+        await context.send_initial_metadata(())  # NOTE: the gateway waits for it to write
+        reader = asyncio.ensure_future(read())
+        loop = asyncio.get_running_loop()
+        step, start, per_step = 0, loop.time(), self.tokens_per_message
+        try:
+            while True:
+                if not streams:
+                    woken.clear()
+                    await woken.wait()
+                    continue
+                steps = 1
+                if self.step_s:
+                    due = start + (step + 1) * self.step_s
+                    if due > loop.time():
+                        await asyncio.sleep(due - loop.time())
+                    steps = max(1, int((loop.time() - start) / self.step_s) - step)
+                step += steps
+                items = []
+                for sid, progress in list(streams.items()):
+                    n = min(steps * per_step, progress[1] - progress[0])
+                    progress[0] += n
+                    items.append(worker_pb2.DecodeItem(stream=sid, response=self._chunk(n)))
+                    if progress[0] >= progress[1]:
+                        del streams[sid]
+                        done = self._finished(progress[1])
+                        items.append(worker_pb2.DecodeItem(stream=sid, response=done))
+                        items.append(worker_pb2.DecodeItem(stream=sid, end=worker_pb2.DecodeEnd()))
+                yield worker_pb2.DecodeBatch(items=items)
+        finally:
+            reader.cancel()
+
+    @staticmethod
+    def _finished(total: int) -> worker_pb2.DecodeResponse:
+        finish = common_pb2.SampleFinish(index=0, finish_reason=common_pb2.FINISH_REASON_LENGTH)
+        usage = common_pb2.Usage(prompt_tokens=8, completion_tokens=total)
+        return worker_pb2.DecodeResponse(
+            finished=worker_pb2.DecodeFinished(samples=[finish], usage=usage)
+        )
+
     async def Abort(self, request, context):  # noqa: N802
         return common_pb2.AbortResponse(aborted=False)
 

@@ -8,6 +8,7 @@ from collections.abc import AsyncIterator
 
 import grpc
 
+from splitserve.decode_service.decode_many import DecodeMany
 from splitserve.decode_service.handoff import StreamMoved
 from splitserve.decode_service.observer import DecodeObserver
 from splitserve.decode_service.worker import DecodeWorker
@@ -101,6 +102,16 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         finally:
             await outputs.aclose()  # NOTE: now (frees the request), not whenever the GC gets to it
         obs.end(None)
+
+    async def DecodeMany(
+        self,
+        controls: AsyncIterator[worker_pb2.DecodeControl],
+        context: grpc.aio.ServicerContext,
+    ) -> AsyncIterator[worker_pb2.DecodeBatch]:
+        # NOTE: at once: the gateway writes nothing before it knows the call was accepted
+        await context.send_initial_metadata(())
+        async for batch in DecodeMany(self.Decode, context).serve(controls):
+            yield batch
 
     async def Abort(
         self, request: common_pb2.AbortRequest, context: grpc.aio.ServicerContext

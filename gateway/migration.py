@@ -176,7 +176,8 @@ class StreamMover:
             num_messages = 0
             try:
                 with obs.call(DECODE, route.decode) as call:
-                    stream = orch.stubs.decode(route.decode.address).Decode(
+                    stream = orch.stubs.decode_stream(
+                        route.decode.address,
                         worker_pb2.DecodeRequest(
                             request_id=worker_request_id,
                             sampling=convert.sampling_to_proto(job.params),
@@ -185,8 +186,8 @@ class StreamMover:
                             resume=resume,
                             kv_handed_off=handed_off,
                         ),
-                        timeout=_remaining(deadline),
-                        metadata=call.metadata,
+                        _remaining(deadline),
+                        call.metadata,
                     )
                     orch._track(route, stream)
                     worker_id = route.decode.worker_id

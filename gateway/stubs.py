@@ -4,20 +4,26 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Sequence
+from typing import Any
 
 import grpc
 
-from splitserve.protos.v1 import worker_pb2_grpc
+from splitserve.gateway.decode_many import DecodeMuxes
+from splitserve.protos.v1 import worker_pb2, worker_pb2_grpc
 
 
 class Stubs:
     """One `grpc.aio` channel per worker address, shared by all requests (made and used on the
-    server's event loop)."""
+    server's event loop); with `decode_many`, one DecodeMany call per decode worker carries
+    every Decode stream to it (`decode_many.py`)."""
 
-    def __init__(self, interceptors: Sequence[grpc.aio.ClientInterceptor] = ()) -> None:
+    def __init__(
+        self, interceptors: Sequence[grpc.aio.ClientInterceptor] = (), decode_many: bool = True
+    ) -> None:
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._interceptors = list(interceptors)  # e.g. the cluster secret on every call
         self._lock = threading.Lock()
+        self._muxes = DecodeMuxes() if decode_many else None
 
     def channel(self, address: str) -> grpc.aio.Channel:
         with self._lock:
@@ -30,10 +36,25 @@ class Stubs:
     def decode(self, address: str) -> worker_pb2_grpc.DecodeWorkerStub:
         return worker_pb2_grpc.DecodeWorkerStub(self.channel(address))
 
+    def decode_stream(
+        self,
+        address: str,
+        request: worker_pb2.DecodeRequest,
+        timeout: float | None,
+        metadata: Any,
+    ) -> Any:
+        """A Decode stream to the worker at `address`: a call of its own, or one stream on the
+        process's DecodeMany call to it; either is read, cancelled and fails the same way."""
+        if self._muxes is None:
+            return self.decode(address).Decode(request, timeout=timeout, metadata=metadata)
+        return self._muxes.open(self.decode, address, request, timeout, metadata)
+
     def prefill(self, address: str) -> worker_pb2_grpc.PrefillWorkerStub:
         return worker_pb2_grpc.PrefillWorkerStub(self.channel(address))
 
     async def close(self) -> None:
+        if self._muxes is not None:
+            self._muxes.close()
         with self._lock:
             channels = list(self._channels.values())
             self._channels.clear()

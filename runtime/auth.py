@@ -220,6 +220,11 @@ class _StreamUnary(_AddMetadata, grpc.aio.StreamUnaryClientInterceptor):
         return await continuation(self._details(details), request_iterator)
 
 
+class _StreamStream(_AddMetadata, grpc.aio.StreamStreamClientInterceptor):
+    async def intercept_stream_stream(self, continuation, details, request_iterator):
+        return await continuation(self._details(details), request_iterator)
+
+
 def member_channel_interceptors(secret: str, forward_caller: bool = False) -> list[Any]:
     """Interceptors for aio channels to other members: the cluster secret on every call and,
     with `forward_caller` (the gateway's channels), the client each call is made for, which
@@ -228,5 +233,6 @@ def member_channel_interceptors(secret: str, forward_caller: bool = False) -> li
         return []
     extra = secret_metadata(secret)
     return [
-        cls(extra, forward_caller) for cls in (_UnaryUnary, _UnaryStream, _StreamUnary)
+        cls(extra, forward_caller)
+        for cls in (_UnaryUnary, _UnaryStream, _StreamUnary, _StreamStream)
     ]

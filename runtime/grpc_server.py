@@ -106,6 +106,8 @@ class StatusInterceptor(grpc.aio.ServerInterceptor):
             return handler._replace(unary_stream=_wrap_stream(handler.unary_stream))
         if handler.stream_unary:
             return handler._replace(stream_unary=_wrap_unary(handler.stream_unary))
+        if handler.stream_stream:
+            return handler._replace(stream_stream=_wrap_stream(handler.stream_stream))
         return handler
 
 

@@ -95,6 +95,12 @@ class Lifecycle:
             self._inflight -= 1
 
 
+# Calls that carry other calls' work and stay open while idle (a gateway keeps one DecodeMany
+# call per decode worker): not counted in flight, or a drain would wait for them to its timeout;
+# the work they carry is (a decode worker's drain waits for its streams, `Served.pending`).
+CARRIERS = frozenset({"DecodeMany"})
+
+
 class GatedServicer:
     """Forwards every RPC method to the servicer given to `bind`; until then each answers
     UNAVAILABLE "loading". Registered in place of the real servicer.
@@ -121,6 +127,8 @@ class GatedServicer:
             if target is None:
                 raise Unavailable(State.LOADING.value)
             handler = getattr(target, method)
+            if method in CARRIERS:
+                return handler(request, context)
             if inspect.isasyncgenfunction(handler) or inspect.isgeneratorfunction(handler):
                 return self._stream(handler, admitting, request, context)
             return self._unary(handler, admitting, request, context)

@@ -179,6 +179,10 @@ class GatewaySettings:
     stream_interval_ms: int = 0
     # Gateway processes sharing the ports (SO_REUSEPORT); 0: sized to the host (docs/deploy.md)
     processes: int = 0
+    # Each gateway process keeps one DecodeMany call per decode worker, which carries every
+    # Decode stream to it (one message per engine step, not one per stream; false: a Decode
+    # call per stream)
+    decode_many: bool = True
 
     def __post_init__(self) -> None:
         if not 1 <= self.stream_interval <= 4096:

@@ -97,7 +97,10 @@ def start_gateway(
                     max_migrations=gateway.max_migrations,
                 ),
             ),
-            stubs=Stubs(member_channel_interceptors(security.cluster_secret, forward_caller=True)),
+            stubs=Stubs(
+                member_channel_interceptors(security.cluster_secret, forward_caller=True),
+                decode_many=gateway.decode_many,
+            ),
             ledger=RedisLedger(shared_redis, replica_id, registry.namespace),
         )
         info = ModelInfo(

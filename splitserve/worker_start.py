@@ -268,12 +268,13 @@ def serving_decode(
     close: tuple[Callable[[], None], ...] = (),
 ) -> Served:
     """A worker that serves decode: it leaves the prefix index before its server stops, and
-    a drain waits for its open reservations."""
-    # NOTE: a reservation waits for its Decode call; draining must not end in between.
+    a drain waits for its open reservations and its streams."""
+    # NOTE: a reservation waits for its Decode call; draining must not end in between. Streams
+    # on a DecodeMany call are counted here, not as calls (`lifecycle.CARRIERS`).
     return Served(
         worker,
         presence,
         leave=(decode.prefix.leave,),
         close=close,
-        pending=lambda: len(decode.reservations),
+        pending=lambda: decode.num_in_flight,
     )

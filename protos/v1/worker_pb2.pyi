@@ -167,6 +167,64 @@ class DecodeRequest(_message.Message):
     kv_handed_off: bool
     def __init__(self, request_id: _Optional[str] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., first_tokens: _Optional[_Iterable[_Union[FirstToken, _Mapping]]] = ..., priority: _Optional[int] = ..., resume: _Optional[_Union[ResumeFrom, _Mapping]] = ..., kv_handed_off: _Optional[bool] = ...) -> None: ...
 
+class DecodeControl(_message.Message):
+    __slots__ = ("start", "cancel")
+    START_FIELD_NUMBER: _ClassVar[int]
+    CANCEL_FIELD_NUMBER: _ClassVar[int]
+    start: DecodeStart
+    cancel: int
+    def __init__(self, start: _Optional[_Union[DecodeStart, _Mapping]] = ..., cancel: _Optional[int] = ...) -> None: ...
+
+class DecodeStart(_message.Message):
+    __slots__ = ("stream", "request", "metadata")
+    class MetadataEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    STREAM_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_FIELD_NUMBER: _ClassVar[int]
+    METADATA_FIELD_NUMBER: _ClassVar[int]
+    stream: int
+    request: DecodeRequest
+    metadata: _containers.ScalarMap[str, str]
+    def __init__(self, stream: _Optional[int] = ..., request: _Optional[_Union[DecodeRequest, _Mapping]] = ..., metadata: _Optional[_Mapping[str, str]] = ...) -> None: ...
+
+class DecodeItem(_message.Message):
+    __slots__ = ("stream", "response", "end")
+    STREAM_FIELD_NUMBER: _ClassVar[int]
+    RESPONSE_FIELD_NUMBER: _ClassVar[int]
+    END_FIELD_NUMBER: _ClassVar[int]
+    stream: int
+    response: DecodeResponse
+    end: DecodeEnd
+    def __init__(self, stream: _Optional[int] = ..., response: _Optional[_Union[DecodeResponse, _Mapping]] = ..., end: _Optional[_Union[DecodeEnd, _Mapping]] = ...) -> None: ...
+
+class DecodeEnd(_message.Message):
+    __slots__ = ("code", "details", "trailers")
+    class TrailersEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    DETAILS_FIELD_NUMBER: _ClassVar[int]
+    TRAILERS_FIELD_NUMBER: _ClassVar[int]
+    code: int
+    details: str
+    trailers: _containers.ScalarMap[str, str]
+    def __init__(self, code: _Optional[int] = ..., details: _Optional[str] = ..., trailers: _Optional[_Mapping[str, str]] = ...) -> None: ...
+
+class DecodeBatch(_message.Message):
+    __slots__ = ("items",)
+    ITEMS_FIELD_NUMBER: _ClassVar[int]
+    items: _containers.RepeatedCompositeFieldContainer[DecodeItem]
+    def __init__(self, items: _Optional[_Iterable[_Union[DecodeItem, _Mapping]]] = ...) -> None: ...
+
 class HandOffRequest(_message.Message):
     __slots__ = ("request_id", "destination", "num_tokens", "destination_request_id")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]

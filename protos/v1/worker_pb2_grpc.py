@@ -346,6 +346,11 @@ class DecodeWorkerStub:
                 request_serializer=splitserve_dot_protos_dot_v1_dot_worker__pb2.DecodeRequest.SerializeToString,
                 response_deserializer=splitserve_dot_protos_dot_v1_dot_worker__pb2.DecodeResponse.FromString,
                 _registered_method=True)
+        self.DecodeMany = channel.stream_stream(
+                '/splitserve.v1.DecodeWorker/DecodeMany',
+                request_serializer=splitserve_dot_protos_dot_v1_dot_worker__pb2.DecodeControl.SerializeToString,
+                response_deserializer=splitserve_dot_protos_dot_v1_dot_worker__pb2.DecodeBatch.FromString,
+                _registered_method=True)
         self.Abort = channel.unary_unary(
                 '/splitserve.v1.DecodeWorker/Abort',
                 request_serializer=splitserve_dot_protos_dot_v1_dot_common__pb2.AbortRequest.SerializeToString,
@@ -386,6 +391,16 @@ class DecodeWorkerServicer:
 
     def Decode(self, request, context):
         """Start decoding a reserved request (its KV pushed, or to be computed here) and stream tokens.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def DecodeMany(self, request_iterator, context):
+        """Many Decode streams over one call (a gateway process keeps one per decode worker): the
+        caller starts and cancels streams on it; each message back carries what every started
+        stream produced since the previous one (one message per engine step, not one per stream).
+        A stream's own error ends that stream only; the call's end ends every stream on it.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -441,6 +456,11 @@ def add_DecodeWorkerServicer_to_server(servicer, server):
                     servicer.Decode,
                     request_deserializer=splitserve_dot_protos_dot_v1_dot_worker__pb2.DecodeRequest.FromString,
                     response_serializer=splitserve_dot_protos_dot_v1_dot_worker__pb2.DecodeResponse.SerializeToString,
+            ),
+            'DecodeMany': grpc.stream_stream_rpc_method_handler(
+                    servicer.DecodeMany,
+                    request_deserializer=splitserve_dot_protos_dot_v1_dot_worker__pb2.DecodeControl.FromString,
+                    response_serializer=splitserve_dot_protos_dot_v1_dot_worker__pb2.DecodeBatch.SerializeToString,
             ),
             'Abort': grpc.unary_unary_rpc_method_handler(
                     servicer.Abort,
@@ -523,6 +543,33 @@ class DecodeWorker:
             '/splitserve.v1.DecodeWorker/Decode',
             splitserve_dot_protos_dot_v1_dot_worker__pb2.DecodeRequest.SerializeToString,
             splitserve_dot_protos_dot_v1_dot_worker__pb2.DecodeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DecodeMany(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/splitserve.v1.DecodeWorker/DecodeMany',
+            splitserve_dot_protos_dot_v1_dot_worker__pb2.DecodeControl.SerializeToString,
+            splitserve_dot_protos_dot_v1_dot_worker__pb2.DecodeBatch.FromString,
             options,
             channel_credentials,
             insecure,
