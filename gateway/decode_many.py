@@ -51,9 +51,13 @@ class MuxStream:
     """One Decode stream on a DecodeMany call, read as a Decode call is read."""
 
     def __init__(
-        self, mux: DecodeMux, stream: int, request: worker_pb2.DecodeRequest, timeout: float | None,
+        self,
+        mux: DecodeMux,
+        stream: int,
+        request: worker_pb2.DecodeRequest,
+        timeout: float | None,
         metadata: Any,
-    ) -> None:  # fmt: skip
+    ) -> None:
         self._mux = mux
         self._stream = stream
         self._request, self._metadata = request, metadata
