@@ -67,7 +67,8 @@ class MuxStream:
         self._ended = False  # its end came (`_end` None: OK)
         self._cancelled = False
         self._waiter: asyncio.Future[None] | None = None
-        loop = asyncio.get_running_loop()
+        # NOTE: kept: `asyncio.get_running_loop()` costs a getpid() call each time
+        self._loop = loop = asyncio.get_running_loop()
         self._deadline = None if timeout is None else loop.time() + timeout
         self._timer = loop.call_later(timeout, self._expire) if timeout is not None else None
 
@@ -85,7 +86,7 @@ class MuxStream:
                 if self._end is not None:
                     raise self._end
                 return grpc.aio.EOF
-            self._waiter = asyncio.get_running_loop().create_future()
+            self._waiter = self._loop.create_future()
             try:
                 await self._waiter
             finally:
@@ -128,8 +129,8 @@ class MuxStream:
         has no DecodeMany: the stream goes on as a Decode call of its own)."""
         if err.code() is grpc.StatusCode.UNIMPLEMENTED and not self.done():
             self._stop_timer()
-            loop = asyncio.get_running_loop()
-            timeout = None if self._deadline is None else max(0.0, self._deadline - loop.time())
+            now = self._loop.time()
+            timeout = None if self._deadline is None else max(0.0, self._deadline - now)
             self._plain = self._mux.stub.Decode(
                 self._request, timeout=timeout, metadata=self._metadata
             )

@@ -123,27 +123,32 @@ def is_worker_lost(err: BaseException) -> bool:
 
 
 class Ledger:
-    """What the client has received of each sample: where a resumed stream goes on from."""
+    """What the client has received of each sample: where a resumed stream goes on from.
+
+    NOTE: it keeps the messages and reads them only when a stream moves: reading a protobuf
+    message's fields costs more than keeping it, and most streams never move."""
 
     def __init__(self, n: int) -> None:
-        self.token_ids: dict[int, list[int]] = {i: [] for i in range(n)}
-        self.num_chars: dict[int, int] = dict.fromkeys(range(n), 0)
+        self.n = n
+        self.messages: list[worker_pb2.DecodeResponse] = []
 
     def record(self, msg: worker_pb2.DecodeResponse) -> None:
-        if msg.HasField("chunk"):
-            self.token_ids[msg.chunk.index].extend(msg.chunk.token_ids)
-            self.num_chars[msg.chunk.index] += len(msg.chunk.text)
+        self.messages.append(msg)
+
+    def _chunks(self, index: int) -> list[Any]:
+        return [m.chunk for m in self.messages if m.HasField("chunk") and m.chunk.index == index]
 
     def resume_from(self, index: int) -> worker_pb2.ResumeFrom:
+        chunks = self._chunks(index)
         return worker_pb2.ResumeFrom(
             sample_index=index,
-            output_token_ids=self.token_ids[index],
-            num_text_chars=self.num_chars[index],
+            output_token_ids=[t for c in chunks for t in c.token_ids],
+            num_text_chars=sum(len(c.text) for c in chunks),
         )
 
     @property
     def num_tokens(self) -> int:
-        return sum(len(ids) for ids in self.token_ids.values())
+        return sum(len(m.chunk.token_ids) for m in self.messages if m.HasField("chunk"))
 
 
 class StreamMover:

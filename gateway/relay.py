@@ -98,12 +98,16 @@ class StreamReader:
         # NOTE: None until the handler first falls behind: until then `take` reads itself
         self._task: asyncio.Task[None] | None = None
         self._ended = False  # a `take` that read itself saw the stream end
+        # NOTE: asked once: `asyncio.get_running_loop()` costs a getpid() call each time
+        self._loop: asyncio.AbstractEventLoop | None = None
 
     async def take(self) -> list[worker_pb2.DecodeResponse]:
         """Every message read since the last call, in order, waiting for one if there is none
         (and, when the handler is behind, a little longer: see the module doc); [] once the
         stream ended (its end, or an abort); the stream's error after its last message."""
-        loop = asyncio.get_running_loop()
+        loop = self._loop
+        if loop is None:
+            loop = self._loop = asyncio.get_running_loop()
         if self._min_gap_s > 0 and self._returned_at is not None:
             return await self._take_gated(loop)
         busy_s = loop.time() - self._returned_at if self._returned_at is not None else 0.0
@@ -154,7 +158,7 @@ class StreamReader:
         if claim.aborted:
             return []
         # NOTE: the task that waits on the workers now (the HTTP API may change it)
-        claim.task, claim.waiting = asyncio.current_task(), True
+        claim.task, claim.waiting = asyncio.current_task(loop), True
         try:
             msg = await anext(self._responses)
         except StopAsyncIteration:
