@@ -18,7 +18,7 @@ class Stubs:
     every Decode stream to it (`decode_many.py`)."""
 
     def __init__(
-        self, interceptors: Sequence[grpc.aio.ClientInterceptor] = (), decode_many: bool = True
+        self, interceptors: Sequence[grpc.aio.ClientInterceptor] = (), decode_many: bool = False
     ) -> None:
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._interceptors = list(interceptors)  # e.g. the cluster secret on every call
