@@ -44,18 +44,11 @@ class StreamEnded(Exception):
 class StreamContext:
     """What a Decode handler asks of its call, for one stream of a DecodeMany call."""
 
-    def __init__(self, metadata: Any, call: grpc.aio.ServicerContext) -> None:
+    def __init__(self, metadata: Any) -> None:
         self._metadata = tuple(metadata.items())
-        self._call = call
 
     def invocation_metadata(self) -> tuple[tuple[str, str], ...]:
         return self._metadata
-
-    def cancelled(self) -> bool:
-        return self._call.cancelled()
-
-    def done(self) -> bool:
-        return self._call.done()
 
     async def abort(
         self, code: grpc.StatusCode, details: str = "", trailing_metadata: Any = ()
@@ -72,9 +65,8 @@ def _end(code: grpc.StatusCode, details: str, trailers: Any = ()) -> worker_pb2.
 class DecodeMany:
     """One DecodeMany call: its streams, what they produced and not yet sent."""
 
-    def __init__(self, decode: Decode, context: grpc.aio.ServicerContext) -> None:
+    def __init__(self, decode: Decode) -> None:
         self._decode = decode
-        self._context = context
         self._items: list[worker_pb2.DecodeItem] = []
         self._ready = asyncio.Event()
         self._streams: dict[int, asyncio.Task[None]] = {}
@@ -129,7 +121,7 @@ class DecodeMany:
         stream = start.stream
         put = self._put
         try:
-            context = StreamContext(start.metadata, self._context)
+            context = StreamContext(start.metadata)
             async for msg in self._decode(start.request, context):
                 put(worker_pb2.DecodeItem(stream=stream, response=msg))
             end = worker_pb2.DecodeEnd()

@@ -110,7 +110,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
     ) -> AsyncIterator[worker_pb2.DecodeBatch]:
         # NOTE: at once: the gateway writes nothing before it knows the call was accepted
         await context.send_initial_metadata(())
-        async for batch in DecodeMany(self.Decode, context).serve(controls):
+        async for batch in DecodeMany(self.Decode).serve(controls):
             yield batch
 
     async def Abort(

@@ -28,7 +28,6 @@ import asyncio
 import collections
 import contextvars
 import logging
-from collections.abc import AsyncIterator
 from typing import Any
 
 import grpc
@@ -91,10 +90,6 @@ class MuxStream:
                 await self._waiter
             finally:
                 self._waiter = None
-
-    async def __aiter__(self) -> AsyncIterator[worker_pb2.DecodeResponse]:
-        while (msg := await self.read()) is not grpc.aio.EOF:
-            yield msg
 
     def cancel(self) -> bool:
         """Cancel the stream (its worker aborts the request); False if it had ended."""

@@ -128,8 +128,7 @@ class Ledger:
     NOTE: it keeps the messages and reads them only when a stream moves: reading a protobuf
     message's fields costs more than keeping it, and most streams never move."""
 
-    def __init__(self, n: int) -> None:
-        self.n = n
+    def __init__(self) -> None:
         self.messages: list[worker_pb2.DecodeResponse] = []
 
     def record(self, msg: worker_pb2.DecodeResponse) -> None:
@@ -173,7 +172,7 @@ class StreamMover:
         obs: RequestObservation,
     ) -> AsyncIterator[worker_pb2.DecodeResponse]:
         orch, settings = self.orch, self.settings
-        ledger = Ledger(job.params.n)
+        ledger = Ledger()
         resume: worker_pb2.ResumeFrom | None = None
         handed_off = False  # the resumed stream's KV was handed off into its reservation
         for moves in range(settings.max_migrations + 1):

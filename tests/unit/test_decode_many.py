@@ -64,7 +64,7 @@ class StepWorker(worker_pb2_grpc.DecodeWorkerServicer):
 
     async def DecodeMany(self, controls, context):  # noqa: N802
         await context.send_initial_metadata(())
-        async for batch in DecodeMany(self.Decode, context).serve(controls):
+        async for batch in DecodeMany(self.Decode).serve(controls):
             self.batches.append(len(batch.items))
             yield batch
 
