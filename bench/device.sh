@@ -36,6 +36,8 @@
 #   tensor-parallel bench/tensor_parallel.py on two GPUs: TP=2 against TP=1 (< 8 min)
 #   tensor-parallel-parity TP=2 float32 greedy tokens against HF on two GPUs, eager and with
 #                   the collectives captured in its decode graphs, over NCCL and peer memory
+#   all-reduce-latency  bench/all_reduce_latency.py: one all-reduce inside a CUDA graph, NCCL
+#                   and peer memory, 8 KiB to 32 MiB (two GPUs)
 #   tensor-parallel-serve  a model too big for one GPU served through the gateway by one
 #                   colocated worker at TP=2 (two GPUs, < 8 min)
 #   serving4-targets issue 26's four-GPU points: 1P+3D at 48 and 60 req/s with the defaults and
@@ -215,6 +217,9 @@ for step in "$@"; do
         --out "$OUT/tensor_parallel.json" ;;
     tensor-parallel-parity)
       run tensor_parallel_parity 8 pytest_q -s tests/engine/test_gpu_tp_parity.py ;;
+    all-reduce-latency)
+      run all_reduce_latency 10 python3 -m bench.all_reduce_latency \
+        --out "$OUT/all_reduce_latency.json" ;;
     tensor-parallel-serve)
       run tensor_parallel_serve 16 python3 -m bench.tensor_parallel --serve --prefill 0 \
         --decode-tp 2 --out "$OUT/tensor_parallel_serve.json" ;;

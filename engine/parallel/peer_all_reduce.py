@@ -32,6 +32,8 @@ ONE_SHOT_MAX_BYTES = 1 << 20
 DEFAULT_MAX_BYTES = 64 << 20
 # NOTE: the dtypes PyTorch's one-shot kernel sums.
 _SUMMED = (torch.bfloat16, torch.float16, torch.float32)
+# NOTE: how many peer-memory set-ups this process has tried (see try_peer_all_reduce).
+_SETUPS = 0
 
 
 class PeerAllReduce:
@@ -141,7 +143,25 @@ def try_peer_all_reduce(
     """A PeerAllReduce, or None (logged) when this host or torch cannot make one.
 
     Every rank must get the same answer or the next collective hangs: a rank whose set-up
-    failed says so in the store, and each rank checks every rank's word before using it."""
+    failed says so in the store, and each rank checks every rank's word before using it.
+
+    PyTorch pairs the ranks' symmetric-memory set-ups by their order in each process (a count
+    per process, not per group), so ranks whose processes have made different numbers of them
+    (an engine started again in a process whose followers are new) would wait on each other
+    until the store's timeout: each rank first says how many its process made, and unless
+    every count agrees no rank tries (NCCL)."""
+    global _SETUPS
+    store.set(f"symm-mem/{name}/setups/{rank}", str(_SETUPS))
+    counts = {int(store.get(f"symm-mem/{name}/setups/{r}")) for r in range(size)}
+    if len(counts) > 1:
+        log.warning(
+            "tensor-parallel rank %d: the ranks' processes made different numbers of "
+            "peer-memory set-ups before (%s; PyTorch pairs them by that order); using NCCL",
+            rank,
+            sorted(counts),
+        )
+        return None
+    _SETUPS += 1
     ok = True
     peer: PeerAllReduce | None = None
     try:
