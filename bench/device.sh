@@ -44,6 +44,9 @@
 #                   with 8192-token prefill steps, 2P+2D (tokens/s per decode GPU); then one
 #                   decode worker's serving step (GPUs 0-1) beside the offline step (GPU 2) and
 #                   multi-LoRA (GPU 3), in parallel
+#   serving2-targets issue 26's points on two GPUs (no four): 1P+1D, 512/512, the rate raised
+#                   past TPOT p50 15 ms (tokens/s per decode GPU; the decode worker's ITL tail
+#                   against its load), then one all-reduce's latency in a CUDA graph
 #   phased          the P:D planner against static splits on the phased workload (four GPUs)
 #   singles4        on four GPUs at once: TP=2 bench (GPUs 0-1), speculative decoding (GPU 2),
 #                   its GPU tests (GPU 3), TP=2 parity (GPUs 2-3), then a P/D pair at TP=2
@@ -246,6 +249,12 @@ for step in "$@"; do
           --concurrency "$c" --client-processes 8 --timeout-s 300 --out "$OUT/serving_step_$c.json"
       done
       wait ;;
+    serving2-targets)
+      run serving2_1p1d 20 python3 -m bench.serving --configs 1P+1D --duration-s 15 \
+        --client-processes 8 --timeout-s 120 --workloads 512/512@16,24,32,40 \
+        --out "$OUT/serving2_1p1d.json"
+      run all_reduce_latency 10 python3 -m bench.all_reduce_latency \
+        --out "$OUT/all_reduce_latency.json" ;;
     round2)
       run serving4_1p3d 14 python3 -m bench.serving --configs 1P+3D --duration-s 15 \
         --client-processes 8 --timeout-s 120 --workloads 512/512@48 --out "$OUT/serving4_1p3d.json"

@@ -21,6 +21,7 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
+from splitserve.engine.aio import within
 from splitserve.engine.errors import Overloaded
 from splitserve.kv_transfer.transport import PushRefused
 
@@ -103,7 +104,7 @@ class LocalReservation:
             if remaining <= 0:
                 return False
             try:
-                await asyncio.wait_for(future, remaining)
+                await within(future, remaining)
             except asyncio.TimeoutError:
                 with self.changed:
                     return self.complete and not self.dead and self.refusal is None

@@ -20,6 +20,7 @@ import secrets
 import threading
 from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass
+from typing import Any
 
 from splitserve.decode_service.handoff import StreamHandOffs, StreamMoved
 from splitserve.decode_service.prefix_mirror import PrefixMirror
@@ -195,7 +196,10 @@ class DecodeWorker:
                 raise FailedPrecondition(
                     f"KV for request {request_id!r} is incomplete ({why}): {progress} received"
                 )
-        self.reservations.pop(request_id)
+        if self.reservations.pop(request_id) is None:
+            # NOTE: aborted (or reclaimed) while its KV landed: admitting it now would hold a
+            # record and a stream that no output would ever end
+            raise NotFound(f"the reservation of {request_id!r} ended while its KV landed")
         self.num_bytes_received += num_bytes
         self.num_blocks_received += num_blocks
         outputs = self.core.subscribe_async(
@@ -203,18 +207,23 @@ class DecodeWorker:
         )
         self._streams[request_id] = (asyncio.get_running_loop(), outputs)
         finished = False
+        # NOTE: its own task, shielded, and settled before the record is released at the end:
+        # a cancel must not leave its Redis write running, to write the record again after.
+        handoff = asyncio.ensure_future(
+            asyncio.to_thread(
+                self.registry.handoff,
+                request_id,
+                self.settings.worker_id,
+                res.fence,
+                self.settings.lease_s,
+                res.block_ids,  # NOTE: held here: a lapsed record is written again
+            )
+        )
         try:
             # NOTE: the ownership hand-off (Redis) and the admission (the engine's next turn)
             # run at once: the first token streams as soon as both are done.
             results: list[object] = await asyncio.gather(
-                asyncio.to_thread(
-                    self.registry.handoff,
-                    request_id,
-                    self.settings.worker_id,
-                    res.fence,
-                    self.settings.lease_s,
-                    res.block_ids,  # NOTE: held here: a lapsed record is written again
-                ),
+                asyncio.shield(handoff),
                 self.core.acall(
                     "admit",
                     request_id,
@@ -256,9 +265,14 @@ class DecodeWorker:
             self._streams.pop(request_id, None)
             self.core.unsubscribe(request_id)
             # NOTE: shielded: a second cancel (the server stopping) must not leave it half done.
-            await asyncio.shield(self._end(request_id, aborted=not finished))
+            await asyncio.shield(self._end(request_id, aborted=not finished, after=handoff))
 
-    async def _end(self, request_id: str, aborted: bool) -> None:
+    async def _end(
+        self, request_id: str, aborted: bool, after: asyncio.Future[Any] | None = None
+    ) -> None:
+        """Free what the stream held; `after` (its ownership hand-off) settles first."""
+        if after is not None:
+            await asyncio.wait([after])
         with self._active_lock:
             self._active.pop(request_id, None)
         if self.handoffs.holds(request_id):

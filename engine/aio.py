@@ -1,9 +1,11 @@
-"""A small asyncio helper shared by the async servicers."""
+"""Small asyncio helpers shared by the async servicers and the engine's clients."""
 
 from __future__ import annotations
 
 import asyncio
-from typing import Any
+from typing import Any, TypeVar
+
+T = TypeVar("T")
 
 
 async def settled(future: asyncio.Future[Any]) -> None:
@@ -16,3 +18,23 @@ async def settled(future: asyncio.Future[Any]) -> None:
             continue
     if not future.cancelled():
         future.exception()  # NOTE: retrieved, so asyncio does not log it as never retrieved
+
+
+async def within(future: asyncio.Future[T], timeout_s: float | None) -> T:
+    """`future`'s result, waiting at most `timeout_s` (then it is cancelled and
+    asyncio.TimeoutError raised); a cancel of the waiter cancels it and is always raised. For
+    futures whose cancel is immediate (a thread's or a process's answer, a plain future), not
+    tasks that clean up when cancelled: nothing waits for that.
+
+    NOTE: not `asyncio.wait_for`: on Python 3.11 and older it returns the result of a future
+    that completes as the waiter is cancelled, and the cancel is lost, so a cancelled stream
+    could go on running with nobody left to cancel it."""
+    try:
+        done, _ = await asyncio.wait([future], timeout=timeout_s)
+    except asyncio.CancelledError:
+        future.cancel()
+        raise
+    if not done:
+        future.cancel()
+        raise asyncio.TimeoutError(f"no answer within {timeout_s} s")
+    return future.result()

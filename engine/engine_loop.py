@@ -26,6 +26,7 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any, TypeVar
 
+from splitserve.engine.aio import within
 from splitserve.engine.errors import Unavailable
 from splitserve.engine.llm_engine import LLMEngine
 from splitserve.engine.outputs import RequestOutput
@@ -118,7 +119,7 @@ class EngineLoop:
             raise EngineStopped("the engine is not running") from self.failure
         future: Future[T] = Future()
         self._commands.put((fn, future))
-        return await asyncio.wait_for(asyncio.wrap_future(future), timeout_s)
+        return await within(asyncio.wrap_future(future), timeout_s)
 
     def subscribe(self, request_id: str) -> queue.Queue[RequestOutput | BaseException]:
         """A queue that receives every output of `request_id` (or the exception that ended the

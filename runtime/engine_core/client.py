@@ -28,6 +28,7 @@ from typing import Any
 import zmq
 from transformers import PreTrainedTokenizerBase
 
+from splitserve.engine.aio import within
 from splitserve.engine.engine_loop import EngineStopped
 from splitserve.engine.outputs import RequestOutput
 from splitserve.runtime.engine_core.assembler import OutputAssembler
@@ -192,7 +193,7 @@ class EngineCoreClient:
         return self.submit(method, *args).result(timeout_s)
 
     async def acall(self, method: str, *args: Any, timeout_s: float | None = 30.0) -> Any:
-        return await asyncio.wait_for(asyncio.wrap_future(self.submit(method, *args)), timeout_s)
+        return await within(asyncio.wrap_future(self.submit(method, *args)), timeout_s)
 
     # -- outputs -----------------------------------------------------------------------------
 

@@ -101,7 +101,10 @@ def leftovers(stack: Stack) -> list[str]:
             )
     registry = Registry(stack.redis_url)
     try:
-        problems += [f"redis: {key}" for key in registry.request_record_keys()]
+        for key in registry.request_record_keys():
+            # NOTE: what it says (state, owner, writer, fence, lease left) tells who left it
+            record = registry.get_record(key.rsplit(":req:", 1)[1])
+            problems.append(f"redis: {key} {record}")
         gone = registry.prefix_index_workers() - {w.worker_id for w in live}
         problems += [f"redis: prefix index of gone worker {worker_id}" for worker_id in gone]
     finally:
