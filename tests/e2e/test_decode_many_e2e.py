@@ -1,5 +1,5 @@
-"""A gateway started with `--decode-many true` (one DecodeMany call per decode worker carries
-its streams; the default is a Decode call per stream): outputs equal the offline engine's, a
+"""A gateway with one DecodeMany call per decode worker carrying its streams (the default) and
+with `--decode-many false` (a Decode call per stream): outputs equal the offline engine's, a
 cancelled stream frees its blocks, and nothing leaks."""
 
 from __future__ import annotations
@@ -19,14 +19,17 @@ GREEDY = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
 LENGTHS = [3, 40, 90, 17, 150, 64]
 
 
-def test_decode_many_gives_the_offline_tokens_and_frees_a_cancelled_stream(tiny_models):
+@pytest.mark.parametrize("decode_many", ["true", "false"])
+def test_decode_many_gives_the_offline_tokens_and_frees_a_cancelled_stream(
+    tiny_models, decode_many
+):
     model_dir = tiny_models["llama"]
     llm = LLM(model_dir)
     prompts = random_prompts(LENGTHS, llm.engine.model_config.vocab_size, seed=41)
     expected = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
     with running_stack(
         model_dir, prefill=1, decode=1, kv_transport="grpc",
-        extra_gateway_args=("--decode-many", "true"),
+        extra_gateway_args=("--decode-many", decode_many),
     ) as s:  # fmt: skip
         stub = gateway(s)
         with ThreadPoolExecutor(len(prompts)) as pool:
