@@ -64,7 +64,7 @@ def _specs(args, path: Path, on_gpu: bool) -> list[dict]:
     names = [("TP=1", 1, True, False, False)]
     if "tpN" in args.configs:
         names.append((f"TP={args.tp}", args.tp, True, False, False))
-    if on_gpu and "tpN-graphs" in args.configs:  # opt-in (tensor_parallel_cuda_graphs)
+    if on_gpu and "tpN-graphs" in args.configs:  # the default (tensor_parallel_cuda_graphs)
         names.append((f"TP={args.tp} graphs", args.tp, True, True, False))
     if on_gpu and "tpN-peer" in args.configs:  # graphs + the peer-memory all-reduce
         names.append((f"TP={args.tp} graphs+peer", args.tp, True, True, True))

@@ -98,9 +98,9 @@ class EngineConfig:
     # Ranks (processes, one GPU each) the model is sharded over (engine/parallel/): rank 0 is
     # this engine; it starts the others.
     tensor_parallel_size: int = 1
-    # Capture decode graphs at TP > 1 too, the collectives inside them (NCCL): off until it is
-    # measured on GPUs; without it TP > 1 runs its steps eager.
-    tensor_parallel_cuda_graphs: bool = False
+    # Capture decode graphs at TP > 1 too, the collectives inside them (NCCL); False runs TP > 1
+    # steps eager (TP=2 decode at batch 1 on H100s: 4.7 ms with graphs, 46.8 ms eager).
+    tensor_parallel_cuda_graphs: bool = True
     # All-reduces of up to this many bytes go over peer memory at TP > 1 on GPUs, not NCCL
     # (engine/parallel/peer_all_reduce.py: one-shot up to 1 MiB, two-shot above); 0: NCCL.
     tensor_parallel_peer_all_reduce_bytes: int = 0

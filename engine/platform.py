@@ -73,7 +73,7 @@ class Platform:
             attention_backend=backend,
             triton_ops=triton_ops,
             # NOTE: at TP > 1 every rank captures the same graphs in the same order and
-            # replays the one rank 0's step picks (engine/parallel/follower.py): opt-in.
+            # replays the one rank 0's step picks (engine/parallel/follower.py).
             cuda_graphs=config.enable_cuda_graphs
             and on_gpu
             and backend_cls.graph_safe
