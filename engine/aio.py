@@ -38,3 +38,27 @@ async def within(future: asyncio.Future[T], timeout_s: float | None) -> T:
         future.cancel()
         raise asyncio.TimeoutError(f"no answer within {timeout_s} s")
     return future.result()
+
+
+async def notified_within(condition: asyncio.Condition, timeout_s: float) -> None:
+    """`condition.wait()` for at most `timeout_s` (no error at the timeout); the caller holds
+    the condition's lock and holds it again when this returns or raises. A cancel is always
+    raised (see `within`: `asyncio.wait_for` on 3.11 can drop one that meets the notify)."""
+    waiter = asyncio.ensure_future(condition.wait())
+    cancelled = False
+    try:
+        await asyncio.wait([waiter], timeout=timeout_s)
+    except asyncio.CancelledError:
+        cancelled = True
+    if not waiter.done():
+        waiter.cancel()
+    # NOTE: the waiter takes the lock back whether notified or cancelled: wait for that
+    while not waiter.done():
+        try:
+            await asyncio.wait([waiter])
+        except asyncio.CancelledError:
+            cancelled = True
+    if cancelled:
+        raise asyncio.CancelledError()
+    if not waiter.cancelled():
+        waiter.result()  # NOTE: what the wait raised, if anything

@@ -16,11 +16,11 @@ replica; there the waiting requests of each replica re-read the counts every `po
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import TypeVar
 
+from splitserve.engine.aio import notified_within
 from splitserve.engine.errors import DeadlineExceeded
 from splitserve.gateway.prefill_ledger import LocalLedger, PrefillLedger
 from splitserve.gateway.router import NoWorkerError
@@ -95,8 +95,7 @@ class PrefillBudget:
                             f"worker ({len(self._queue)} requests waiting, prompt tokens in "
                             f"flight {self.tokens()})"
                         )
-                    with contextlib.suppress(TimeoutError):
-                        await asyncio.wait_for(self._changed.wait(), min(left, self.poll_s))
+                    await notified_within(self._changed, min(left, self.poll_s))
         finally:
             self._queue.remove(ticket)
             async with self._changed:

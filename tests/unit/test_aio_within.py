@@ -8,7 +8,7 @@ import asyncio
 
 import pytest
 
-from splitserve.engine.aio import within
+from splitserve.engine.aio import notified_within, within
 
 
 def test_a_cancel_that_meets_the_answer_is_still_raised():
@@ -51,5 +51,55 @@ def test_a_cancelled_waiter_cancels_its_future():
         with pytest.raises(asyncio.CancelledError):
             await waiter
         assert fut.cancelled()
+
+    asyncio.run(main())
+
+
+def test_notified_within_holds_the_lock_again_after_a_notify_a_timeout_and_a_cancel():
+    async def main() -> None:
+        cond = asyncio.Condition()
+        async with cond:
+            await notified_within(cond, 0.01)  # the timeout: no error
+            assert cond.locked()
+
+        async def waits() -> None:
+            async with cond:
+                await notified_within(cond, 10.0)
+                assert cond.locked()
+
+        task = asyncio.ensure_future(waits())
+        await asyncio.sleep(0.01)
+        async with cond:
+            cond.notify_all()
+        await asyncio.wait_for(task, 5)  # the notify ended it
+        cancelled = asyncio.ensure_future(waits())
+        await asyncio.sleep(0.01)
+        cancelled.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await cancelled
+        assert not cond.locked()  # released by the `async with` on the way out
+
+    asyncio.run(main())
+
+
+def test_notified_within_raises_a_cancel_that_meets_the_notify():
+    async def main() -> None:
+        cond = asyncio.Condition()
+        woken: list[int] = []
+
+        async def waits() -> None:
+            async with cond:
+                await notified_within(cond, 10.0)
+                woken.append(1)
+
+        task = asyncio.ensure_future(waits())
+        await asyncio.sleep(0.01)
+        async with cond:
+            cond.notify_all()
+        task.cancel()  # NOTE: in the same turn as the notify
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert woken == []
+        assert not cond.locked()
 
     asyncio.run(main())
