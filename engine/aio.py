@@ -8,16 +8,19 @@ from typing import Any, TypeVar
 T = TypeVar("T")
 
 
-async def settled(future: asyncio.Future[Any]) -> None:
+async def settled(future: asyncio.Future[Any]) -> bool:
     """Until `future` is done, whatever cancels the waiter meanwhile (its outcome is dropped):
-    so that work running in a thread (on buffers, on the engine) is over before cleanup."""
+    so that work running in a thread (on buffers, on the engine) is over before cleanup.
+    Whether a cancel came meanwhile (for a caller that must still raise it)."""
+    cancelled = False
     while not future.done():
         try:
             await asyncio.wait([future])
         except asyncio.CancelledError:
-            continue
+            cancelled = True
     if not future.cancelled():
         future.exception()  # NOTE: retrieved, so asyncio does not log it as never retrieved
+    return cancelled
 
 
 async def within(future: asyncio.Future[T], timeout_s: float | None) -> T:
@@ -53,11 +56,7 @@ async def notified_within(condition: asyncio.Condition, timeout_s: float) -> Non
     if not waiter.done():
         waiter.cancel()
     # NOTE: the waiter takes the lock back whether notified or cancelled: wait for that
-    while not waiter.done():
-        try:
-            await asyncio.wait([waiter])
-        except asyncio.CancelledError:
-            cancelled = True
+    cancelled = await settled(waiter) or cancelled
     if cancelled:
         raise asyncio.CancelledError()
     if not waiter.cancelled():
