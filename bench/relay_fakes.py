@@ -23,6 +23,7 @@ from collections.abc import AsyncIterator
 
 import grpc
 
+from splitserve.gateway.relay import MERGE
 from splitserve.kv_transfer.registry import Registry, WorkerInfo
 from splitserve.protos.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 
@@ -93,9 +94,11 @@ class FakeDecode(worker_pb2_grpc.DecodeWorkerServicer):
 
     async def DecodeMany(self, controls, context) -> AsyncIterator[worker_pb2.DecodeBatch]:  # noqa: N802
         """As a decode worker does: a step gives every stream on the call its next token(s)
-        (`--tokens-per-message`; with `--step-ms`, those of every step since the last message),
-        and one message carries the step's tokens of all of them. Without `--step-ms` the next
-        step begins once the previous message is written (as fast as the gateway reads)."""
+        (`--tokens-per-message`; with `--step-ms`, those of every step since the last message,
+        joined in one item per stream as a decode worker joins them; `SPLITSERVE_RELAY_MERGE=0`:
+        an item per step), and one message carries the steps' tokens of all of them. Without
+        `--step-ms` the next step begins once the previous message is written (as fast as the
+        gateway reads)."""
         streams: dict[int, list[int]] = {}  # stream -> [tokens sent, tokens to send]
         woken = asyncio.Event()
 
@@ -130,7 +133,12 @@ class FakeDecode(worker_pb2_grpc.DecodeWorkerServicer):
                 for sid, progress in list(streams.items()):
                     n = min(steps * per_step, progress[1] - progress[0])
                     progress[0] += n
-                    items.append(worker_pb2.DecodeItem(stream=sid, response=self._chunk(n)))
+                    if MERGE:
+                        items.append(worker_pb2.DecodeItem(stream=sid, response=self._chunk(n)))
+                    else:  # NOTE: a step's tokens per item, as the worker sent before it merged
+                        for k in range(0, n, per_step):
+                            chunk = self._chunk(min(per_step, n - k))
+                            items.append(worker_pb2.DecodeItem(stream=sid, response=chunk))
                     if progress[0] >= progress[1]:
                         del streams[sid]
                         done = self._finished(progress[1])

@@ -10,9 +10,12 @@ sends the whole list as one message whenever it has any:
 
 An engine step wakes every stream's task before the sender runs (they were woken first), so one
 step's tokens of every stream go out as one message, not one per stream; while a message is
-written, the next ones gather. A cancel (or the stream's own deadline, at the gateway) cancels
-that stream's task, which aborts its request as a Decode call's cancel does; the call's end
-cancels every stream on it.
+written, the next ones gather, and a stream's new tokens join its tokens already waiting there
+(one item per stream and sample, not one per step), as a Decode call of its own sends what
+queued up during a write as one message: a gateway that reads slower than the engine steps gets
+more tokens per item, not more items. A cancel (or the stream's own deadline, at the gateway)
+cancels that stream's task, which aborts its request as a Decode call's cancel does; the call's
+end cancels every stream on it.
 """
 
 from __future__ import annotations
@@ -68,6 +71,8 @@ class DecodeMany:
     def __init__(self, decode: Decode) -> None:
         self._decode = decode
         self._items: list[worker_pb2.DecodeItem] = []
+        # NOTE: per stream, its chunk item per sample in `_items`, which new tokens join
+        self._open: dict[int, dict[int, worker_pb2.DecodeItem]] = {}
         self._ready = asyncio.Event()
         self._streams: dict[int, asyncio.Task[None]] = {}
 
@@ -86,6 +91,7 @@ class DecodeMany:
                     await self._ready.wait()
                     continue
                 items, self._items = self._items, []
+                self._open.clear()
                 yield worker_pb2.DecodeBatch(items=items)
         finally:
             reader.cancel()
@@ -95,8 +101,31 @@ class DecodeMany:
             # NOTE: now, not when the GC finds them: each stream's cleanup aborts its request
             await asyncio.gather(*tasks, return_exceptions=True)
 
-    def _put(self, item: worker_pb2.DecodeItem) -> None:
+    def _put(self, stream: int, msg: worker_pb2.DecodeResponse) -> None:
+        """Queue `msg` of `stream` for the next message: a chunk joins the stream's chunk of
+        the same sample already queued (tokens, text and logprobs in order)."""
+        if msg.HasField("chunk"):
+            chunk = msg.chunk
+            samples = self._open.setdefault(stream, {})
+            queued = samples.get(chunk.index)
+            if queued is not None:
+                joined = queued.response.chunk
+                joined.token_ids.extend(chunk.token_ids)
+                joined.text += chunk.text
+                if chunk.logprobs:
+                    joined.logprobs.extend(chunk.logprobs)
+                return
+            item = samples[chunk.index] = worker_pb2.DecodeItem(stream=stream, response=msg)
+        else:
+            # NOTE: nothing may join a chunk queued before the stream's final message
+            self._open.pop(stream, None)
+            item = worker_pb2.DecodeItem(stream=stream, response=msg)
         self._items.append(item)
+        self._ready.set()
+
+    def _put_end(self, stream: int, end: worker_pb2.DecodeEnd) -> None:
+        self._open.pop(stream, None)
+        self._items.append(worker_pb2.DecodeItem(stream=stream, end=end))
         self._ready.set()
 
     async def _read(self, controls: AsyncIterator[worker_pb2.DecodeControl]) -> None:
@@ -123,7 +152,7 @@ class DecodeMany:
         try:
             context = StreamContext(start.metadata)
             async for msg in self._decode(start.request, context):
-                put(worker_pb2.DecodeItem(stream=stream, response=msg))
+                put(stream, msg)
             end = worker_pb2.DecodeEnd()
         except StreamEnded as exc:
             end = _end(exc.code, exc.details, exc.trailers)
@@ -136,4 +165,4 @@ class DecodeMany:
                 log.exception("Decode stream %d failed", stream, exc_info=exc)
             end = _end(code, details)
         self._streams.pop(stream, None)
-        put(worker_pb2.DecodeItem(stream=stream, end=end))
+        self._put_end(stream, end)

@@ -17,6 +17,9 @@ the call's end (its worker died, or stopped) ends every stream on it with the ca
 the next stream opens a new call. A worker without DecodeMany (an earlier version, during an
 upgrade) answers UNIMPLEMENTED: its streams then go out as Decode calls of their own.
 
+A stream whose reader falls behind takes what queued up for it as one message (its chunks of one
+sample joined), so the relay above pays per message it reads, not per step it missed.
+
 Reading never waits on a stream's consumer: the one reader task hands each item to its stream's
 queue, so a client that stops reading does not hold back the others (its queue is bounded by its
 request's `max_tokens`), where a call per stream held its worker back through flow control.
@@ -32,6 +35,7 @@ from typing import Any
 
 import grpc
 
+from splitserve.gateway.relay import MERGE
 from splitserve.protos.v1 import worker_pb2, worker_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -44,6 +48,23 @@ def _error(code: grpc.StatusCode, details: str, trailers: Any = ()) -> grpc.aio.
 
 
 _STATUS = {status.value[0]: status for status in grpc.StatusCode}
+
+
+def _joined(messages: collections.deque[worker_pb2.DecodeResponse]) -> worker_pb2.DecodeResponse:
+    """The first of `messages` (taken off), with the chunks of the same sample right behind it
+    joined into it: what a stream's reader had not taken yet goes on as one message, as a
+    worker that sends what queued up during a write does."""
+    first = messages.popleft()
+    if not messages or not first.HasField("chunk"):
+        return first
+    chunk = first.chunk
+    while messages and messages[0].HasField("chunk") and messages[0].chunk.index == chunk.index:
+        more = messages.popleft().chunk
+        chunk.token_ids.extend(more.token_ids)
+        chunk.text += more.text
+        if more.logprobs:
+            chunk.logprobs.extend(more.logprobs)
+    return first
 
 
 class MuxStream:
@@ -80,7 +101,7 @@ class MuxStream:
             if self._cancelled:
                 raise asyncio.CancelledError()
             if self._messages:
-                return self._messages.popleft()
+                return _joined(self._messages) if MERGE else self._messages.popleft()
             if self._ended:
                 if self._end is not None:
                     raise self._end

@@ -31,7 +31,8 @@ class FailoverSettings:
     # (then every quarter of it): gone from the registry (heartbeat lapsed, or its engine
     # stalled) means it moves.
     stall_timeout_s: float = 1.0
-    # How long a worker that missed a deadline gets no new request (while others are live).
+    # How long a worker that missed a deadline gets no new request (while others are live), or
+    # until it answers a Reserve in time (a hedge, or the only live worker's).
     suspect_s: float = 30.0
     # How many times one stream may move to another decode worker.
     max_migrations: int = 2
@@ -72,6 +73,13 @@ class Suspects:
             log.warning("worker %s is suspect for %.0f s: %s", worker_id, self.hold_s, why)
             if self.on_suspect is not None:
                 self.on_suspect(cause)
+
+    def clear(self, worker_id: str) -> None:
+        """`worker_id` answered a call in time: it is no longer suspect."""
+        with self._lock:
+            known = self._until.pop(worker_id, 0.0) > time.monotonic()
+        if known:
+            log.warning("worker %s answered in time: no longer suspect", worker_id)
 
     def current(self) -> set[str]:
         now = time.monotonic()

@@ -1,7 +1,8 @@
 """A Reserve that does not wait on a frozen decode worker: hedged, with a paced deadline.
 
     gateway ──Reserve(id)────────▶ D1   (no answer within `reserve_hedge_s`)
-            ──Reserve(id~h1)─────▶ D2   the hedge: another live decode worker, not suspect
+            ──Reserve(id~h1)─────▶ D2   the hedge: another live decode worker (not suspect,
+                                        unless every other one is)
             ◀── first success wins; the other call is cancelled and aborted on its worker
 
 The hedge delay is paced by the first worker's recent Reserve answers (the ones it won:
@@ -15,7 +16,7 @@ undoes a Reserve whose caller went away) and it is aborted in the background (a 
 answered before the cancel reached it). A worker is *suspect* only when a Reserve to it misses
 its suspicion deadline, `reserve_timeout_s` paced by the worker's recent answers and stream
 gaps (`runtime/pace.py`), never for being slower than the hedge; a loser cancelled before its
-deadline is not judged.
+deadline is not judged. A suspect worker that answers a Reserve in time is no longer suspect.
 """
 
 from __future__ import annotations
@@ -131,6 +132,7 @@ async def hedged_reserve(
                 a.task.cancel()
                 _release(orch, a)
     answered_s = winner.answered - winner.sent
+    orch.suspects.clear(winner.worker.worker_id)
     orch.paces.observe(winner.worker.worker_id, answered_s)
     orch.reserve_paces.observe(winner.worker.worker_id, answered_s)
     if winner is not attempts[0]:
@@ -192,11 +194,19 @@ async def _hedge(
     refused: set[str],
     attempts: list[_Attempt],
 ) -> _Attempt | None:
-    """The same Reserve, under an id of its own, on another live decode worker that is not
-    suspect (None if there is none)."""
-    avoid = orch.suspects.current() | refused | {a.worker.worker_id for a in attempts}
+    """The same Reserve, under an id of its own, on another live decode worker: one not
+    suspect, else a suspect one (it may have missed a deadline only because it was busy: better
+    than waiting on one that does not answer); None if there is none."""
+    tried = refused | {a.worker.worker_id for a in attempts}
     try:
-        worker, _, hit = await asyncio.to_thread(orch._pick_decode_now, job, obs, avoid, "hedge")
+        try:
+            worker, _, hit = await asyncio.to_thread(
+                orch._pick_decode_now, job, obs, orch.suspects.current() | tried, "hedge"
+            )
+        except NoWorkerError:
+            worker, _, hit = await asyncio.to_thread(
+                orch._pick_decode_now, job, obs, tried, "hedge"
+            )
     except NoWorkerError:
         return None
     except Exception:  # noqa: BLE001 - Redis unreachable: no hedge, the first attempt goes on

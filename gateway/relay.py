@@ -53,9 +53,11 @@ from splitserve.protos.v1 import worker_pb2
 # Messages read ahead of the handler at most: past this the reader waits for a `take`.
 MAX_PENDING = 64
 # A handler whose previous message took this long or longer is behind (its loop is busy)...
-# (`SPLITSERVE_RELAY_MERGE=0`: never, so one worker message is one client message, to compare)
+# (`SPLITSERVE_RELAY_MERGE=0`: never, so one worker message is one client message, and a
+# DecodeMany stream's reader takes its messages one at a time: gateway/decode_many.py; to compare)
 MERGE_ENV = "SPLITSERVE_RELAY_MERGE"
-HOLD_AFTER_S = 0.001 if os.environ.get(MERGE_ENV, "1") != "0" else math.inf
+MERGE = os.environ.get(MERGE_ENV, "1") != "0"
+HOLD_AFTER_S = 0.001 if MERGE else math.inf
 # ...and waits for this many messages to write as one...
 HOLD_UNTIL = 8
 # ...or as long again as that message took, but no longer than this.

@@ -52,7 +52,7 @@ _HELP = {
     "stream_interval": "new tokens per stream message at least (1: as they come)",
     "stream_interval_ms": "milliseconds between a stream's messages at least (0: as they come)",
     "decode_many": "one call per decode worker carries every stream to it, a message per engine "
-    "step (true; false, the default: a call per stream)",
+    "step (true, the default; false: a call per stream)",
     "speculative_method": "speculative decoding: ngram or draft (empty: off)",
     "num_speculative_tokens": "tokens proposed per sequence per step at most",
     "speculative_model": "--speculative-method draft: the draft checkpoint's directory",
@@ -85,7 +85,8 @@ _HELP = {
     "peak Reserve answer when longer, at most 1 s",
     "stall_timeout_s": "seconds of silence (at least; paced as --reserve-timeout-s) after which "
     "a Decode stream's worker is checked; gone from the registry, the stream moves elsewhere",
-    "suspect_s": "seconds a worker that missed a deadline gets no new requests",
+    "suspect_s": "seconds a worker that missed a deadline gets no new requests (unless it "
+    "answers a Reserve in time)",
     "max_migrations": "how often one stream may move to another decode worker",
     "http_port": "serve the OpenAI-compatible HTTP API on this port too (0: off)",
     "processes": "gateway processes sharing the ports (0: sized to the host)",

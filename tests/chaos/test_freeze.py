@@ -337,3 +337,58 @@ def test_a_reserve_to_a_frozen_decode_worker_is_answered_by_the_other_after_the_
         assert _counter(stack, "splitserve:worker_suspicions_total") == 0
         assert_nothing_leaks(stack, timeout_s=3)
         assert _reclaimed(stack) == 0
+
+
+def test_a_suspect_decode_worker_still_takes_the_hedge_of_a_frozen_one(tiny_models, llm):
+    """decode-1 is suspect (it froze long enough to leave the registry and lose its stream) and
+    back; then decode-0 freezes. A new request goes to decode-0 (the one not suspect) and its
+    Reserve is hedged on decode-1 after --reserve-hedge-s, as it would be on a worker not
+    suspect: the only other live worker is better than waiting out a frozen one's deadline (a
+    worker once made suspect by a slow first Reserve on two busy cores cost a request 6 s
+    this way). Answering it in time, decode-1 is no longer suspect."""
+    prompt, *others = random_prompts([40, 36, 44, 30, 38], 500, seed=87)
+    params = _greedy(4)
+    expected = _offline(llm, [prompt], params)[0]
+    long = _greedy(400)
+    expected_long = _offline(llm, others[2:], long)
+    # NOTE: a Reserve deadline well past the hedge (2 s): what a request waits without it
+    slow = ("--reserve-timeout-s", "2")
+    with (
+        running_stack(
+            tiny_models["llama"], prefill=1, decode=2, metrics=True, extra_gateway_args=slow
+        ) as stack,
+        ThreadPoolExecutor(2) as pool,
+    ):
+        for f in [
+            pool.submit(_timed, stack, p, params, f"warm-{i}") for i, p in enumerate(others[:2])
+        ]:
+            f.result(timeout=60)
+        # NOTE: one long stream on each decode worker (the second goes to the less loaded)
+        streams = [
+            pool.submit(_timed, stack, p, long, f"long-{i}") for i, p in enumerate(others[2:])
+        ]
+        _wait_busy(stack, "decode-1", 1)
+        lost = stack.process("decode-1")
+        os.kill(lost.pid, signal.SIGSTOP)
+        try:
+            _until(lambda: "decode-1" not in _live_ids(stack), timeout_s=10)
+            _until(lambda: _counter(stack, "splitserve:worker_suspicions_total") >= 1, 20)
+        finally:
+            os.kill(lost.pid, signal.SIGCONT)
+        _until(lambda: "decode-1" in _live_ids(stack), timeout_s=10)
+        assert [f.result(timeout=120).token_ids for f in streams] == expected_long
+        assert_nothing_leaks(stack, timeout_s=20)
+        frozen = stack.process("decode-0")
+        os.kill(frozen.pid, signal.SIGSTOP)
+        try:
+            got = _timed(stack, prompt, params, "hedged-on-suspect")
+        finally:
+            os.kill(frozen.pid, signal.SIGCONT)
+        assert got.token_ids == expected
+        took = got.done - got.sent
+        # NOTE: without the hedge on a suspect worker, decode-0's 2 s Reserve deadline passes
+        # first, and the request is asked again
+        assert took < HEDGE_S + 0.7, f"took {took:.2f} s"
+        print(f"hedged on the suspect worker: {took:.2f} s")
+        assert _counter(stack, "splitserve:routing_decisions_total", reason="hedge") == 1
+        assert_nothing_leaks(stack, timeout_s=3)
