@@ -28,6 +28,7 @@ from typing import Any
 import grpc
 
 from splitserve.engine.errors import InvalidRequest
+from splitserve.protos.convert import join_delta
 from splitserve.protos.v1 import worker_pb2
 from splitserve.runtime.grpc_server import status_for
 
@@ -109,11 +110,7 @@ class DecodeMany:
             samples = self._open.setdefault(stream, {})
             queued = samples.get(chunk.index)
             if queued is not None:
-                joined = queued.response.chunk
-                joined.token_ids.extend(chunk.token_ids)
-                joined.text += chunk.text
-                if chunk.logprobs:
-                    joined.logprobs.extend(chunk.logprobs)
+                join_delta(queued.response.chunk, chunk)
                 return
             item = samples[chunk.index] = worker_pb2.DecodeItem(stream=stream, response=msg)
         else:

@@ -23,6 +23,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from splitserve.engine.errors import InvalidRequest
+from splitserve.protos.convert import join_delta
 from splitserve.protos.v1 import common_pb2
 
 # The most tokens per message a request may ask for: past this, every stream is one message.
@@ -64,10 +65,7 @@ def merge_deltas(chunks: Sequence[common_pb2.SampleDelta]) -> list[common_pb2.Sa
 def _joined(parts: list[common_pb2.SampleDelta]) -> common_pb2.SampleDelta:
     joined = common_pb2.SampleDelta(index=parts[0].index)
     for part in parts:
-        joined.token_ids.extend(part.token_ids)
-        if part.logprobs:
-            joined.logprobs.extend(part.logprobs)
-    joined.text = "".join(part.text for part in parts)
+        join_delta(joined, part)
     return joined
 
 
@@ -90,11 +88,7 @@ class Coalescer:
             if len(chunk.token_ids) >= self.interval:
                 return chunk
             held = self._held[chunk.index] = common_pb2.SampleDelta(index=chunk.index)
-        held.token_ids.extend(chunk.token_ids)
-        if chunk.text:
-            held.text += chunk.text
-        if chunk.logprobs:
-            held.logprobs.extend(chunk.logprobs)
+        join_delta(held, chunk)
         if len(held.token_ids) < self.interval:
             return None
         del self._held[chunk.index]

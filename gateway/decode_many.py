@@ -36,6 +36,7 @@ from typing import Any
 import grpc
 
 from splitserve.gateway.relay import MERGE
+from splitserve.protos.convert import join_delta
 from splitserve.protos.v1 import worker_pb2, worker_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -59,11 +60,7 @@ def _joined(messages: collections.deque[worker_pb2.DecodeResponse]) -> worker_pb
         return first
     chunk = first.chunk
     while messages and messages[0].HasField("chunk") and messages[0].chunk.index == chunk.index:
-        more = messages.popleft().chunk
-        chunk.token_ids.extend(more.token_ids)
-        chunk.text += more.text
-        if more.logprobs:
-            chunk.logprobs.extend(more.logprobs)
+        join_delta(chunk, messages.popleft().chunk)
     return first
 
 

@@ -123,6 +123,14 @@ def first_tokens_from_proto(msgs: Any) -> list[SampledToken]:
     ]
 
 
+def join_delta(into: common_pb2.SampleDelta, more: common_pb2.SampleDelta) -> None:
+    """Append `more` (the same sample's next delta) to `into`: token ids, text, logprobs."""
+    into.token_ids.extend(more.token_ids)
+    into.text += more.text
+    if more.logprobs:
+        into.logprobs.extend(more.logprobs)
+
+
 @dataclass
 class DeltaTracker:
     """Turns a request's cumulative outputs into per-sample deltas for streaming.
