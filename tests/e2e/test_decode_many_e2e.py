@@ -1,5 +1,5 @@
-"""A gateway with one DecodeMany call per decode worker carrying its streams (the default) and
-with `--decode-many false` (a Decode call per stream): outputs equal the offline engine's, a
+"""A gateway with one DecodeMany call per decode worker carrying its streams (`--decode-many
+true`) and with a Decode call per stream (the default): outputs equal the offline engine's, a
 cancelled stream frees its blocks, and nothing leaks."""
 
 from __future__ import annotations
