@@ -199,14 +199,7 @@ async def _hedge(
     than waiting on one that does not answer); None if there is none."""
     tried = refused | {a.worker.worker_id for a in attempts}
     try:
-        try:
-            worker, _, hit = await asyncio.to_thread(
-                orch._pick_decode_now, job, obs, orch.suspects.current() | tried, "hedge"
-            )
-        except NoWorkerError:
-            worker, _, hit = await asyncio.to_thread(
-                orch._pick_decode_now, job, obs, tried, "hedge"
-            )
+        worker, _, hit = await orch._pick_decode(job, obs, tried, "hedge")
     except NoWorkerError:
         return None
     except Exception:  # noqa: BLE001 - Redis unreachable: no hedge, the first attempt goes on

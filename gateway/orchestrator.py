@@ -148,18 +148,22 @@ class Orchestrator:
             self._count(route.decode.worker_id, -1)
 
     async def _pick_decode(
-        self, job: Job, obs: RequestObservation, exclude: Collection[str]
+        self,
+        job: Job,
+        obs: RequestObservation,
+        exclude: Collection[str],
+        reason: str | None = None,
     ) -> tuple[WorkerInfo, None, int]:
         """(decode worker, no prefill worker yet, prompt blocks it already holds); a suspect
         worker only if no other is live."""
         # NOTE: in a thread: the registry is a blocking Redis client.
         avoid = self.suspects.current() | set(exclude)
         try:
-            return await asyncio.to_thread(self._pick_decode_now, job, obs, avoid)
+            return await asyncio.to_thread(self._pick_decode_now, job, obs, avoid, reason)
         except NoWorkerError:
             if avoid == set(exclude):
                 raise
-            return await asyncio.to_thread(self._pick_decode_now, job, obs, exclude)
+            return await asyncio.to_thread(self._pick_decode_now, job, obs, exclude, reason)
 
     def _pick_decode_now(
         self,
