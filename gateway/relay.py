@@ -23,6 +23,15 @@ side, and it does not wait). Under load each write then carries several tokens, 
 its turns on reads, and the tokens a stream gets per second go up; a message waits at most
 `max_hold_s` longer than it would have.
 
+A stream that joins what queued up for it into one message (`joins`: a DecodeMany stream of one
+sample, gateway/decode_many.py) needs no reader task: a handler that is behind waits as long as
+its previous message took (at most `joined_max_hold_s`), then reads once, and everything its
+worker sent meanwhile comes as one message. A token then costs the gateway a list append, not
+a task's wake-up through the stream's generators: the more loaded the loop, the longer each
+message took, the more tokens the next one carries, so a saturated gateway sheds its load into
+larger messages instead of falling further behind (docs/benchmarks.md §14). The hold never
+exceeds what the previous message already took.
+
 At light load nothing changes: until a handler first falls behind it reads its stream itself,
 as before (no task, no wait, one token a message), and its first message never waits. Then
 one task per request, not per message, and one timer per held `take`. The reader stays at most
@@ -64,6 +73,9 @@ HOLD_UNTIL = 8
 MAX_HOLD_S = 0.005
 # Messages a time-gated reader keeps at most (past this the gate opens early).
 GATED_MAX_PENDING = 1024
+# A joining stream's handler that is behind waits at most this long before it reads (see the
+# module doc): longer than a decode step, so that a saturated gateway's messages carry several
+JOINED_MAX_HOLD_S = 0.05
 
 
 class StreamReader:
@@ -79,12 +91,17 @@ class StreamReader:
         max_hold_s: float = MAX_HOLD_S,
         min_hold_s: float = 0.0,
         min_gap_s: float = 0.0,
+        joins: bool = False,
+        joined_max_hold_s: float = JOINED_MAX_HOLD_S,
     ) -> None:
         """`hold_*`, `max_hold_s`: see the module doc; a hold lasts `min_hold_s` at least;
-        `min_gap_s`: the time gate (0: none)."""
+        `min_gap_s`: the time gate (0: none); `joins`: one read of `responses` returns what
+        queued up (no reader task; a hold of `joined_max_hold_s` at most)."""
         self._responses = responses
         self._claim = claim
         self._min_gap_s = min_gap_s
+        self._joins = joins and MERGE
+        self._joined_max_hold_s = joined_max_hold_s
         self._max_pending = max(max_pending, GATED_MAX_PENDING) if min_gap_s > 0 else max_pending
         self._hold_after_s = hold_after_s
         self._hold_until = min(hold_until, max_pending)
@@ -116,6 +133,10 @@ class StreamReader:
         behind = self._returned_at is not None and busy_s >= self._hold_after_s
         if self._task is None:
             if self._ended or not behind:
+                return await self._read_one(loop)
+            if self._joins:
+                hold_s = min(max(busy_s, self._min_hold_s), self._joined_max_hold_s)
+                await _sleep(loop, hold_s)
                 return await self._read_one(loop)
             self._task = asyncio.ensure_future(self._read())
         # NOTE: only with a message already waiting: one that came during the write shows a
@@ -246,6 +267,16 @@ class StreamReader:
             self._error = exc
         finally:
             _wake(self._wake_handler)
+
+
+async def _sleep(loop: asyncio.AbstractEventLoop, seconds: float) -> None:
+    """`asyncio.sleep` on a loop already known (it asks for the running loop each time)."""
+    waiter = loop.create_future()
+    timer = loop.call_later(seconds, _wake, waiter)
+    try:
+        await waiter
+    finally:
+        timer.cancel()
 
 
 def _wake(waiter: asyncio.Future[None] | None) -> None:

@@ -155,8 +155,10 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         tokens, ms = interval
         coalescer = Coalescer(tokens)
         # NOTE: once we fall behind (or from the second message on, with a time gate), a task
-        # reads ahead and what queued up goes out merged
-        reader = StreamReader(responses, claim, min_gap_s=ms / 1000)
+        # reads ahead and what queued up goes out merged; a stream that joins what queued up
+        # (a DecodeMany stream, which joins one sample's chunks per read) needs no task
+        joins = self.orchestrator.stubs.joins and job.params.n == 1
+        reader = StreamReader(responses, claim, min_gap_s=ms / 1000, joins=joins)
         try:
             # NOTE: an Abort stops the stream before its next message, as between two reads
             while (batch := await reader.take()) and not claim.aborted:

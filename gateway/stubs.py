@@ -33,6 +33,12 @@ class Stubs:
                 )
             return self._channels[address]
 
+    @property
+    def joins(self) -> bool:
+        """A Decode stream's read returns what queued up for one sample as one message
+        (DecodeMany streams do; a call of its own hands over one message per read)."""
+        return self._muxes is not None
+
     def decode(self, address: str) -> worker_pb2_grpc.DecodeWorkerStub:
         return worker_pb2_grpc.DecodeWorkerStub(self.channel(address))
 

@@ -52,7 +52,7 @@ _HELP = {
     "stream_interval": "new tokens per stream message at least (1: as they come)",
     "stream_interval_ms": "milliseconds between a stream's messages at least (0: as they come)",
     "decode_many": "one call per decode worker carries every stream to it, a message per engine "
-    "step (true; false, the default: a call per stream)",
+    "step (true, the default; false: a call per stream)",
     "speculative_method": "speculative decoding: ngram or draft (empty: off)",
     "num_speculative_tokens": "tokens proposed per sequence per step at most",
     "speculative_model": "--speculative-method draft: the draft checkpoint's directory",

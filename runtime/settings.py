@@ -180,9 +180,8 @@ class GatewaySettings:
     # Gateway processes sharing the ports (SO_REUSEPORT); 0: sized to the host (docs/deploy.md)
     processes: int = 0
     # Each gateway process keeps one DecodeMany call per decode worker, which carries every
-    # Decode stream to it (one message per engine step, not one per stream); off by default
-    # until failures of the decode-worker failure tests with it are explained (docs/deploy.md)
-    decode_many: bool = False
+    # Decode stream to it (one message per engine step, not one per stream; docs/deploy.md)
+    decode_many: bool = True
 
     def __post_init__(self) -> None:
         if not 1 <= self.stream_interval <= 4096:
