@@ -36,7 +36,8 @@ class Stubs:
     @property
     def joins(self) -> bool:
         """A Decode stream's read returns what queued up for one sample as one message
-        (DecodeMany streams do; a call of its own hands over one message per read)."""
+        (DecodeMany streams do; a call of its own hands over one message per read, as do the
+        streams to a worker without DecodeMany, whose behind handlers then wait for nothing)."""
         return self._muxes is not None
 
     def decode(self, address: str) -> worker_pb2_grpc.DecodeWorkerStub:
