@@ -19,6 +19,8 @@ requests meet the SLO, and reports the highest rate that met it.
 from __future__ import annotations
 
 import argparse
+import gzip
+import json
 import random
 import tempfile
 import time
@@ -237,6 +239,22 @@ def _stack(args: argparse.Namespace, model: Path, config: str) -> Stack:
     )
 
 
+def write_records(path: Path, rate: float, records: list[Record], client_processes: int) -> None:
+    """Append one line: the rate and, per request, its client process, send time, token times
+    and status (times on CLOCK_MONOTONIC, the same in every client process of the host)."""
+    line = {
+        "rate": rate,
+        "requests": [
+            {"client": i % max(1, client_processes), "sent": r.sent, "times": r.token_times,
+             "status": r.status}
+            for i, r in enumerate(records)
+        ],
+    }  # fmt: skip
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with gzip.open(path, "at") as f:
+        f.write(json.dumps(line) + "\n")
+
+
 def bench_config(args: argparse.Namespace, model: Path, config: str, vocab: int) -> list[dict]:
     results = []
     stack = _stack(args, model, config)
@@ -263,6 +281,8 @@ def bench_config(args: argparse.Namespace, model: Path, config: str, vocab: int)
                     args.concurrency,
                 )  # fmt: skip
                 s = summarize(records, window)
+                if args.records_out is not None:
+                    write_records(args.records_out, rate, records, args.client_processes)
                 s["cpu_cores"] = cores = meter.stop()
                 s["serving_steps"] = serving_steps(steps0, step_counters(stack))
                 for name, step in s["serving_steps"].items():
@@ -323,6 +343,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     )  # fmt: skip
     parser.add_argument("--smoke", action="store_true", help="CPU, tiny model, tiny load")
     parser.add_argument("--out", type=Path, default=Path("bench/results/serving.json"))
+    parser.add_argument(
+        "--records-out", type=Path, default=None,
+        help="also write every request's send and token times (gzipped JSON lines, one per "
+        "rate) here: where the long gaps between tokens fall in time (bench/itl_gaps.py)",
+    )  # fmt: skip
     serving_phased.add_flags(parser)
     args = parser.parse_args(argv)
     if args.smoke:

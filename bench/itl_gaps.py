@@ -1,0 +1,90 @@
+"""Where a serving run's long gaps between tokens fall (issue 26's ITL tail).
+
+    python -m bench.serving ... --records-out /tmp/records.jsonl.gz
+    python -m bench.itl_gaps /tmp/records.jsonl.gz [--threshold-ms 25]
+
+Per rate in the records: the gaps between a stream's consecutive token messages that are
+longer than `--threshold-ms`, and how they bunch in time. A stall of something every stream
+passes through (the decode worker's engine or its front) makes many streams' long gaps end
+within a few milliseconds of each other, spread over all client processes; a stall of one
+gateway or client process makes that client process's streams' gaps end together. The table:
+long gaps per stream and per client process; the share of long gaps that end in a 10 ms bin
+shared with at least a quarter of the running streams' long gaps (a global stall) and with
+no other client process (a stall of one client process and the gateway process it reached).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import gzip
+import json
+from typing import Any
+
+from bench.common import table
+
+BIN_S = 0.010
+
+
+def analyse(line: dict[str, Any], threshold_s: float) -> dict[str, Any]:
+    ends: list[tuple[float, int, int]] = []  # (end time, request, client)
+    gaps = 0
+    for n, req in enumerate(line["requests"]):
+        times = req["times"]
+        # NOTE: the tokens of one message share its time: their gap is 0, not a gap
+        stamps = sorted(set(times))
+        for a, b in zip(stamps, stamps[1:], strict=False):
+            gaps += 1
+            if b - a > threshold_s:
+                ends.append((b, n, req["client"]))
+    bins: dict[int, list[tuple[int, int]]] = collections.defaultdict(list)
+    for end, n, client in ends:
+        bins[int(end / BIN_S)].append((n, client))
+    running = _running_per_bin(line["requests"])
+    global_, single = 0, 0
+    for key, members in bins.items():
+        streams = {n for n, _ in members}
+        clients = {c for _, c in members}
+        if len(clients) == 1:
+            single += len(members)
+        elif len(streams) >= max(2, running.get(key, 0) // 4):
+            global_ += len(members)
+    per_client = collections.Counter(c for _, _, c in ends)
+    return {
+        "rate": line["rate"],
+        "messages": gaps,
+        "long_gaps": len(ends),
+        "long_per_1k_messages": round(1000 * len(ends) / max(1, gaps), 2),
+        "in_global_stalls": round(global_ / max(1, len(ends)), 2),
+        "one_client_only": round(single / max(1, len(ends)), 2),
+        "per_client": dict(sorted(per_client.items())),
+    }
+
+
+def _running_per_bin(requests: list[dict[str, Any]]) -> dict[int, int]:
+    """Streams between their first and last token, per bin."""
+    delta: collections.Counter[int] = collections.Counter()
+    for req in requests:
+        if len(req["times"]) > 1:
+            delta[int(req["times"][0] / BIN_S)] += 1
+            delta[int(req["times"][-1] / BIN_S) + 1] -= 1
+    running, count = {}, 0
+    for key in range(min(delta, default=0), max(delta, default=0) + 1):
+        count += delta.get(key, 0)
+        running[key] = count
+    return running
+
+
+def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("records", help="bench.serving --records-out's file")
+    parser.add_argument("--threshold-ms", type=float, default=25.0)
+    args = parser.parse_args(argv)
+    with gzip.open(args.records, "rt") as f:
+        rows = [analyse(json.loads(line), args.threshold_ms / 1000) for line in f if line.strip()]
+    print(table(rows, list(rows[0]) if rows else []))
+    return rows
+
+
+if __name__ == "__main__":
+    main()
