@@ -381,13 +381,18 @@ class _JoiningFeed(_Feed):
 
     async def stream(self):
         try:
-            while True:
+            ended = False
+            while not ended:
                 item = await self.queue.get()
                 self.reads += 1
                 if item is None:
                     return
-                while not self.queue.empty() and self.queue._queue[0] is not None:
-                    item.chunk.token_ids.extend(self.queue.get_nowait().chunk.token_ids)
+                while not self.queue.empty():
+                    more = self.queue.get_nowait()
+                    if more is None:
+                        ended = True  # NOTE: after this read, as a stream's end comes
+                        break
+                    item.chunk.token_ids.extend(more.chunk.token_ids)
                 yield item
         finally:
             self.closed = True
