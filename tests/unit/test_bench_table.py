@@ -28,3 +28,15 @@ def test_a_step_quantile_reads_linearly_within_its_bucket():
     assert abs(_step_quantile_est(before, after, 0.25) - 5.5) < 1e-9
     # all above the last finite bound: its bound, not infinity
     assert _step_quantile_est({}, {0.005: 0.0, inf: 4.0}, 0.5) == 5.0
+
+
+def test_serving_steps_count_the_long_turns_of_the_run_only():
+    from bench.serving import serving_steps
+
+    inf = float("inf")
+    before = {"d": {"num_steps": 10, "num_step_seqs": 100, "step_seconds": 0.1,
+                    "buckets": {0.01: 8, 0.025: 9, inf: 10}}}  # fmt: skip
+    after = {"d": {"num_steps": 110, "num_step_seqs": 1100, "step_seconds": 1.1,
+                   "buckets": {0.01: 100, 0.025: 106, inf: 110}}}  # fmt: skip
+    (step,) = serving_steps(before, after).values()
+    assert step["steps"] == 100 and step["steps_over_25ms"] == 3  # 100 - (106 - 9)
