@@ -8,9 +8,10 @@ longer than `--threshold-ms`, and how they bunch in time. A stall of something e
 passes through (the decode worker's engine or its front) makes many streams' long gaps end
 within a few milliseconds of each other, spread over all client processes; a stall of one
 gateway or client process makes that client process's streams' gaps end together. The table:
-long gaps per stream and per client process; the share of long gaps that end in a 10 ms bin
-shared with at least a quarter of the running streams' long gaps (a global stall) and with
-no other client process (a stall of one client process and the gateway process it reached).
+long gaps (all, per 1,000 messages, per client process); the share of them that end in a 10 ms
+bin with long gaps of a quarter or more of the running streams over two or more client
+processes (a global stall), and in a bin with no other client process's (one client process
+and the gateway process it reached, or a lone gap).
 """
 
 from __future__ import annotations
