@@ -20,11 +20,29 @@ import argparse
 import collections
 import gzip
 import json
+from pathlib import Path
 from typing import Any
 
 from bench.common import table
+from bench.serving_load import Record
 
 BIN_S = 0.010
+
+
+def write_records(path: Path, rate: float, records: list[Record], client_processes: int) -> None:
+    """Append one line: the rate and, per request, its client process, send time, token times
+    and status (times on CLOCK_MONOTONIC, the same in every client process of the host)."""
+    line = {
+        "rate": rate,
+        "requests": [
+            {"client": i % max(1, client_processes), "sent": r.sent, "times": r.token_times,
+             "status": r.status}
+            for i, r in enumerate(records)
+        ],
+    }  # fmt: skip
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with gzip.open(path, "at") as f:
+        f.write(json.dumps(line) + "\n")
 
 
 def analyse(line: dict[str, Any], threshold_s: float) -> dict[str, Any]:

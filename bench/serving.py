@@ -19,8 +19,6 @@ requests meet the SLO, and reports the highest rate that met it.
 from __future__ import annotations
 
 import argparse
-import gzip
-import json
 import random
 import tempfile
 import time
@@ -34,6 +32,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from bench import serving_phased
 from bench.common import model_dir, table, write_results
+from bench.itl_gaps import write_records
 from bench.proc_cpu import CPUMeter
 from bench.serving_load import SLO_ATTAINMENT, SLO_TPOT_S, SLO_TTFT_S, Record, run_load
 from splitserve.up import Stack, StackSettings, start_stack
@@ -248,22 +247,6 @@ def _stack(args: argparse.Namespace, model: Path, config: str) -> Stack:
             gateways=getattr(args, "gateways", 0),
         )
     )
-
-
-def write_records(path: Path, rate: float, records: list[Record], client_processes: int) -> None:
-    """Append one line: the rate and, per request, its client process, send time, token times
-    and status (times on CLOCK_MONOTONIC, the same in every client process of the host)."""
-    line = {
-        "rate": rate,
-        "requests": [
-            {"client": i % max(1, client_processes), "sent": r.sent, "times": r.token_times,
-             "status": r.status}
-            for i, r in enumerate(records)
-        ],
-    }  # fmt: skip
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with gzip.open(path, "at") as f:
-        f.write(json.dumps(line) + "\n")
 
 
 def bench_config(args: argparse.Namespace, model: Path, config: str, vocab: int) -> list[dict]:
