@@ -20,6 +20,7 @@ import argparse
 import collections
 import gzip
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -80,6 +81,59 @@ def analyse(line: dict[str, Any], threshold_s: float) -> dict[str, Any]:
     }
 
 
+STALL_LINE = re.compile(
+    r"(?P<who>\S+)(?: \(pid \d+\))?:? (?:event loop woke|slow engine turn) (?P<ms>[\d.]+) ms"
+    r"(?: late)? at monotonic (?P<at>[\d.]+)"
+)
+
+
+def read_stall_log(path: Path) -> list[tuple[float, float, str]]:
+    """(start, end, who) of every stall a service logged (`SPLITSERVE_STALL_LOG_MS`): a slow
+    engine turn (who: the line's logger prefix, e.g. `decode-core`) or a late event loop (who:
+    the service)."""
+    events = []
+    for line in path.read_text(errors="replace").splitlines():
+        match = STALL_LINE.search(line)
+        if match is None:
+            continue
+        who = "engine turn" if "slow engine turn" in line else "event loop"
+        core = re.search(r"(\w+)-core ", line)
+        who = f"{core[1]} {who}" if core and who == "engine turn" else f"{match['who']} {who}"
+        end = float(match["at"])
+        events.append((end - float(match["ms"]) / 1e3, end, who))
+    return events
+
+
+def global_stalls(line: dict[str, Any], threshold_s: float) -> list[tuple[float, float]]:
+    """(start, end) of each global stall: a bin where a quarter or more of the running streams'
+    long gaps end, over two or more client processes (start: the bin's median gap start)."""
+    bins: dict[int, list[tuple[float, float, int]]] = collections.defaultdict(list)
+    for req in line["requests"]:
+        stamps = sorted(set(req["times"]))
+        for a, b in zip(stamps, stamps[1:], strict=False):
+            if b - a > threshold_s:
+                bins[int(b / BIN_S)].append((a, b, req["client"]))
+    running = _running_per_bin(line["requests"])
+    out = []
+    for key, gaps in sorted(bins.items()):
+        if len({c for *_, c in gaps}) > 1 and len(gaps) >= max(2, running.get(key, 0) // 4):
+            starts = sorted(a for a, _, _ in gaps)
+            out.append((starts[len(starts) // 2], max(b for _, b, _ in gaps)))
+    return out
+
+
+def explain(stalls: list[tuple[float, float]], events: list[tuple[float, float, str]]) -> dict:
+    """How many stalls overlap a logged stall of each kind by half their length or more."""
+    found: collections.Counter[str] = collections.Counter()
+    for start, end in stalls:
+        whos = {
+            who for a, b, who in events if min(b, end) - max(a, start) >= 0.5 * (end - start)
+        }
+        for who in whos or {"nothing logged"}:
+            found[who] += 1
+    return {"global stalls": len(stalls), **dict(found.most_common())}
+
+
 def _running_per_bin(requests: list[dict[str, Any]]) -> dict[int, int]:
     """Streams between their first and last token, per bin."""
     delta: collections.Counter[int] = collections.Counter()
@@ -98,10 +152,20 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("records", help="bench.serving --records-out's file")
     parser.add_argument("--threshold-ms", type=float, default=25.0)
+    parser.add_argument(
+        "--stall-log", type=Path, help="the services' log (run with SPLITSERVE_STALL_LOG_MS): "
+        "which logged stalls the global stalls overlap",
+    )  # fmt: skip
     args = parser.parse_args(argv)
+    threshold_s = args.threshold_ms / 1000
     with gzip.open(args.records, "rt") as f:
-        rows = [analyse(json.loads(line), args.threshold_ms / 1000) for line in f if line.strip()]
+        lines = [json.loads(line) for line in f if line.strip()]
+    rows = [analyse(line, threshold_s) for line in lines]
     print(table(rows, list(rows[0]) if rows else []))
+    if args.stall_log is not None:
+        events = read_stall_log(args.stall_log)
+        for line in lines:
+            print(f"{line['rate']} req/s:", explain(global_stalls(line, threshold_s), events))
     return rows
 
 

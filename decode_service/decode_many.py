@@ -7,9 +7,13 @@ method) in a task of its own, with a stand-in context that holds the stream's me
 sends the whole list as one message whenever it has any:
 
     engine step ─▶ front ─▶ stream tasks (one per request) ─▶ items ─▶ one DecodeBatch
+                       └──▶ plain chunks, straight from the step's hand-off ──▶ items
 
-An engine step wakes every stream's task before the sender runs (they were woken first), so one
-step's tokens of every stream go out as one message, not one per stream; while a message is
+A stream's plain chunks do not wake its task: the handler takes them where the front hands out
+the step's outputs and puts them into the items at once (`StreamContext.direct_sink`,
+decode_service/pace.py); its final message and its end go through the task. One step's tokens
+of every stream go out as one message, not one per stream (the sender runs after the step's
+hand-off); while a message is
 written, the next ones gather, and a stream's new tokens join its tokens already waiting there
 (one item per stream and sample, not one per step), as a Decode call of its own sends what
 queued up during a write as one message: a gateway that reads slower than the engine steps gets
@@ -22,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -29,10 +34,13 @@ import grpc
 
 from splitserve.engine.errors import InvalidRequest
 from splitserve.protos.convert import join_delta
-from splitserve.protos.v1 import worker_pb2
+from splitserve.protos.v1 import common_pb2, worker_pb2
 from splitserve.runtime.grpc_server import status_for
 
 log = logging.getLogger(__name__)
+
+# NOTE: `SPLITSERVE_DECODE_DIRECT=0` sends every chunk through its stream's task (to compare)
+DIRECT = os.environ.get("SPLITSERVE_DECODE_DIRECT", "1") != "0"
 
 Decode = Callable[[worker_pb2.DecodeRequest, Any], AsyncIterator[worker_pb2.DecodeResponse]]
 
@@ -46,10 +54,12 @@ class StreamEnded(Exception):
 
 
 class StreamContext:
-    """What a Decode handler asks of its call, for one stream of a DecodeMany call."""
+    """What a Decode handler asks of its call, for one stream of a DecodeMany call; the
+    handler hands its plain chunks to `direct_sink` (decode_service/pace.py)."""
 
-    def __init__(self, metadata: Any) -> None:
+    def __init__(self, metadata: Any, direct_sink: Callable[[Any], None] | None) -> None:
         self._metadata = tuple(metadata.items())
+        self.direct_sink = direct_sink
 
     def invocation_metadata(self) -> tuple[tuple[str, str], ...]:
         return self._metadata
@@ -106,19 +116,33 @@ class DecodeMany:
         """Queue `msg` of `stream` for the next message: a chunk joins the stream's chunk of
         the same sample already queued (tokens, text and logprobs in order)."""
         if msg.HasField("chunk"):
-            chunk = msg.chunk
-            samples = self._open.setdefault(stream, {})
-            queued = samples.get(chunk.index)
-            if queued is not None:
-                join_delta(queued.response.chunk, chunk)
-                return
-            item = samples[chunk.index] = worker_pb2.DecodeItem(stream=stream, response=msg)
-        else:
-            # NOTE: nothing may join a chunk queued before the stream's final message
-            self._open.pop(stream, None)
-            item = worker_pb2.DecodeItem(stream=stream, response=msg)
+            self._put_chunk(stream, msg.chunk)
+            return
+        # NOTE: nothing may join a chunk queued before the stream's final message
+        self._open.pop(stream, None)
+        self._items.append(worker_pb2.DecodeItem(stream=stream, response=msg))
+        self._ready.set()
+
+    def _put_chunk(self, stream: int, chunk: common_pb2.SampleDelta) -> None:
+        samples = self._open.setdefault(stream, {})
+        queued = samples.get(chunk.index)
+        if queued is not None:
+            join_delta(queued.response.chunk, chunk)
+            return
+        response = worker_pb2.DecodeResponse(chunk=chunk)
+        item = samples[chunk.index] = worker_pb2.DecodeItem(stream=stream, response=response)
         self._items.append(item)
         self._ready.set()
+
+    def _sink(self, stream: int) -> Callable[[common_pb2.SampleDelta], None]:
+        """Where `stream`'s handler puts a chunk from outside its task: dropped once the
+        stream was cancelled (nobody reads it any more)."""
+
+        def put(chunk: common_pb2.SampleDelta) -> None:
+            if stream in self._streams:
+                self._put_chunk(stream, chunk)
+
+        return put
 
     def _put_end(self, stream: int, end: worker_pb2.DecodeEnd) -> None:
         self._open.pop(stream, None)
@@ -147,7 +171,7 @@ class DecodeMany:
         stream = start.stream
         put = self._put
         try:
-            context = StreamContext(start.metadata)
+            context = StreamContext(start.metadata, self._sink(stream) if DIRECT else None)
             async for msg in self._decode(start.request, context):
                 put(stream, msg)
             end = worker_pb2.DecodeEnd()

@@ -4,7 +4,7 @@ holds no thread."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 import grpc
 
@@ -14,6 +14,7 @@ from splitserve.decode_service.observer import DecodeObserver
 from splitserve.decode_service.worker import DecodeWorker
 from splitserve.engine.errors import InvalidRequest
 from splitserve.engine.lora.request import check_adapter_name
+from splitserve.engine.outputs import RequestOutput
 from splitserve.kv_transfer.cluster import caller_of
 from splitserve.protos import convert
 from splitserve.protos.v1 import common_pb2, worker_pb2, worker_pb2_grpc
@@ -70,6 +71,17 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         elif request.kv_handed_off:
             raise InvalidRequest("kv_handed_off needs the resumed tokens (resume)")
         obs = self.observer.decode(request.request_id, params, context)
+        # NOTE: a DecodeMany stream's plain chunks skip its task (decode_service/pace.py)
+        sink: Callable[[common_pb2.SampleDelta], None] | None = getattr(
+            context, "direct_sink", None
+        )
+
+        def direct(out: RequestOutput) -> None:
+            deltas = tracker.deltas(out)
+            obs.on_output(max((len(d.token_ids) for d in deltas), default=0))
+            for delta in deltas:
+                sink(delta)  # type: ignore[misc]
+
         outputs = self.worker.decode(
             request.request_id,
             params,
@@ -77,6 +89,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
             request.priority,
             on_admitted=obs.admitted,
             num_resumed_handed_off=handed_off,
+            direct=direct if sink is not None else None,
         )
         try:
             async for out in outputs:

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from splitserve.decode_service.handoff import StreamHandOffs, StreamMoved
+from splitserve.decode_service.pace import Pace
 from splitserve.decode_service.prefix_mirror import PrefixMirror
 from splitserve.decode_service.reservations import LocalReservation, ReservationBook
 from splitserve.engine.errors import FailedPrecondition, NotFound, quoted
@@ -164,6 +165,7 @@ class DecodeWorker:
         priority: int,
         on_admitted: Callable[[], None] | None = None,
         num_resumed_handed_off: int | None = None,
+        direct: Callable[[RequestOutput], None] | None = None,
     ) -> AsyncGenerator[RequestOutput, None]:
         """Admit a reserved request and yield its outputs until it finishes.
 
@@ -171,7 +173,8 @@ class DecodeWorker:
         with `num_resumed_handed_off` (a resumed stream of that many tokens whose KV of all but
         the last was handed off), it decodes on from that KV (recomputed if it did not land).
         The request is aborted, and its blocks freed, if the caller goes away (the task that
-        iterates this is cancelled, or closes it early).
+        iterates this is cancelled, or closes it early). With `direct`, plain outputs that come
+        while this waits for one are sent with it instead of yielded (decode_service/pace.py).
         """
         res = self.reservations.get(request_id)
         if res is None:
@@ -247,7 +250,9 @@ class DecodeWorker:
                 self._active[request_id] = (res.fence, tuple(res.block_ids))
             if on_admitted is not None:
                 on_admitted()
-            interval, sent = self.settings.stream_interval, 0
+            pace = Pace(self.settings.stream_interval)
+            if direct is not None:
+                outputs.direct = pace.taker(direct)  # NOTE: decode_service/pace.py
             while not finished:
                 item = await outputs.get()
                 # NOTE: outputs are cumulative: what queued up while this stream was busy goes
@@ -257,11 +262,10 @@ class DecodeWorker:
                 if isinstance(item, BaseException):
                     raise item
                 finished = item.finished
-                num_tokens = sum(len(s.token_ids) for s in item.outputs)
-                if finished or num_tokens - sent >= interval:
-                    sent = num_tokens
+                if pace.due(item):
                     yield item
         finally:
+            outputs.direct = None
             self._streams.pop(request_id, None)
             self.core.unsubscribe(request_id)
             # NOTE: shielded: a second cancel (the server stopping) must not leave it half done.

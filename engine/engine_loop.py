@@ -30,6 +30,7 @@ from splitserve.engine.aio import within
 from splitserve.engine.errors import Unavailable
 from splitserve.engine.llm_engine import LLMEngine
 from splitserve.engine.outputs import RequestOutput
+from splitserve.engine.stall_log import stall_log_s
 from splitserve.engine.stats import STEP_BUCKETS_S, EngineStats
 
 log = logging.getLogger(__name__)
@@ -75,6 +76,8 @@ class EngineLoop:
         self.num_step_seqs = 0
         self.step_bucket_counts = [0] * (len(STEP_BUCKETS_S) + 1)
         self.step_seconds_max = 0.0
+        self._slow_turn_s = stall_log_s()
+        self._slowest_command = (0.0, "")  # this turn's (seconds, name), for the slow-turn log
 
     def start(self) -> EngineLoop:
         self._thread.start()
@@ -164,17 +167,25 @@ class EngineLoop:
             while not self._stop.is_set():
                 busy = self.engine.has_unfinished_requests()
                 started = time.perf_counter()
-                self._run_commands(block=not busy)
+                ran = self._run_commands(block=not busy)
+                commanded = time.perf_counter()
                 self.engine.housekeeping()
                 if self.engine.has_unfinished_requests():
                     num_seqs = self.engine.num_running_seqs()
-                    self.publish(self.engine.step())
+                    kept = time.perf_counter()
+                    outputs = self.engine.step()
+                    stepped = time.perf_counter()
+                    self.publish(outputs)
                     with self._lock:
                         hooks = list(self._hooks)
                     for hook in hooks:
                         hook(self.engine)
                     if busy:  # NOTE: a turn that waited for work first is not a serving step
-                        self._count_step(time.perf_counter() - started, num_seqs)
+                        ended = time.perf_counter()
+                        self._count_step(ended - started, num_seqs)
+                        if self._slow_turn_s and ended - started > self._slow_turn_s:
+                            times = (started, commanded, kept, stepped, ended)
+                            self._log_slow_turn(times, ran, num_seqs, len(outputs))
         except BaseException as exc:  # noqa: BLE001 - every waiter must hear about it
             log.exception("engine loop failed")
             self.failure = exc
@@ -196,21 +207,42 @@ class EngineLoop:
         self.step_bucket_counts[bisect.bisect_left(STEP_BUCKETS_S, seconds)] += 1
         self.step_seconds_max = max(self.step_seconds_max, seconds)
 
-    def _run_commands(self, block: bool) -> None:
+    def _log_slow_turn(
+        self, times: tuple[float, ...], commands: int, num_seqs: int, num_outputs: int
+    ) -> None:
+        started, commanded, kept, stepped, ended = (1e3 * t for t in times)
+        log.warning(
+            "slow engine turn %.1f ms at monotonic %.3f: %d commands %.1f ms, housekeeping "
+            "%.1f ms, step %.1f ms (%d sequences), outputs and hooks %.1f ms (%d outputs); "
+            "slowest command %s %.1f ms",
+            ended - started, time.monotonic(), commands, commanded - started, kept - commanded,
+            stepped - kept, num_seqs, ended - stepped, num_outputs,
+            self._slowest_command[1] or "-", 1e3 * self._slowest_command[0],
+        )  # fmt: skip
+
+    def _run_commands(self, block: bool) -> int:
+        """Run the queued commands (waiting up to the idle wait for one if `block`); how many."""
         try:
             fn, future = self._commands.get(timeout=self._idle_wait_s if block else 0.0)
         except queue.Empty:
-            return
+            return 0
+        ran = 0
+        self._slowest_command = (0.0, "")
         while True:
+            ran += 1
             if future.set_running_or_notify_cancel():
+                began = time.perf_counter()
                 try:
                     future.set_result(fn(self.engine))
                 except Exception as exc:  # noqa: BLE001 - handed to the caller
                     future.set_exception(exc)
+                took = time.perf_counter() - began
+                if took > self._slowest_command[0]:
+                    self._slowest_command = (took, getattr(fn, "__qualname__", repr(fn)))
             try:
                 fn, future = self._commands.get_nowait()
             except queue.Empty:
-                return
+                return ran
 
     def publish(self, outputs: list[RequestOutput]) -> None:
         """Deliver outputs to their subscribers (after a step, or from a command that produced

@@ -28,6 +28,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from splitserve.engine.errors import SplitserveError, clip
+from splitserve.runtime import loop_lag
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -295,6 +296,7 @@ def start_server(
             )
         bound = bind(server, host, port, credentials)
         await server.start()
+        loop_lag.start(names[0] if names else "grpc server")
         return server, bound, health_servicer
 
     def run() -> None:

@@ -50,6 +50,15 @@ class _Subscriber:
     queue: asyncio.Queue[Item] | queue.Queue[Item]
 
 
+class StreamQueue(asyncio.Queue):  # type: ignore[type-arg]
+    """A request's outputs on an event loop. `direct`, if set, is offered each output as it is
+    delivered while nothing waits in the queue, and keeps it by returning True (a consumer that
+    handles an output synchronously saves a task wake per token); an output it declines, and
+    every one behind another, is queued as usual, so the order holds."""
+
+    direct: Callable[[Item], bool] | None = None
+
+
 class CoreStartError(RuntimeError):
     """The engine core failed to start; `kind` is its exception's class name."""
 
@@ -199,10 +208,10 @@ class EngineCoreClient:
 
     def subscribe_async(
         self, request_id: str, prompt_token_ids: list[int], loop: asyncio.AbstractEventLoop
-    ) -> asyncio.Queue[Item]:
+    ) -> StreamQueue:
         """An asyncio queue on `loop` that receives every output of `request_id` (or what
         ended the engine). Subscribe before the request is admitted so nothing is missed."""
-        q: asyncio.Queue[Item] = asyncio.Queue()
+        q = StreamQueue()
         self._subscribe(request_id, prompt_token_ids, loop, q)
         return q
 
@@ -312,4 +321,11 @@ class EngineCoreClient:
 
 def _put_all(items: list[tuple[asyncio.Queue[Item], Item]]) -> None:
     for q, item in items:
+        direct = getattr(q, "direct", None)
+        if direct is not None and q.empty():
+            try:
+                if direct(item):
+                    continue
+            except Exception:  # noqa: BLE001 - the other streams' outputs still go out
+                log.exception("a stream's output could not be handed on directly: queued")
         q.put_nowait(item)
