@@ -122,11 +122,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--out", default="bench/results/decode_front.json")
     args = parser.parse_args(argv)
-    rows = []
-    for _ in range(args.rounds):
-        for direct in (False, True):
-            rows.append(asyncio.run(one_run(args.streams, args.steps, direct)))
-    decode_many.DIRECT = True
+    rows, was = [], decode_many.DIRECT
+    try:
+        for _ in range(args.rounds):
+            for direct in (False, True):
+                rows.append(asyncio.run(one_run(args.streams, args.steps, direct)))
+    finally:
+        decode_many.DIRECT = was
     print(table(rows, list(rows[0])))
     by = {p: [r["us_per_token"] for r in rows if r["path"] == p] for p in ("stream task", "direct")}
     saved = 1 - min(by["direct"]) / min(by["stream task"])
