@@ -222,12 +222,12 @@ class EngineLoop:
 
     def _run_commands(self, block: bool) -> int:
         """Run the queued commands (waiting up to the idle wait for one if `block`); how many."""
+        self._slowest_command = (0.0, "")
         try:
             fn, future = self._commands.get(timeout=self._idle_wait_s if block else 0.0)
         except queue.Empty:
             return 0
         ran = 0
-        self._slowest_command = (0.0, "")
         while True:
             ran += 1
             if future.set_running_or_notify_cancel():

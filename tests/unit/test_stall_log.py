@@ -27,8 +27,16 @@ def test_the_threshold_is_read_in_milliseconds_and_a_bad_value_is_refused(monkey
 
 
 class SlowCommandEngine(FakeEngine):
+    slow_step_in = 0  # steps until one that takes 80 ms
+
     def hold(self, seconds: float) -> None:
         time.sleep(seconds)
+
+    def step(self):
+        self.slow_step_in -= 1
+        if self.slow_step_in == 0:
+            time.sleep(0.08)
+        return super().step()
 
 
 def _turn_logs(caplog) -> list[str]:
@@ -56,6 +64,23 @@ def test_a_slow_turn_is_logged_with_its_slowest_command(monkeypatch, caplog):
     assert float(match[1]) >= 80 and float(match[3]) >= 80
     assert before <= float(match[2]) <= after
     assert "slowest command" in line and "<lambda>" in line and "(1 sequences)" in line
+
+
+def test_a_slow_step_after_a_command_is_logged_without_that_command(monkeypatch, caplog):
+    monkeypatch.setenv("SPLITSERVE_STALL_LOG_MS", "40")
+    engine = SlowCommandEngine(steps=1000)
+    loop = EngineLoop(engine, idle_wait_s=0.01).start()  # type: ignore[arg-type]
+    try:
+        with caplog.at_level(logging.WARNING, logger="splitserve.engine.engine_loop"):
+            loop.call(lambda e: e.add("r0"))
+            loop.call(lambda e: setattr(e, "slow_step_in", 3))  # a later turn, no command in it
+            time.sleep(0.15)
+    finally:
+        loop.stop()
+    (line,) = _turn_logs(caplog)
+    step = re.search(r"step ([\d.]+) ms", line)
+    assert step and float(step[1]) >= 80, line
+    assert ": 0 commands" in line and "slowest command - 0.0 ms" in line, line
 
 
 def test_a_turn_is_not_logged_with_the_log_off(monkeypatch, caplog):
