@@ -231,14 +231,15 @@ class EngineLoop:
         while True:
             ran += 1
             if future.set_running_or_notify_cancel():
-                began = time.perf_counter()
+                began = time.perf_counter() if self._slow_turn_s else 0.0
                 try:
                     future.set_result(fn(self.engine))
                 except Exception as exc:  # noqa: BLE001 - handed to the caller
                     future.set_exception(exc)
-                took = time.perf_counter() - began
-                if took > self._slowest_command[0]:
-                    self._slowest_command = (took, getattr(fn, "__qualname__", repr(fn)))
+                if self._slow_turn_s:  # NOTE: timed only for the stall log
+                    took = time.perf_counter() - began
+                    if took > self._slowest_command[0]:
+                        self._slowest_command = (took, getattr(fn, "__qualname__", repr(fn)))
             try:
                 fn, future = self._commands.get_nowait()
             except queue.Empty:

@@ -4,9 +4,11 @@ threshold is logged with its parts and monotonic time; under it, or with the log
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import re
 import time
+from collections.abc import Iterator
 
 import pytest
 
@@ -39,25 +41,35 @@ class SlowCommandEngine(FakeEngine):
         return super().step()
 
 
+@contextlib.contextmanager
+def _engine_loop(monkeypatch, caplog, log_ms: str | None) -> Iterator[EngineLoop]:
+    """An engine loop over `SlowCommandEngine` with the stall log at `log_ms` (None: off),
+    running one request; its warnings captured."""
+    if log_ms is None:
+        monkeypatch.delenv("SPLITSERVE_STALL_LOG_MS", raising=False)
+    else:
+        monkeypatch.setenv("SPLITSERVE_STALL_LOG_MS", log_ms)
+    loop = EngineLoop(SlowCommandEngine(steps=1000), idle_wait_s=0.01).start()  # type: ignore[arg-type]
+    try:
+        with caplog.at_level(logging.WARNING, logger="splitserve.engine.engine_loop"):
+            loop.call(lambda e: e.add("r0"))
+            yield loop
+    finally:
+        loop.stop()
+
+
 def _turn_logs(caplog) -> list[str]:
     return [r.getMessage() for r in caplog.records if "slow engine turn" in r.getMessage()]
 
 
 def test_a_slow_turn_is_logged_with_its_slowest_command(monkeypatch, caplog):
-    monkeypatch.setenv("SPLITSERVE_STALL_LOG_MS", "40")
-    engine = SlowCommandEngine(steps=1000)
-    loop = EngineLoop(engine, idle_wait_s=0.01).start()  # type: ignore[arg-type]
-    try:
-        with caplog.at_level(logging.WARNING, logger="splitserve.engine.engine_loop"):
-            loop.call(lambda e: e.add("r0"))
-            time.sleep(0.1)  # steps of 5 ms: none logged
-            assert _turn_logs(caplog) == []
-            before = time.monotonic()
-            loop.call(lambda e: e.hold(0.08))
-            time.sleep(0.05)
-            after = time.monotonic()
-    finally:
-        loop.stop()
+    with _engine_loop(monkeypatch, caplog, "40") as loop:
+        time.sleep(0.1)  # steps of 5 ms: none logged
+        assert _turn_logs(caplog) == []
+        before = time.monotonic()
+        loop.call(lambda e: e.hold(0.08))
+        time.sleep(0.05)
+        after = time.monotonic()
     (line,) = _turn_logs(caplog)
     match = re.search(r"turn ([\d.]+) ms at monotonic ([\d.]+): 1 commands ([\d.]+) ms", line)
     assert match, line
@@ -67,16 +79,9 @@ def test_a_slow_turn_is_logged_with_its_slowest_command(monkeypatch, caplog):
 
 
 def test_a_slow_step_after_a_command_is_logged_without_that_command(monkeypatch, caplog):
-    monkeypatch.setenv("SPLITSERVE_STALL_LOG_MS", "40")
-    engine = SlowCommandEngine(steps=1000)
-    loop = EngineLoop(engine, idle_wait_s=0.01).start()  # type: ignore[arg-type]
-    try:
-        with caplog.at_level(logging.WARNING, logger="splitserve.engine.engine_loop"):
-            loop.call(lambda e: e.add("r0"))
-            loop.call(lambda e: setattr(e, "slow_step_in", 3))  # a later turn, no command in it
-            time.sleep(0.15)
-    finally:
-        loop.stop()
+    with _engine_loop(monkeypatch, caplog, "40") as loop:
+        loop.call(lambda e: setattr(e, "slow_step_in", 3))  # a later turn, no command in it
+        time.sleep(0.15)
     (line,) = _turn_logs(caplog)
     step = re.search(r"step ([\d.]+) ms", line)
     assert step and float(step[1]) >= 80, line
@@ -84,16 +89,9 @@ def test_a_slow_step_after_a_command_is_logged_without_that_command(monkeypatch,
 
 
 def test_a_turn_is_not_logged_with_the_log_off(monkeypatch, caplog):
-    monkeypatch.delenv("SPLITSERVE_STALL_LOG_MS", raising=False)
-    engine = SlowCommandEngine(steps=1000)
-    loop = EngineLoop(engine, idle_wait_s=0.01).start()  # type: ignore[arg-type]
-    try:
-        with caplog.at_level(logging.WARNING, logger="splitserve.engine.engine_loop"):
-            loop.call(lambda e: e.add("r0"))
-            loop.call(lambda e: e.hold(0.08))
-            time.sleep(0.05)
-    finally:
-        loop.stop()
+    with _engine_loop(monkeypatch, caplog, None) as loop:
+        loop.call(lambda e: e.hold(0.08))
+        time.sleep(0.05)
     assert _turn_logs(caplog) == []
 
 
