@@ -217,13 +217,18 @@ class ReservationBook:
             res.num_bytes += num_bytes
             res.notify()
 
-    def refused(self, request_id: str, reason: str) -> None:
+    def refused(
+        self, request_id: str, fence: int, dst_block_ids: Sequence[int], reason: str
+    ) -> bool:
         res = self.get(request_id)
         if res is None:
-            return
+            return False
         with res.changed:
+            if fence < res.fence and not _overwrites(res, dst_block_ids):
+                return False
             res.refusal = reason
             res.notify()
+        return True
 
     @contextmanager
     def hold(
@@ -270,3 +275,11 @@ class ReservationBook:
                 "FAILED_PRECONDITION",
                 f"blocks {outside[:16]} are not reserved for {res.request_id!r}",
             )
+
+
+def _overwrites(res: LocalReservation, dst_block_ids: Sequence[int]) -> bool:
+    """Whether a stale writer's bytes may lie over KV this reservation keeps: a block of it
+    that has landed already or that nobody writes again (its cached prefix). A block still to
+    land gets the live writer's bytes after the stale ones (call with `changed` held)."""
+    kept = set(res.block_ids) - (res.needed - res.received)
+    return not kept.isdisjoint(dst_block_ids)

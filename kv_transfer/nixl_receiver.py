@@ -131,7 +131,7 @@ class NixlReceiver(KVReceiver):
         except PushRefused as e:
             span.set_status(Status(StatusCode.ERROR, f"{e.status}: {e}"))
             span.end()
-            self._refuse(sender, request_id, f"{e.status}: {e}")
+            self._refuse(sender, request_id, fence, dst, f"{e.status}: {e}")
             if self._on_push is not None:
                 self._on_push(0, None, False)
             return
@@ -158,9 +158,12 @@ class NixlReceiver(KVReceiver):
             },
         )
 
-    def _refuse(self, sender: str, request_id: str, reason: str) -> None:
+    def _refuse(
+        self, sender: str, request_id: str, fence: int, dst: list[int], reason: str
+    ) -> None:
         self.num_refused += 1
-        self._landing.refused(request_id, reason)
+        if not self._landing.refused(request_id, fence, dst, reason):
+            reason += "; the live reservation is left to its writer"
         if request_id not in self._warned:
             if len(self._warned) >= _MAX_WARNED:
                 self._warned.clear()

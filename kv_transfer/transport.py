@@ -109,9 +109,14 @@ class Landing(Protocol):
         away or moved on meanwhile (the request then fails; nothing is admitted)."""
         ...
 
-    def refused(self, request_id: str, reason: str) -> None:
-        """A push for `request_id` was refused after its bytes arrived (one-sided transports):
-        the request must fail rather than wait for blocks that will not come."""
+    def refused(
+        self, request_id: str, fence: int, dst_block_ids: Sequence[int], reason: str
+    ) -> bool:
+        """A push for `request_id` under `fence` into `dst_block_ids` was refused after its
+        bytes arrived (one-sided transports): the live reservation fails rather than wait for
+        blocks that will not come or keep KV the push may have overwritten. A stale writer's
+        push (an older fence) that wrote only blocks the live writer has yet to fill leaves it
+        be. True if the reservation fails."""
         ...
 
     def hold(

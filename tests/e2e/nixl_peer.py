@@ -76,9 +76,12 @@ class RecordingLanding:
             landed.update(dst_block_ids)
             self.events.append(("landed", request_id, fence, list(dst_block_ids), num_bytes))
 
-    def refused(self, request_id: str, reason: str) -> None:
+    def refused(
+        self, request_id: str, fence: int, dst_block_ids: Sequence[int], reason: str
+    ) -> bool:
         with self.lock:
             self.events.append(("refused", request_id, reason))
+        return True
 
     def check_capability(self, request_id: str, capability: bytes) -> None:
         if capability:  # the test's reservations carry none: a push that brings one is wrong

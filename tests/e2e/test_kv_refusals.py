@@ -122,6 +122,37 @@ def test_a_stale_fence_is_refused_and_the_request_never_admitted(setup):
     assert_nothing_leaks(stack)
 
 
+def test_a_late_push_from_an_aborted_reservations_writer_leaves_the_fresh_one_be(setup):
+    """The gateway retried a prefill (its worker died) with a fresh reservation for the same
+    request: the dead writer's last push, refused under its old fence, does not fail the new
+    reservation, whose own writer then fills it and the request decodes."""
+    stack, stub, sender, peer = setup
+    old = _reserve(stub, "late-1")
+    _abort(stub, "late-1")
+    fresh = _reserve(stub, "late-1")
+    assert fresh.fence > old.fence
+    # The worst case: the old writer's blocks are the fresh reservation's, none landed yet.
+    stale = _push(sender, peer, "late-1", old.fence, fresh.block_ids, old.capability)
+    if sender.name == "grpc":
+        assert stale is not None and stale.status == "FAILED_PRECONDITION"
+    else:
+        assert stale is None  # landed one-sided; the notification is refused
+    assert _push(sender, peer, "late-1", fresh.fence, fresh.block_ids, fresh.capability) is None
+    replies = list(
+        stub.Decode(
+            worker_pb2.DecodeRequest(
+                request_id="late-1",
+                sampling=convert.sampling_to_proto(GREEDY),
+                first_tokens=[worker_pb2.FirstToken(index=0, token_id=7)],
+            ),
+            timeout=30,
+        )
+    )
+    assert replies[-1].WhichOneof("kind") == "finished"
+    assert replies[-1].finished.usage.completion_tokens == GREEDY.max_tokens
+    assert_nothing_leaks(stack)
+
+
 def test_a_push_for_an_unknown_request_is_refused(setup):
     stack, stub, sender, peer = setup
     dest = _reserve(stub, "known-1")  # real blocks to aim at, under another request's id

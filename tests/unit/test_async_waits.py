@@ -173,7 +173,7 @@ def test_wait_complete_async_answers_false_once_a_push_is_refused_or_it_is_recla
 
     def end() -> None:
         if ending == "refused":
-            book.refused("req", "bad checksum")
+            book.refused("req", res.fence, [5], "bad checksum")
         else:
             book.pop("req")
 
