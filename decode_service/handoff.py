@@ -158,9 +158,8 @@ class StreamHandOffs:
             if self.core.running:
                 self.core.call("abort", request_id)
             self.registry.release_quietly(request_id, parked[request_id].fence)
-        for request_id, p in parked.items():
-            if request_id not in lapsed:
-                self.registry.renew(request_id, p.fence, self.settings.lease_s)
+        kept = {r: p.fence for r, p in parked.items() if r not in lapsed}
+        self.registry.renew_many(kept, self.settings.lease_s)
 
     def records(self) -> list[BlockRecord]:
         """The block records of parked streams (this worker owns them until handed off)."""

@@ -368,8 +368,8 @@ class DecodeWorker:
                     self.num_reclaimed += 1
         with self._active_lock:
             active = dict(self._active)
-        for request_id, (fence, _) in active.items():
-            self.registry.renew(request_id, fence, self.settings.lease_s)
+        fences = {request_id: fence for request_id, (fence, _) in active.items()}
+        self.registry.renew_many(fences, self.settings.lease_s)
         self.handoffs.housekeeping()
 
     def _records(self) -> list[BlockRecord]:

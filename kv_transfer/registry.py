@@ -51,7 +51,6 @@ from splitserve.kv_transfer.registry_records import (
     WORKER_KINDS,
     BlockRecord,
     BlockSizeMismatch,
-    RecordLost,
     RegistryError,
     RegistryUnavailable,
     Reservation,
@@ -60,6 +59,7 @@ from splitserve.kv_transfer.registry_records import (
     as_bytes,
     as_text,
     check_compatible,
+    check_step,
     ms,
     worker_from_fields,
 )
@@ -277,7 +277,7 @@ class Registry(PrefixIndex, KVEndpoints, OwnRecords):
             keys=[self._req_key(request_id), self._since_key()],
             args=[prefill_worker, int(fence), ms(lease_s, "lease_s")],
         )
-        self._check("begin_write", request_id, fence, as_text(status), as_text(detail))
+        check_step("begin_write", request_id, fence, as_text(status), as_text(detail))
 
     def handoff(
         self,
@@ -309,15 +309,22 @@ class Registry(PrefixIndex, KVEndpoints, OwnRecords):
         status = as_text(status)
         if status == "rewritten":
             return True
-        self._check("handoff", request_id, fence, status, as_text(detail))
+        check_step("handoff", request_id, fence, status, as_text(detail))
         return False
 
     def renew(self, request_id: str, fence: int, lease_s: float) -> bool:
         """Extend the lease; False if the record is gone or carries another fence."""
-        renewed = self._renew(
-            keys=[self._req_key(request_id)], args=[int(fence), ms(lease_s, "lease_s")]
-        )
-        return bool(renewed)
+        return not self.renew_many({request_id: fence}, lease_s)
+
+    def renew_many(self, fences: Mapping[str, int], lease_s: float) -> set[str]:
+        """`renew` each request's record (id -> its fence) in one round trip; the ids of those
+        not renewed."""
+        ids = list(fences)
+        if not ids:
+            return set()
+        args = [ms(lease_s, "lease_s"), *(int(fences[r]) for r in ids)]
+        lost = self._renew(keys=[self._req_key(r) for r in ids], args=args)
+        return {ids[int(i) - 1] for i in lost}
 
     def release(self, request_id: str, fence: int | None = None) -> bool:
         """Delete the record (only if it carries `fence`, when given); True if it was deleted."""
@@ -380,22 +387,6 @@ class Registry(PrefixIndex, KVEndpoints, OwnRecords):
         """Every request record key in this namespace (SCAN; for leak checks, not hot paths)."""
         pattern = f"{_glob_escape(self._ns)}:req:*"
         return sorted(as_text(k) for k in self._client.scan_iter(match=pattern, count=1000))
-
-    def _check(self, op: str, request_id: str, fence: int, status: str, detail: str) -> None:
-        if status == "ok":
-            return
-        where = f"{op}({request_id!r}, fence={fence})"
-        if status == "lost":
-            raise RecordLost(f"{where}: Redis lost the record in a restart; not re-published yet")
-        if status == "owner":
-            raise RegistryError(f"{where}: blocks are reserved on {detail!r}, not this worker")
-        message = {
-            "missing": "the record is gone (released, or its lease lapsed)",
-            "fence": f"the record now carries fence {detail} (superseded by a newer reserve)",
-            "state": f"the record is {detail!r}, past the point this step applies to",
-            "writer": f"the record is already being written by {detail!r}",
-        }[status]
-        raise StaleFenceError(f"{where} refused: {message}", status)
 
 
 def _glob_escape(text: str) -> str:

@@ -79,9 +79,17 @@ redis.call('PEXPIRE', KEYS[1], ARGV[3])
 return {'ok', ''}
 """
 )
+# KEYS[i] a request's record, ARGV[i + 1] its fence, ARGV[1] the lease (ms): the positions of
+# the records not renewed (gone, or carrying another fence).
 RENEW = """
-if redis.call('HGET', KEYS[1], 'fence') ~= ARGV[1] then return 0 end
-return redis.call('PEXPIRE', KEYS[1], ARGV[2])
+local lost = {}
+for i = 1, #KEYS do
+  if redis.call('HGET', KEYS[i], 'fence') ~= ARGV[i + 1]
+      or redis.call('PEXPIRE', KEYS[i], ARGV[1]) == 0 then
+    lost[#lost + 1] = i
+  end
+end
+return lost
 """
 RELEASE = """
 if redis.call('HGET', KEYS[1], 'fence') ~= ARGV[1] then return 0 end

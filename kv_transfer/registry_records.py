@@ -170,3 +170,21 @@ def ms(seconds: float, what: str) -> int:
     if not math.isfinite(seconds) or seconds <= 0:
         raise ValueError(f"{what} must be a finite number of seconds > 0, got {seconds!r}")
     return max(1, math.ceil(seconds * 1000))
+
+
+def check_step(op: str, request_id: str, fence: int, status: str, detail: str) -> None:
+    """Raise what a registry step's Lua status says went wrong (nothing for "ok")."""
+    if status == "ok":
+        return
+    where = f"{op}({request_id!r}, fence={fence})"
+    if status == "lost":
+        raise RecordLost(f"{where}: Redis lost the record in a restart; not re-published yet")
+    if status == "owner":
+        raise RegistryError(f"{where}: blocks are reserved on {detail!r}, not this worker")
+    message = {
+        "missing": "the record is gone (released, or its lease lapsed)",
+        "fence": f"the record now carries fence {detail} (superseded by a newer reserve)",
+        "state": f"the record is {detail!r}, past the point this step applies to",
+        "writer": f"the record is already being written by {detail!r}",
+    }[status]
+    raise StaleFenceError(f"{where} refused: {message}", status)

@@ -216,6 +216,21 @@ def test_lapsed_lease_makes_the_request_appear_in_expired_requests(registry: Reg
     assert registry.request_record_keys() == ["test:req:long", "test:req:renewed"]
 
 
+def test_renew_many_extends_the_leases_it_can_in_one_call_and_names_the_rest(
+    registry: Registry,
+) -> None:
+    a = registry.reserve("a", "d0", [1], lease_s=TTL_S)
+    b = registry.reserve("b", "d0", [2], lease_s=TTL_S)
+    stale = registry.reserve("stale", "d0", [3], lease_s=TTL_S)
+    lost = registry.renew_many(
+        {"a": a.fence, "gone": a.fence, "b": b.fence, "stale": stale.fence - 1}, LEASE_S
+    )
+    assert lost == {"gone", "stale"}
+    assert registry.renew_many({}, LEASE_S) == set()
+    time.sleep(TTL_S + 0.05)
+    assert registry.expired_requests(["a", "b", "stale"]) == {"stale"}
+
+
 def run_together(*targets: Callable[[], None]) -> None:
     """Run each target in its own thread, released at the same instant."""
     barrier = threading.Barrier(len(targets))
