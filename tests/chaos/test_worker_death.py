@@ -78,8 +78,17 @@ def _wait_busy(stack: Stack, worker_id: str, num_running: int, timeout_s: float 
     client reads its stream later than the worker writes it."""
     worker = next(w for w in workers(stack) if w.worker_id == worker_id)
     deadline = time.monotonic() + timeout_s
-    while stats(worker, stack).num_running < num_running:
-        assert time.monotonic() < deadline, f"{worker_id} never ran {num_running} streams"
+    most = 0
+    while (running := stats(worker, stack).num_running) < num_running:
+        most = max(most, running)
+        if time.monotonic() >= deadline:
+            # NOTE: where the streams were instead, to tell a routing fault from a slow host
+            seen = {w.worker_id: (stats(w, stack).num_running, stats(w, stack).num_waiting)
+                    for w in workers(stack)}  # fmt: skip
+            raise AssertionError(
+                f"{worker_id} never ran {num_running} streams in {timeout_s} s (at most {most});"
+                f" (running, waiting) now: {seen}"
+            )
         time.sleep(0.005)
 
 
