@@ -24,11 +24,11 @@ from bench.common import table, write_results
 from splitserve.decode_service import decode_many
 from splitserve.decode_service.pace import Pace
 from splitserve.engine.outputs import CompletionOutput, RequestOutput
+from splitserve.launch.decode_start import decode_servicer
 from splitserve.protos.v1 import worker_pb2
 from splitserve.runtime.engine_core.client import StreamQueue, _put_all
 from splitserve.runtime.metrics import Metrics
 from splitserve.runtime.tracing import Tracing
-from splitserve.worker_start import decode_servicer
 
 
 class StandInWorker:

@@ -4,8 +4,8 @@
     python -m bench.http_overhead --concurrency 1 16 64 --rounds 5
     python -m bench.http_overhead --smoke            # CPU: checks that it runs
 
-One real stack (`splitserve.up`: redis-server, a prefill and a decode worker, the gateway with
-`--http-port`); the same greedy streams (random token-id prompts, EOS ignored) go through the
+One real stack (`splitserve.launch.up`: redis-server, a prefill and a decode worker, the gateway
+with `--http-port`); the same greedy streams (random token-id prompts, EOS ignored) go through the
 gRPC `Generate` and through `POST /v1/completions` with `stream: true`, in alternating rounds,
 from one asyncio client. The tiny model makes tokens cheap, so what the gateway adds per token
 is as large a share as it gets. Reported per API and concurrency: inter-chunk latency (ITL:
@@ -30,9 +30,9 @@ import grpc
 import httpx
 
 from bench.common import device_name, table, write_results
+from splitserve.launch.up import StackSettings, start_stack
 from splitserve.protos.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 from splitserve.testing.tiny_model import make_tiny_model
-from splitserve.up import StackSettings, start_stack
 
 
 def _pct(values: list[float], q: float) -> float:

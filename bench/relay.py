@@ -35,7 +35,7 @@ from bench.common import table, write_results
 from bench.proc_cpu import CPUMeter
 from bench.relay_client import GAP_BUCKETS_PER_S
 from splitserve.kv_transfer.redis_server import RedisServer
-from splitserve.up import free_port
+from splitserve.launch.up import free_port
 
 
 def wait_serving(proc: subprocess.Popen[str], processes: int, timeout_s: float) -> None:

@@ -178,7 +178,7 @@ class FakePrefill(worker_pb2_grpc.PrefillWorkerServicer):
 
 
 def _info(kind: str, worker_id: str, port: int) -> WorkerInfo:
-    """What a real worker's heartbeat says (splitserve/workers.py worker_info), with a large
+    """What a real worker's heartbeat says (splitserve/launch/workers.py worker_info), with a large
     pool and batch so that the gateway's advertised limits never refuse the load."""
     return WorkerInfo(
         worker_id=worker_id,

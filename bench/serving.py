@@ -6,14 +6,14 @@ disaggregated (1 prefill + 1 decode worker) against colocated workers on the sam
     python -m bench.serving --smoke                 # CPU, tiny model: checks that it runs
     python -m bench.serving --phased --ratio-sweep  # four GPUs: static splits vs the planner
 
-Each configuration is started as a real stack (`splitserve.up`: redis-server, workers, gateway,
-each its own process) on dummy weights of the shape. Requests are random token-id prompts (no
-shared prefix), greedy, EOS ignored, sent at Poisson arrival times whether or not earlier ones
-finished. Per run: TTFT, TPOT ((last token − first token) / (tokens − 1)) and ITL (every gap
-between streamed tokens) at p50 / p90 / p99, output tokens/s, errors by status, and the SLO
-attainment and goodput (requests meeting TTFT ≤ 1 s and TPOT ≤ 40 ms, per second of arrivals).
-`--sweep` raises each configuration's rate ×1.5 from the lowest until fewer than 90% of
-requests meet the SLO, and reports the highest rate that met it.
+Each configuration is started as a real stack (`splitserve.launch.up`: redis-server, workers,
+gateway, each its own process) on dummy weights of the shape. Requests are random token-id
+prompts (no shared prefix), greedy, EOS ignored, sent at Poisson arrival times whether or not
+earlier ones finished. Per run: TTFT, TPOT ((last token − first token) / (tokens − 1)) and ITL
+(every gap between streamed tokens) at p50 / p90 / p99, output tokens/s, errors by status, and
+the SLO attainment and goodput (requests meeting TTFT ≤ 1 s and TPOT ≤ 40 ms, per second of
+arrivals). `--sweep` raises each configuration's rate ×1.5 from the lowest until fewer than 90%
+of requests meet the SLO, and reports the highest rate that met it.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ from bench.common import model_dir, table, write_results
 from bench.itl_gaps import write_records
 from bench.proc_cpu import CPUMeter
 from bench.serving_load import SLO_ATTAINMENT, SLO_TPOT_S, SLO_TTFT_S, Record, run_load
-from splitserve.up import Stack, StackSettings, start_stack
+from splitserve.launch.up import Stack, StackSettings, start_stack
 
 CONFIGS = {
     # name: (prefill workers, decode workers, devices handed out decode-first)

@@ -252,7 +252,7 @@ def _real_model(arg: str) -> Path | None:
         from splitserve.engine.gguf_cache import resolve_checkpoint
 
         return resolve_checkpoint(arg)
-    from splitserve.default_model import ModelUnavailable, fetch_default_model
+    from splitserve.launch.default_model import ModelUnavailable, fetch_default_model
 
     try:
         return fetch_default_model()

@@ -18,7 +18,7 @@ SPLITS = {  # name: (prefill, decode, colocated)
 
 
 def _workers(stack: Any) -> list[Any]:
-    from splitserve.role_cli import live_workers
+    from splitserve.roles.control import live_workers
 
     return sorted(live_workers(stack.redis_url), key=lambda w: w.worker_id)
 
@@ -30,7 +30,7 @@ def _secret(stack: Any) -> str:
 def set_split(stack: Any, split: str, expected: int) -> None:
     """Give the workers the roles of `split` (the first ones prefill, then decode, then
     colocated, in worker-id order), and wait until the registry lists them so."""
-    from splitserve.role_cli import set_role
+    from splitserve.roles.control import set_role
 
     num_prefill, num_decode, num_colocated = SPLITS[split]
     want = ["prefill"] * num_prefill + ["decode"] * num_decode + ["colocated"] * num_colocated
@@ -87,8 +87,8 @@ class PlannerThread:
     """`splitserve planner`'s loop in this process, on the stack's registry and gateway."""
 
     def __init__(self, stack: Any, args: argparse.Namespace) -> None:
-        from splitserve.planner import Planner, SignalSource
-        from splitserve.planner_policy import PlannerConfig
+        from splitserve.roles.planner import Planner, SignalSource
+        from splitserve.roles.planner_policy import PlannerConfig
 
         base = stack.metrics_ports["gateway"]
         urls = [f"http://127.0.0.1:{base + i}/metrics" for i in range(stack.gateway_processes)]

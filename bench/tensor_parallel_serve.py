@@ -28,7 +28,7 @@ def layers_that_need_two_gpus(shape: dict, gpu_bytes: int) -> int:
 
 def serve_mode(args) -> dict:
     """Start the stack, send the requests, stop it; an error is recorded, not raised."""
-    from splitserve.up import StackSettings, start_stack
+    from splitserve.launch.up import StackSettings, start_stack
 
     on_gpu = torch.cuda.is_available() and not args.cpu
     need = args.decode_tp + (args.prefill_tp if args.prefill else 0)

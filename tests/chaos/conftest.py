@@ -8,7 +8,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from splitserve.up import Stack
+from splitserve.launch.up import Stack
 from tests.e2e.conftest import redis_client, redis_server, registry
 from tests.e2e.harness import running_stack
 

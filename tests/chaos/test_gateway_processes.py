@@ -18,8 +18,8 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from splitserve.stack_ports import new_ports
-from splitserve.up import free_port
+from splitserve.launch.ports import new_ports
+from splitserve.launch.up import free_port
 
 pytestmark = pytest.mark.slow
 

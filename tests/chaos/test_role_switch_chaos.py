@@ -18,7 +18,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from splitserve.client import collect, stream
 from splitserve.engine import LLM, SamplingParams
 from splitserve.protos.v1 import worker_pb2, worker_pb2_grpc
-from splitserve.role_cli import set_role
+from splitserve.roles.control import set_role
 from tests.e2e.harness import (
     assert_nothing_leaks,
     gateway,

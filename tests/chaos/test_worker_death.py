@@ -21,7 +21,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from splitserve.client import Completion, collect, stream
 from splitserve.engine import LLM, SamplingParams
-from splitserve.up import Stack
+from splitserve.launch.up import Stack
 from tests.e2e.harness import assert_nothing_leaks, gateway, running_stack, stats, workers
 from tests.engine.hf_oracle import random_prompts
 

@@ -12,8 +12,8 @@ from typing import Any
 
 import pytest
 
-from splitserve import up
-from splitserve.default_model import tiny_model_dir
+from splitserve.launch import up
+from splitserve.launch.default_model import tiny_model_dir
 from tests.deploy.helpers import (
     COMPOSE_FILE,
     GRPC_PORTS,
@@ -134,7 +134,7 @@ def test_gpu_services_reserve_nvidia_gpus_and_cpu_ones_do_not(services):
 
 
 def _start_stack_argvs(monkeypatch, settings: up.StackSettings) -> dict[str, list[str]]:
-    """The argv `splitserve.up.start_stack` gives each service (nothing is started), with the
+    """The argv `splitserve.launch.up.start_stack` gives each service (nothing is started), with the
     free ports it picks replaced by the fixed ones compose gives that service."""
     launched: list[list[str]] = []
 

@@ -36,8 +36,6 @@ from tests.deploy.helpers import (
 
 # The oldest Kubernetes we support (native gRPC probes are GA from 1.27) and a recent one.
 K8S_VERSIONS = ("1.28", "1.33")
-# Settings the services read that are not fields of splitserve/settings.py: the log level (read
-# in cli.main).
 # Read by `splitserve` but not fields of a settings class: the log level, and where the
 # secrets are (runtime/security.py: files, never flags with the secret itself).
 EXTRA_SETTINGS = {

@@ -12,8 +12,8 @@ import grpc
 
 from splitserve.kv_transfer.cluster import secret_metadata
 from splitserve.kv_transfer.registry import Registry, WorkerInfo
+from splitserve.launch.up import Stack, StackSettings, start_stack
 from splitserve.protos.v1 import gateway_pb2_grpc, worker_pb2, worker_pb2_grpc
-from splitserve.up import Stack, StackSettings, start_stack
 
 # Short leases and heartbeats so that failure tests finish quickly.
 WORKER_ARGS = (

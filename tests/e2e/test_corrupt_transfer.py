@@ -16,9 +16,9 @@ from splitserve.kv_transfer.grpc_transport import GrpcKVSender
 from splitserve.kv_transfer.redis_server import RedisServer
 from splitserve.kv_transfer.registry import Registry
 from splitserve.kv_transfer.transport import PushResult, TransportKind
+from splitserve.launch.services import start_decode, start_gateway, start_prefill
 from splitserve.protos.v1 import gateway_pb2_grpc, worker_pb2, worker_pb2_grpc
 from splitserve.runtime.settings import GatewaySettings, ServiceSettings, WorkerSettings
-from splitserve.services import start_decode, start_gateway, start_prefill
 
 pytestmark = pytest.mark.slow
 

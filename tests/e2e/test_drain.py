@@ -16,9 +16,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from splitserve.client import collect, stream
 from splitserve.engine import SamplingParams
 from splitserve.kv_transfer.registry import Registry
+from splitserve.launch.up import StackSettings, start_stack, wait_ready
 from splitserve.protos import convert
 from splitserve.protos.v1 import common_pb2, worker_pb2, worker_pb2_grpc
-from splitserve.up import StackSettings, start_stack, wait_ready
 from tests.e2e.harness import WORKER_ARGS, assert_nothing_leaks, gateway, stats, workers
 
 pytestmark = pytest.mark.slow

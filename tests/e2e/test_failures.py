@@ -170,8 +170,8 @@ def test_prefill_worker_killed_mid_request_strands_nothing(stack):
 
 def test_gateway_answers_unavailable_without_workers_and_resource_exhausted_when_full(stack):
     from splitserve.kv_transfer.redis_server import RedisServer
+    from splitserve.launch.services import start_gateway
     from splitserve.runtime.settings import GatewaySettings, ServiceSettings
-    from splitserve.services import start_gateway
 
     with RedisServer() as empty_redis:
         lonely = start_gateway(

@@ -21,9 +21,9 @@ import pytest
 
 from splitserve.client import collect, stream
 from splitserve.engine import LLM, SamplingParams
+from splitserve.launch.up import Stack, free_port
 from splitserve.protos import convert
 from splitserve.protos.v1 import common_pb2, gateway_pb2
-from splitserve.up import Stack, free_port
 from tests.e2e.harness import assert_nothing_leaks, gateway, running_stack
 from tests.engine.hf_oracle import random_prompts
 

@@ -13,7 +13,7 @@ import openai
 import pytest
 
 from splitserve.engine import LLM, SamplingParams
-from splitserve.up import free_port
+from splitserve.launch.up import free_port
 from tests.e2e.harness import assert_nothing_leaks, leftovers, running_stack, stats, workers
 
 pytestmark = pytest.mark.slow
@@ -211,8 +211,8 @@ def test_errors_have_openai_shape_and_status(stack, model_dir):
 
 def test_no_workers_is_503_and_no_chat_template_is_400(tmp_path):
     from splitserve.kv_transfer.redis_server import RedisServer
+    from splitserve.launch.services import start_gateway
     from splitserve.runtime.settings import GatewaySettings, ServiceSettings
-    from splitserve.services import start_gateway
     from splitserve.testing.tiny_model import make_tiny_model
 
     bare = make_tiny_model(tmp_path / "bare", "llama", chat_template=None)
@@ -249,8 +249,8 @@ def test_grpc_messages_take_the_same_chat_path(stack, llm, chat_ids):
 
 
 def test_the_in_flight_limit_answers_429(stack, model_dir):
+    from splitserve.launch.services import start_gateway
     from splitserve.runtime.settings import GatewaySettings, ServiceSettings
-    from splitserve.services import start_gateway
 
     port = free_port("127.0.0.1")
     small = start_gateway(

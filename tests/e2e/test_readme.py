@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from splitserve.up import free_port
+from splitserve.launch.up import free_port
 
 pytestmark = pytest.mark.slow
 

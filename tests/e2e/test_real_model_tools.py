@@ -41,8 +41,8 @@ def real_model(request, tmp_path_factory):
         return request.getfixturevalue("smollm2").hf_dir
     except pytest.FixtureLookupError:
         pass
-    from splitserve.default_model import ModelUnavailable, fetch_default_model
     from splitserve.engine.gguf_cache import resolve_checkpoint
+    from splitserve.launch.default_model import ModelUnavailable, fetch_default_model
 
     home = tmp_path_factory.mktemp("real-model-cache")
     try:

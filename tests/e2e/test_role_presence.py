@@ -16,7 +16,7 @@ from splitserve.kv_transfer.nixl_vetting import VouchedSenders
 from splitserve.kv_transfer.redis_server import RedisServer
 from splitserve.kv_transfer.registry import Registry, WorkerInfo
 from splitserve.kv_transfer.registry_conceal import Concealed
-from splitserve.role_switch import RolePresence
+from splitserve.roles.switch import RolePresence
 
 SECRET = "cluster-secret-for-the-test"
 AGENT = b"decode-0-5f0c1e2d"

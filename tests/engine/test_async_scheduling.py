@@ -162,8 +162,8 @@ def test_the_worker_flag_reaches_the_engine_config(value, want):
     """`--async-scheduling` / SPLITSERVE_ASYNC_SCHEDULING: auto leaves it to the engine (on with
     CUDA graphs); anything but auto, on or off is refused."""
     from splitserve.cli import build_parser
+    from splitserve.launch.workers import engine_config
     from splitserve.runtime.settings import WorkerSettings, from_args
-    from splitserve.workers import engine_config
 
     env = {} if value is None else {"SPLITSERVE_ASYNC_SCHEDULING": value}
     args = build_parser(env).parse_args(["decode", "--redis-url", "redis://x"])

@@ -22,8 +22,8 @@ PROMPTS = ["The capital of France is", "def fibonacci(n):", "Three primary color
 @pytest.fixture(scope="module")
 def real_model(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, Path]:
     """(GGUF directory, its HF-format copy, the XDG cache home holding both)."""
-    from splitserve.default_model import ModelUnavailable, fetch_default_model
     from splitserve.engine.gguf_cache import resolve_checkpoint
+    from splitserve.launch.default_model import ModelUnavailable, fetch_default_model
 
     home = tmp_path_factory.mktemp("lora-real-model")
     try:

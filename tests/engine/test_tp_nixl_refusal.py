@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from splitserve.engine import LLM
-from splitserve.kv_transports import start_senders
+from splitserve.launch.kv_transports import start_senders
 
 pytestmark = pytest.mark.slow
 

@@ -11,8 +11,8 @@ from splitserve.engine.config import EngineConfig
 from splitserve.engine.platform import Platform
 from splitserve.kernels.gemv import _gemv_kernel
 from splitserve.kernels.pdl import launch_options, use_pdl
+from splitserve.launch.workers import engine_config
 from splitserve.runtime.settings import WorkerSettings, from_args
-from splitserve.workers import engine_config
 
 
 def test_no_pdl_off_the_gpu_or_in_the_interpreter():

@@ -18,6 +18,7 @@ from splitserve.engine.errors import Overloaded
 from splitserve.gateway.key_limits import PerKeyInflight
 from splitserve.gateway.requests import RequestTable
 from splitserve.kv_transfer.cluster import CLUSTER_SECRET_KEY, MemberOnlyInterceptor
+from splitserve.launch.up import StackSettings
 from splitserve.protos.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from splitserve.runtime.auth import (
     ApiKeys,
@@ -37,7 +38,6 @@ from splitserve.runtime.secrets import (
 )
 from splitserve.runtime.security import Security, is_loopback
 from splitserve.runtime.stack_secrets import StackSecrets
-from splitserve.up import StackSettings
 
 KEYS = ApiKeys(("alpha-key", "beta-key"))
 

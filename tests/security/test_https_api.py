@@ -10,9 +10,9 @@ import httpx
 import openai
 import pytest
 
+from splitserve.launch.up import StackSettings
 from splitserve.runtime.auth import ApiKeys
 from splitserve.runtime.security import Security
-from splitserve.up import StackSettings
 from tests.e2e.harness import running_stack
 from tests.security.test_tls_and_up import make_certificates
 

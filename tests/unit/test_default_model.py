@@ -8,14 +8,14 @@ import socket
 
 import pytest
 
-from splitserve.default_model import (
+from splitserve.engine.gguf_cache import cache_root
+from splitserve.launch.default_model import (
     DEFAULT_GGUF,
     DEFAULT_MODEL_NAME,
     fetch_default_model,
     resolve_model_arg,
     tiny_model_dir,
 )
-from splitserve.engine.gguf_cache import cache_root
 
 
 def _closed_port() -> int:

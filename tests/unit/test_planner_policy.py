@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from splitserve.planner import HistogramWindow, bucket_quantile
-from splitserve.planner_policy import PlannerConfig, Signals, decide
+from splitserve.roles.planner import HistogramWindow, bucket_quantile
+from splitserve.roles.planner_policy import PlannerConfig, Signals, decide
 
 SLO = PlannerConfig(ttft_slo_s=1.0, tpot_slo_s=0.015, min_dwell_s=30.0)
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-PROTOS = sorted((ROOT / "protos" / "v1").glob("*.proto"))
+PROTOS = sorted((ROOT / "splitserve" / "protos" / "v1").glob("*.proto"))
 
 
 def test_generated_code_is_up_to_date():

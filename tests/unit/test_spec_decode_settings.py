@@ -10,9 +10,9 @@ from prometheus_client.core import Metric
 
 from splitserve.engine.spec_decode.config import SpeculativeConfig
 from splitserve.engine.stats import EngineStats
+from splitserve.launch.workers import engine_config
 from splitserve.runtime.engine_metrics import EngineCollector
 from splitserve.runtime.settings import WorkerSettings, add_flags, from_args
-from splitserve.workers import engine_config
 
 
 def _worker(*argv: str) -> WorkerSettings:

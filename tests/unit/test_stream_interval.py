@@ -8,7 +8,7 @@ import pytest
 
 from splitserve.engine.errors import InvalidRequest
 from splitserve.gateway.coalesce import Coalescer, check_stream_interval, check_stream_interval_ms
-from splitserve.gateway_processes import default_processes, hold_port, inflight_share
+from splitserve.launch.gateway_processes import default_processes, hold_port, inflight_share
 from splitserve.protos.v1 import common_pb2
 from splitserve.runtime.grpc_server import BindError
 

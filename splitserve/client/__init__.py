@@ -1,0 +1,7 @@
+"""The client: a small Python client of the public gRPC API (`api.py`), used by `splitserve
+generate` and the tests.
+"""
+
+from splitserve.client.api import BearerKey, Completion, collect, connect, stream
+
+__all__ = ["BearerKey", "Completion", "collect", "connect", "stream"]

@@ -1,0 +1,41 @@
+"""Where a request is while the gateway drives it across workers (`Route`: what `abort` must
+reach, and under which id the decode worker knows it), and how long it has left (`remaining`).
+The orchestrator, the Reserve hedge (`hedge.py`) and stream migration (`migration.py`) share
+them."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from splitserve.engine.errors import DeadlineExceeded
+from splitserve.kv_transfer.registry import WorkerInfo
+
+
+@dataclass
+class Route:
+    """Where a request is, so that `abort` can reach it."""
+
+    decode: WorkerInfo
+    prefill: WorkerInfo | None = None
+    prefix_blocks: int = 0  # leading prompt blocks D holds (the registry's view when picked)
+    worker_request_id: str | None = None  # the request's id on `decode`, once a stream moved
+    calls: list[Any] = field(default_factory=list)  # cancellable futures / streams
+    cancelled: bool = False
+    reserving: bool = False  # a Reserve was sent: D may hold blocks for the request
+    hedges: int = 0  # Reserves sent under an id of their own (gateway/hedge.py)
+
+    def new_attempt_id(self, request_id: str) -> str:
+        """An id of its own for another Reserve of `request_id`: what a worker grants under an
+        earlier one (late, or to a hedge's loser) is aborted under that id, never meets this."""
+        self.hedges += 1
+        return f"{request_id}~h{self.hedges}"
+
+
+def remaining(deadline: float) -> float:
+    """Seconds until `deadline` (a `time.monotonic()` value); DeadlineExceeded once passed."""
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise DeadlineExceeded("the request's deadline passed")
+    return left
