@@ -120,7 +120,7 @@ def _generate(args: argparse.Namespace) -> int:
 
 
 def build_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
-    from splitserve.testing.tiny_model import SUPPORTED_TINY_ARCHS
+    from splitserve.testing.archs import SUPPORTED_TINY_ARCHS
 
     parser = argparse.ArgumentParser(
         prog="splitserve", description=__doc__, formatter_class=argparse.RawTextHelpFormatter

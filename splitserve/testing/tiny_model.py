@@ -17,6 +17,7 @@ import pathlib
 import torch
 from safetensors.torch import save_file
 
+from splitserve.testing.archs import SUPPORTED_TINY_ARCHS as SUPPORTED_TINY_ARCHS
 from splitserve.testing.tiny_tokenizer import (
     BOS_TOKEN,
     CHATML_TEMPLATE,
@@ -25,8 +26,6 @@ from splitserve.testing.tiny_tokenizer import (
     build_tokenizer,
     write_tokenizer_files,
 )
-
-SUPPORTED_TINY_ARCHS = ("llama", "mistral", "qwen2", "qwen3")
 
 # Init scales, tuned empirically (see tests) so that greedy decoding is varied, depends on the
 # context, and has clear top-1 margins. Logits have std ~4: for untied models via LM_HEAD_GAIN
