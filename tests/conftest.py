@@ -5,6 +5,8 @@ from __future__ import annotations
 import fcntl
 import os
 import shutil
+import subprocess
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -57,6 +59,19 @@ def tiny_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     models = {arch: root / arch for arch in SUPPORTED_TINY_ARCHS}
     models["llama2"] = root / "llama2"
     return models
+
+
+@pytest.fixture(scope="session")
+def built_wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The project's wheel (`pip wheel .`, without its dependencies), built once per run."""
+    out = tmp_path_factory.mktemp("dist")
+    subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
+         "-w", str(out), str(Path(__file__).resolve().parents[1])],
+        check=True, capture_output=True, timeout=300,
+    )  # fmt: skip
+    (wheel,) = out.glob("splitserve-*.whl")
+    return wheel
 
 
 @dataclass(frozen=True)

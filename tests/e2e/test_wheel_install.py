@@ -19,20 +19,12 @@ from splitserve.launch.ports import free_port
 
 pytestmark = pytest.mark.slow
 
-REPO = Path(__file__).resolve().parents[2]
 
-
-def _venv_with_the_wheel(tmp_path: Path) -> Path:
+def _venv_with_the_wheel(tmp_path: Path, wheel: Path) -> Path:
     """A new venv holding the wheel. NOTE: its dependencies are this test run's own, reached
     through a path file (a plain path line: no `.pth` in that folder runs, so our editable
     install's import hook stays out), so nothing is downloaded again; splitserve itself comes
     only from the wheel."""
-    subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
-         "-w", str(tmp_path / "dist"), str(REPO)],
-        check=True, capture_output=True, timeout=300,
-    )  # fmt: skip
-    (wheel,) = (tmp_path / "dist").glob("splitserve-*.whl")
     venv = tmp_path / "venv"
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=120)
     python = venv / "bin" / "python"
@@ -49,8 +41,8 @@ def _venv_with_the_wheel(tmp_path: Path) -> Path:
     return venv
 
 
-def test_the_installed_wheel_starts_the_stack_and_answers(tiny_models, tmp_path):
-    venv = _venv_with_the_wheel(tmp_path)
+def test_the_installed_wheel_starts_the_stack_and_answers(tiny_models, built_wheel, tmp_path):
+    venv = _venv_with_the_wheel(tmp_path, built_wheel)
     where = subprocess.run(
         [str(venv / "bin" / "python"), "-c", "import splitserve; print(splitserve.__file__)"],
         cwd=tmp_path, capture_output=True, text=True, timeout=60,
