@@ -51,7 +51,38 @@ SHAPES: dict[str, dict[str, Any]] = {
         "bos_token_id": 0,
         "eos_token_id": 1,
     },
+    "qwen3-30b-a3b": {
+        "architectures": ["Qwen3MoeForCausalLM"],
+        "model_type": "qwen3_moe",
+        "vocab_size": 151936,
+        "hidden_size": 2048,
+        "intermediate_size": 6144,
+        "moe_intermediate_size": 768,
+        "num_experts": 128,
+        "num_experts_per_tok": 8,
+        "norm_topk_prob": True,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [],
+        "num_hidden_layers": 48,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 4,
+        "head_dim": 128,
+        "max_position_embeddings": 40960,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 1000000.0,
+        "tie_word_embeddings": False,
+        "hidden_act": "silu",
+        "attention_bias": False,
+        "bos_token_id": 0,
+        "eos_token_id": 1,
+    },
 }
+
+
+def expected_experts(num_experts: int, top_k: int, tokens: int) -> float:
+    """Distinct experts `tokens` tokens touch when each picks `top_k` of `num_experts` uniformly:
+    E * (1 - (1 - k/E)^T)."""
+    return num_experts * (1 - (1 - top_k / num_experts) ** tokens)
 
 
 def model_dir(shape: str, root: Path) -> Path:

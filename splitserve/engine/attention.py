@@ -4,6 +4,11 @@ A backend owns two things for one layer: writing this step's keys and values int
 cache (by `slot_mapping`) and attending each query token to its sequence's cached context (by
 `block_tables`). The model never touches pages itself, so a Triton backend plugs in here
 without the model changing.
+
+Backends are shared by every layer, so what differs by layer comes with each call: gpt-oss's
+attention sinks (`sinks`, one learned logit per query head that joins each softmax's
+denominator and has no value, as HF's eager attention concatenates it to the logits and drops
+its column after the softmax).
 """
 
 from __future__ import annotations
@@ -84,12 +89,14 @@ class AttentionBackend(ABC):
         v: torch.Tensor,
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
+        *,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Write k, v into `kv_cache` and return attention output.
 
         q: [num_tokens, num_heads, head_dim]; k, v: [num_tokens, num_kv_heads, head_dim];
-        kv_cache: [2, num_blocks, block_size, num_kv_heads, head_dim]. Returns
-        [num_tokens, num_heads, head_dim].
+        kv_cache: [2, num_blocks, block_size, num_kv_heads, head_dim]; sinks: this layer's
+        attention sinks, float32 [num_heads], or None. Returns [num_tokens, num_heads, head_dim].
         """
 
     def rotate_and_forward(
@@ -101,10 +108,12 @@ class AttentionBackend(ABC):
         rotary: RotaryEmbedding,
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
+        *,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Rotary embedding on q and k at `positions`, then `forward`; a backend may fuse them."""
         q, k = self.ops.rotary(positions, q, k, rotary)
-        return self.forward(q, k, v, kv_cache, meta)
+        return self.forward(q, k, v, kv_cache, meta, sinks=sinks)
 
 
 def _torch_backend() -> type[AttentionBackend]:

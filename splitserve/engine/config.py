@@ -58,6 +58,10 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 256
     max_model_len: int | None = None
+    # With max_model_len unset: serve at most what the KV pool holds of one sequence when that
+    # is less than the model's context, and say so, rather than refuse to start (workers whose
+    # context and pool size were both left to their defaults: a 32k context on a CPU's pool).
+    fit_max_model_len_to_pool: bool = False
     enable_prefix_caching: bool = True
     # Record prefix-cache insertions/evictions for a registry's prefix index (decode workers).
     record_prefix_events: bool = False

@@ -6,9 +6,10 @@ HF-format directory holds: a config.json dict and float tensors under HF names, 
 loader downstream (engine, workers, the torch-free gateway) reads a GGUF model unchanged once
 `gguf_cache` has written them out.
 
-Two things the conversion to GGUF did are undone:
+What the conversion to GGUF did is undone (each architecture's part: `gguf_archs`):
 - quantization: each supported block type is dequantized with the `gguf` package's own
   reference (`gguf.quants.dequantize`), to float32;
+- Gemma's norms: llama.cpp added 1 to every norm weight (`1 + w` folded in); it is subtracted;
 - for the `llama` architecture, llama.cpp's converter permuted the rows of Q and K from HF's
   "rotate halves" layout to interleaved pairs (what its RoPE kernel expects):
 
@@ -22,7 +23,6 @@ Only numpy and `gguf` are imported here (never torch): the gateway reads GGUF mo
 
 from __future__ import annotations
 
-import re
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,53 +30,21 @@ from typing import Any
 
 import numpy as np
 
-# GGUF `general.architecture` -> (HF architecture, were Q/K permuted by llama.cpp's converter).
-# Mistral checkpoints are written as `llama` by llama.cpp.
-ARCHITECTURES: dict[str, tuple[str, bool]] = {
-    "llama": ("LlamaForCausalLM", True),
-    "qwen2": ("Qwen2ForCausalLM", False),
-    "qwen3": ("Qwen3ForCausalLM", False),
-}
+from splitserve.engine.gguf_archs import (
+    ARCHITECTURES,
+    GGUFError,
+    hf_config,
+    hf_tensor_name,
+    is_shifted_norm,
+)
+
+__all__ = ["ARCHITECTURES", "SUPPORTED_TYPES", "GGUFError", "GGUFModel", "unpermute_qk"]
 
 # Tensor types dequantized at load (names as in `gguf.GGMLQuantizationType`).
 SUPPORTED_TYPES = (
     "F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0",
     "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K",
 )  # fmt: skip
-
-_GLOBAL_NAMES = {
-    "token_embd.weight": "model.embed_tokens.weight",
-    "output_norm.weight": "model.norm.weight",
-    "output.weight": "lm_head.weight",
-}
-_LAYER_NAMES = {
-    "attn_norm": "input_layernorm",
-    "ffn_norm": "post_attention_layernorm",
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "attn_q_norm": "self_attn.q_norm",
-    "attn_k_norm": "self_attn.k_norm",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-}
-_LAYER_TENSOR = re.compile(r"blk\.(\d+)\.([a-z_]+)\.(weight|bias)")
-
-
-class GGUFError(ValueError):
-    """A GGUF file this engine cannot run (its architecture, a tensor type, a missing key)."""
-
-
-def hf_tensor_name(gguf_name: str) -> str | None:
-    """The HF name of a GGUF tensor, or None when llama.cpp's name has no HF counterpart."""
-    if gguf_name in _GLOBAL_NAMES:
-        return _GLOBAL_NAMES[gguf_name]
-    match = _LAYER_TENSOR.fullmatch(gguf_name)
-    if match is None or match[2] not in _LAYER_NAMES:
-        return None
-    return f"model.layers.{match[1]}.{_LAYER_NAMES[match[2]]}.{match[3]}"
 
 
 def unpermute_qk(weight: np.ndarray, num_heads: int) -> np.ndarray:
@@ -135,10 +103,17 @@ class GGUFModel:
                 f"{path.name}: per-frequency RoPE factors (rope_freqs.weight, Llama 3.1-style "
                 "scaling) are not supported"
             )
-        unknown = sorted(n for n in names if hf_tensor_name(n) is None)
+        unknown = sorted(n for n in names if hf_tensor_name(arch, n) is None)
         if unknown:
             raise GGUFError(f"{path.name}: tensors with no known meaning: {unknown[:5]}")
-        config = _hf_config(arch, metadata, names, path.name, reader)
+        tokens = reader.fields.get("tokenizer.ggml.tokens")
+        special_ids = {
+            name: int(field.contents())
+            for name in ("bos", "eos", "padding")
+            if (field := reader.fields.get(f"tokenizer.ggml.{name}_token_id")) is not None
+        }
+        num_tokens = len(tokens.data) if tokens is not None else 0
+        config = hf_config(arch, metadata, names, num_tokens, special_ids, path.name)
         return cls(path, arch, config, metadata, reader)
 
     @property
@@ -146,15 +121,16 @@ class GGUFModel:
         return "tokenizer.ggml.model" in self._reader.fields
 
     def tensors(self) -> Iterator[tuple[str, np.ndarray]]:
-        """(HF name, float array) for every tensor: dequantized, Q/K permutation undone. F16
-        tensors stay float16 (exact); everything else is float32 (exact for every block type)."""
+        """(HF name, float array) for every tensor: dequantized, Q/K permutation and norm
+        shift undone. F16 tensors stay float16 (exact); everything else is float32 (exact for
+        every block type; a shifted norm is float32 whatever it was stored as)."""
         from gguf import GGMLQuantizationType
         from gguf.quants import dequantize
 
-        _, permuted = ARCHITECTURES[self.arch]
+        spec = ARCHITECTURES[self.arch]
         cfg = self.hf_config
         for tensor in self._reader.tensors:
-            name = hf_tensor_name(tensor.name)
+            name = hf_tensor_name(self.arch, tensor.name)
             assert name is not None  # checked in open()
             # GGUF lists dims innermost first; numpy (and torch) want them outermost first.
             shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))
@@ -162,63 +138,10 @@ class GGUFModel:
                 array = np.asarray(tensor.data).view(np.float16).reshape(shape)
             else:
                 array = dequantize(np.asarray(tensor.data), tensor.tensor_type).reshape(shape)
-            if permuted and name.endswith(("q_proj.weight", "q_proj.bias")):
+            if is_shifted_norm(self.arch, tensor.name):
+                array = array.astype(np.float32) - np.float32(spec.norm_shift)
+            if spec.permuted_qk and name.endswith(("q_proj.weight", "q_proj.bias")):
                 array = unpermute_qk(array, cfg["num_attention_heads"])
-            elif permuted and name.endswith(("k_proj.weight", "k_proj.bias")):
+            elif spec.permuted_qk and name.endswith(("k_proj.weight", "k_proj.bias")):
                 array = unpermute_qk(array, cfg["num_key_value_heads"])
             yield name, np.ascontiguousarray(array)
-
-
-def _hf_config(
-    arch: str, meta: dict[str, Any], tensor_names: set[str], source: str, reader: Any
-) -> dict[str, Any]:
-    """config.json for the GGUF's metadata (the keys llama.cpp writes for these families)."""
-
-    def key(name: str, default: Any = None) -> Any:
-        value = meta.get(f"{arch}.{name}", default)
-        if value is None:
-            raise GGUFError(f"{source}: metadata key {arch}.{name} is missing")
-        return value
-
-    num_heads = int(key("attention.head_count"))
-    num_kv_heads = key("attention.head_count_kv", num_heads)
-    if isinstance(num_kv_heads, list):  # per layer; only a uniform count can run here
-        if len(set(num_kv_heads)) != 1:
-            raise GGUFError(f"{source}: a KV head count that varies by layer is not supported")
-        num_kv_heads = num_kv_heads[0]
-    hidden = int(key("embedding_length"))
-    head_dim = int(meta.get(f"{arch}.attention.key_length") or hidden // num_heads)
-    rope_dim = int(meta.get(f"{arch}.rope.dimension_count") or head_dim)
-    if rope_dim != head_dim:
-        raise GGUFError(f"{source}: partial rotary ({rope_dim} of {head_dim} dims) unsupported")
-    scaling = meta.get(f"{arch}.rope.scaling.type")
-    if scaling not in (None, "none"):
-        raise GGUFError(f"{source}: RoPE scaling {scaling!r} is not supported")
-    vocab = meta.get(f"{arch}.vocab_size") or len(reader.fields["tokenizer.ggml.tokens"].data)
-    hf_arch, _ = ARCHITECTURES[arch]
-    config: dict[str, Any] = {
-        "architectures": [hf_arch],
-        "model_type": arch,
-        "vocab_size": int(vocab),
-        "hidden_size": hidden,
-        "intermediate_size": int(key("feed_forward_length")),
-        "num_hidden_layers": int(key("block_count")),
-        "num_attention_heads": num_heads,
-        "num_key_value_heads": int(num_kv_heads),
-        "head_dim": head_dim,
-        "max_position_embeddings": int(key("context_length")),
-        "rms_norm_eps": float(key("attention.layer_norm_rms_epsilon")),
-        "rope_theta": float(meta.get(f"{arch}.rope.freq_base") or 10000.0),
-        "hidden_act": "silu",
-        "tie_word_embeddings": "output.weight" not in tensor_names,
-        "attention_bias": arch == "llama" and "blk.0.attn_q.bias" in tensor_names,
-    }
-    if arch != "llama":
-        config["use_sliding_window"] = False
-    for name in ("bos", "eos", "padding"):
-        field = reader.fields.get(f"tokenizer.ggml.{name}_token_id")
-        if field is not None:
-            config["pad_token_id" if name == "padding" else f"{name}_token_id"] = int(
-                field.contents()
-            )
-    return config

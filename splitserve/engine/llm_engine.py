@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import sys
 import time
 from pathlib import Path
 
@@ -50,7 +51,8 @@ class LLMEngine(LoRAEngineMixin, DisaggregationMixin, ParkingMixin):
     def __init__(self, model_dir: str | Path, config: EngineConfig | None = None) -> None:
         config = config or EngineConfig()
         self.model_config = ModelConfig.from_pretrained(model_dir)
-        max_len = config.max_model_len or self.model_config.max_model_len
+        asked_len = config.max_model_len
+        max_len = asked_len or self.model_config.max_model_len
         if max_len > self.model_config.max_model_len:
             raise ValueError(
                 f"max_model_len {max_len} exceeds the model's {self.model_config.max_model_len}"
@@ -73,6 +75,7 @@ class LLMEngine(LoRAEngineMixin, DisaggregationMixin, ParkingMixin):
             raise
         self.speculator = self._start_speculation(config)
         assert self.config.num_kv_blocks is not None
+        max_len = self._fit_to_pool(max_len, explicit=asked_len is not None)
         self.block_manager = BlockManager(
             self.config.num_kv_blocks,
             self.config.block_size,
@@ -122,6 +125,24 @@ class LLMEngine(LoRAEngineMixin, DisaggregationMixin, ParkingMixin):
         else:
             self.config = size_kv_pool(local, config, self.platform.kv_cache_budget(config))
         self.kv_cache = KVCache.allocate(local, self.config)
+
+    def _fit_to_pool(self, max_len: int, explicit: bool) -> int:
+        """The context served: `max_len`, or (config.fit_max_model_len_to_pool, max_len not
+        asked for) the tokens the KV pool holds when fewer, with one line saying so."""
+        config = self.config
+        assert config.num_kv_blocks is not None
+        holds = config.num_kv_blocks * config.block_size
+        if explicit or not config.fit_max_model_len_to_pool or holds >= max_len:
+            return max_len
+        print(
+            f"serving a context of {holds} tokens, what the KV pool holds ({config.num_kv_blocks}"
+            f" blocks), not the model's {max_len}: give the cache more memory "
+            "(--kv-cache-memory-bytes, --gpu-memory-utilization) to serve longer",
+            file=sys.stderr,
+            flush=True,
+        )
+        self.config = dataclasses.replace(config, max_model_len=holds)
+        return holds
 
     def shutdown(self) -> None:
         """Stop this engine's other tensor-parallel ranks (idempotent; nothing at TP=1)."""

@@ -1,4 +1,7 @@
-"""The Llama-family decoder (Llama 2/3, Mistral, Qwen2, Qwen3) over a paged KV cache.
+"""The decoder every family shares (Llama 2/3, Mistral, Qwen2, Qwen3, Qwen3-MoE, Mixtral, gpt-oss,
+Gemma 3) over a paged KV cache; what differs between them is read from config.json
+(engine/families.py): a layer's MLP is dense or Mixture-of-Experts (engine/moe.py), its attention
+full or sliding-window with its own RoPE, and Gemma wraps both sub-layers in norms.
 
 Module and parameter names follow HF checkpoints so weights load by name. Tokens arrive
 flattened ([num_tokens]) across all scheduled sequences; the attention backend uses
@@ -14,6 +17,7 @@ from torch import nn
 from splitserve.engine.attention import AttentionBackend, AttentionMetadata, get_attention_backend
 from splitserve.engine.lora.batch import LoRALayer
 from splitserve.engine.model_config import ModelConfig
+from splitserve.engine.moe import MoE
 from splitserve.engine.ops import NO_SCALES, Activation, Scales, TorchOps
 from splitserve.engine.parallel.group import ParallelGroup
 from splitserve.engine.parallel.layers import VocabParallelEmbedding
@@ -56,7 +60,9 @@ class Attention(nn.Module):
         self.q_proj = nn.Linear(cfg.hidden_size, cfg.q_size, bias=cfg.qkv_bias)
         self.k_proj = nn.Linear(cfg.hidden_size, cfg.kv_size, bias=cfg.qkv_bias)
         self.v_proj = nn.Linear(cfg.hidden_size, cfg.kv_size, bias=cfg.qkv_bias)
-        self.o_proj = nn.Linear(cfg.q_size, cfg.hidden_size, bias=False)
+        self.o_proj = nn.Linear(cfg.q_size, cfg.hidden_size, bias=cfg.o_bias)
+        # gpt-oss: one learned logit per head that joins every softmax's denominator.
+        self.sinks = nn.Parameter(torch.empty(cfg.num_heads)) if cfg.attn_sinks else None
         if cfg.qk_norm:
             self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, ops)
             self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, ops)
@@ -101,15 +107,19 @@ class Attention(nn.Module):
         if cfg.qk_norm:
             # The GPU norm kernel wants whole rows; q and k are strided views of the qkv GEMM.
             q, k = self.q_norm(q.contiguous()), self.k_norm(k.contiguous())
-        out = self.backend.rotate_and_forward(positions, q, k, v, self._rotary[0], kv_cache, meta)
+        sinks = None if self.sinks is None else self.sinks.float()
+        out = self.backend.rotate_and_forward(
+            positions, q, k, v, self._rotary[0], kv_cache, meta, sinks=sinks
+        )
         out = out.reshape(-1, cfg.q_size)
         return _lora_linear(self.ops, out, self.o_proj, self.lora, "o_proj")
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig, ops: TorchOps) -> None:
+    def __init__(self, cfg: ModelConfig, ops: TorchOps, gelu: bool = False) -> None:
         super().__init__()
         self.ops = ops
+        self.gelu = gelu  # GeGLU (Gemma) rather than SwiGLU
         self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
@@ -125,6 +135,8 @@ class MLP(nn.Module):
     def forward(self, x: Activation) -> torch.Tensor:
         ops = self.ops
         lora = self.lora if self.lora is not None and self.lora.active else None
+        if self.gelu:
+            return self._geglu(x, lora)
         if self.gate_up_weight is not None:
             down = self.down_proj
             if lora is not None:  # LoRA goes between the GEMM and SwiGLU: no fused SwiGLU
@@ -136,6 +148,20 @@ class MLP(nn.Module):
         gate = _lora_linear(ops, x, self.gate_proj, lora, "gate_proj")
         up = _lora_linear(ops, x, self.up_proj, lora, "up_proj")
         return _lora_linear(ops, F.silu(gate) * up, self.down_proj, lora, "down_proj")
+
+    def _geglu(self, x: Activation, lora: LoRALayer | None) -> torch.Tensor:
+        """down(gelu_tanh(gate(x)) * up(x)), as HF's Gemma MLP computes it."""
+        ops = self.ops
+        if self.gate_up_weight is not None:
+            gate_up = ops.linear(x, self.gate_up_weight, None, *self.gate_up_scales)
+            if lora is not None:
+                gate_up = lora.apply("gate_up", x, gate_up)  # type: ignore[arg-type]
+            gate, up = gate_up.chunk(2, dim=-1)
+        else:
+            gate = _lora_linear(ops, x, self.gate_proj, lora, "gate_proj")
+            up = _lora_linear(ops, x, self.up_proj, lora, "up_proj")
+        act = F.gelu(gate, approximate="tanh") * up
+        return _lora_linear(ops, act, self.down_proj, lora, "down_proj")
 
 
 def _linear(ops: TorchOps, x: Activation, m: nn.Linear) -> torch.Tensor:
@@ -188,15 +214,23 @@ class DecoderLayer(nn.Module):
         backend: AttentionBackend,
         ops: TorchOps,
         group: ParallelGroup,
+        moe: bool = False,
     ):
         super().__init__()
         # Tensor parallelism: o_proj and down_proj are row-parallel, so each rank holds a
         # partial sum of the sub-layer's output until this all-reduce (identity at TP=1).
         self.group = group
         self.self_attn = Attention(cfg, rotary, backend, ops)
-        self.mlp = MLP(cfg, ops)
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
+        self.mlp: MLP | MoE = (
+            MoE(cfg, ops) if moe else MLP(cfg, ops, gelu=cfg.hidden_act == "gelu_tanh")
+        )
+        eps = cfg.rms_norm_eps
+        self.input_layernorm = RMSNorm(cfg.hidden_size, eps, ops)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, eps, ops)
+        self.sandwich = cfg.sandwich_norms
+        if self.sandwich:  # Gemma: post_attention_layernorm norms the attention's output
+            self.pre_feedforward_layernorm = RMSNorm(cfg.hidden_size, eps, ops)
+            self.post_feedforward_layernorm = RMSNorm(cfg.hidden_size, eps, ops)
 
     def forward(
         self,
@@ -211,10 +245,16 @@ class DecoderLayer(nn.Module):
         NOTE: the residual addition is deferred into the next norm (one fused kernel with Triton
         ops); torch ops add in HF's order, so float32 results stay identical.
         """
-        h, residual = self.input_layernorm.norm_for(x, residual, self.self_attn.qkv_scales)
-        out = self.group.all_reduce(self.self_attn(positions, h, kv_cache, meta))
-        h, residual = self.post_attention_layernorm.norm_for(out, residual, self.mlp.gate_up_scales)
-        return self.group.all_reduce(self.mlp(h)), residual
+        attn, mlp = self.self_attn, self.mlp
+        h, residual = self.input_layernorm.norm_for(x, residual, attn.qkv_scales)
+        out = self.group.all_reduce(attn(positions, h, kv_cache, meta))
+        if self.sandwich:
+            out = self.post_attention_layernorm(out)
+            h, residual = self.pre_feedforward_layernorm.add_and_norm(out, residual)
+            return self.post_feedforward_layernorm(self.group.all_reduce(mlp(h))), residual
+        feeds = mlp.gate_up_scales if isinstance(mlp, MLP) else NO_SCALES
+        h, residual = self.post_attention_layernorm.norm_for(out, residual, feeds)
+        return self.group.all_reduce(mlp(h)), residual
 
 
 class DecoderModel(nn.Module):
@@ -227,20 +267,45 @@ class DecoderModel(nn.Module):
             if group.world_size > 1
             else nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         )
+        self.embed_scale = cfg.embed_scale
         self.rotary = RotaryEmbedding(cfg.rope, cfg.head_dim, max_len)
+        # Gemma 3's sliding layers turn at their own base; kept out of the module tree's
+        # checkpoint names like `rotary` (neither is in a checkpoint).
+        self.rotary_local = (
+            RotaryEmbedding(cfg.rope_local, cfg.head_dim, max_len)
+            if cfg.rope_local is not None
+            else None
+        )
         backend_cls = get_attention_backend(backend_name)
-        backend = backend_cls(
-            cfg.num_heads,
-            cfg.num_kv_heads,
-            cfg.head_dim,
-            cfg.head_dim**-0.5,
-            cfg.sliding_window,
-            ops=ops,
-        )
-        self.layers = nn.ModuleList(
-            DecoderLayer(cfg, self.rotary, backend, ops, group) for _ in range(cfg.num_layers)
-        )
+        scale = cfg.attn_scale if cfg.attn_scale is not None else cfg.head_dim**-0.5
+        backends: dict[int | None, AttentionBackend] = {}
+        layers = []
+        for i in range(cfg.num_layers):
+            window = cfg.window(i)
+            if window not in backends:  # one per window: full layers and sliding ones
+                backends[window] = backend_cls(
+                    cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, scale, window, ops=ops
+                )
+            local = window is not None and self.rotary_local is not None
+            rotary = self.rotary_local if local else self.rotary
+            assert rotary is not None
+            layers.append(
+                DecoderLayer(cfg, rotary, backends[window], ops, group, cfg.is_moe_layer(i))
+            )
+        self.layers = nn.ModuleList(layers)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)
+        if self.embed_scale is None:
+            return x
+        # As Gemma does: the scale rounded to the weights' dtype first.
+        return x * torch.tensor(self.embed_scale, dtype=x.dtype)
+
+    def reset_rotary(self, device: torch.device | str) -> None:
+        self.rotary.reset(device)
+        if self.rotary_local is not None:
+            self.rotary_local.reset(device)
 
 
 class CausalLM(nn.Module):
@@ -284,7 +349,7 @@ class CausalLM(nn.Module):
         kv_caches: list[torch.Tensor],
         meta: AttentionMetadata,
     ) -> torch.Tensor:
-        x = self.model.embed_tokens(input_ids)
+        x = self.model.embed(input_ids)
         residual: torch.Tensor | None = None
         for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
             x, residual = layer(positions, x, residual, kv_cache, meta)

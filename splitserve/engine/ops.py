@@ -111,6 +111,27 @@ class TorchOps:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         return rotary(positions, q, k)
 
+    def fused_moe(
+        self,
+        x: torch.Tensor,
+        w13: torch.Tensor,
+        w2: torch.Tensor,
+        topk_ids: torch.Tensor,
+        topk_weights: torch.Tensor,
+        *,
+        activation: str,
+        w13_bias: torch.Tensor | None = None,
+        w2_bias: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """The experts of a Mixture-of-Experts block (engine/moe.py), each token through its
+        top-k experts and summed with their routing weights: kernels/moe_ref.py."""
+        from splitserve.kernels.moe_ref import fused_moe_ref
+
+        return fused_moe_ref(
+            x, w13, w2, topk_ids, topk_weights,
+            activation=activation, w13_bias=w13_bias, w2_bias=w2_bias,
+        )  # fmt: skip
+
     def argmax(self, logits: torch.Tensor) -> torch.Tensor:
         return logits.argmax(dim=-1)
 
@@ -232,6 +253,25 @@ class TritonOps(TorchOps):
         from splitserve.kernels.rotary import rotary_embedding
 
         return rotary_embedding(positions, q, k, rotary.cos, rotary.sin, pdl=self.pdl)
+
+    def fused_moe(
+        self,
+        x: torch.Tensor,
+        w13: torch.Tensor,
+        w2: torch.Tensor,
+        topk_ids: torch.Tensor,
+        topk_weights: torch.Tensor,
+        *,
+        activation: str,
+        w13_bias: torch.Tensor | None = None,
+        w2_bias: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        from splitserve.kernels.fused_moe import fused_moe
+
+        return fused_moe(
+            x, w13, w2, topk_ids.contiguous(), topk_weights.contiguous(),
+            activation=activation, w13_bias=w13_bias, w2_bias=w2_bias, pdl=self.pdl,
+        )  # fmt: skip
 
     def argmax(self, logits: torch.Tensor) -> torch.Tensor:
         from splitserve.kernels.argmax import argmax_rows

@@ -62,6 +62,9 @@ def resolve(model_dir: str | Path, requested: str | None) -> QuantConfig | None:
     if requested not in (None, *QUANTIZATIONS):
         raise ValueError(f"quantization {requested!r}: choose one of {list(QUANTIZATIONS)}")
     raw = _read_config(model_dir).get("quantization_config")
+    if raw and raw.get("quant_method") == "mxfp4":
+        # gpt-oss: MXFP4 experts are dequantized at load (engine/moe.py); the rest is 16-bit.
+        raw = None
     if raw:
         stored = _from_compressed_tensors(raw)
         if requested == "none":

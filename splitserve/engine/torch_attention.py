@@ -5,6 +5,10 @@ Mistral-style models, sliding-window) mask whose diagonal is shifted by the cach
 
     context:  [ cached prefix ........ | this step's queries ]
     query j sits at position seq_len - query_len + j and sees keys 0..that position.
+
+With attention sinks (gpt-oss) the softmax is written out instead of SDPA, as HF's eager
+attention computes it: the sink joins the logits as one more column, the row's max is
+subtracted, and the sink's column is dropped after the softmax.
 """
 
 from __future__ import annotations
@@ -55,6 +59,8 @@ class TorchPagedAttention(AttentionBackend):
         v: torch.Tensor,
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
+        *,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         write_kv_cache(k, v, kv_cache, meta.slot_mapping)
         out = torch.empty_like(q)
@@ -70,13 +76,13 @@ class TorchPagedAttention(AttentionBackend):
                 keys = keys.repeat_interleave(group, dim=1)
                 values = values.repeat_interleave(group, dim=1)
             mask = self._mask(query_len, seq_len, q.device)
-            attn = F.scaled_dot_product_attention(
-                q[start:end].transpose(0, 1),
-                keys.transpose(0, 1),
-                values.transpose(0, 1),
-                attn_mask=mask,
-                scale=self.scale,
-            )
+            queries, keys, values = (x.transpose(0, 1) for x in (q[start:end], keys, values))
+            if sinks is None:
+                attn = F.scaled_dot_product_attention(
+                    queries, keys, values, attn_mask=mask, scale=self.scale
+                )
+            else:
+                attn = attend_with_sinks(queries, keys, values, mask, self.scale, sinks)
             out[start:end] = attn.transpose(0, 1)
             start = end
         return out
@@ -88,3 +94,23 @@ class TorchPagedAttention(AttentionBackend):
         if self.sliding_window is not None:
             mask &= q_pos - k_pos < self.sliding_window
         return mask
+
+
+def attend_with_sinks(
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    mask: torch.Tensor,
+    scale: float,
+    sinks: torch.Tensor,
+) -> torch.Tensor:
+    """q: [H, n, D] over keys, values: [H, L, D] where `mask` ([n, L] bool) allows, with one sink
+    logit per head (`sinks` [H], cast to the logits' dtype as HF's are the model's): HF's eager
+    gpt-oss attention, operation for operation. Returns [H, n, D]."""
+    logits = torch.matmul(q, keys.transpose(1, 2)) * scale
+    logits = logits.masked_fill(~mask, float("-inf"))
+    sink = sinks.to(logits.dtype).reshape(-1, 1, 1).expand(-1, logits.shape[1], 1)
+    combined = torch.cat([logits, sink], dim=-1)
+    combined = combined - combined.amax(dim=-1, keepdim=True)
+    probs = combined.softmax(dim=-1)[..., :-1]
+    return torch.matmul(probs.to(values.dtype), values)

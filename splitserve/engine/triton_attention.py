@@ -3,7 +3,8 @@
 Each layer's step is two or three launches: rotary embedding fused with the KV-cache write
 (`rotate_and_forward`, on a GPU), then either the split-K decode kernel (every sequence has
 exactly one query token) or the prefill/extend kernel for the whole batch (any mix of fresh
-prompts, prefill chunks over a cached prefix, and decodes). Nothing here reads device memory on
+prompts, prefill chunks over a cached prefix, and decodes); both take the layer's attention
+sinks, if any. Nothing here reads device memory on
 the host, so the decode step can be captured in a CUDA graph.
 """
 
@@ -35,10 +36,12 @@ class TritonPagedAttention(AttentionBackend):
         v: torch.Tensor,
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
+        *,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         # NOTE: the write comes first: both kernels read this step's keys from the cache.
         write_kv_cache(k, v, kv_cache, meta.slot_mapping, pdl=self.pdl)
-        return self._attend(q, kv_cache, meta)
+        return self._attend(q, kv_cache, meta, sinks)
 
     def rotate_and_forward(
         self,
@@ -49,18 +52,26 @@ class TritonPagedAttention(AttentionBackend):
         rotary: RotaryEmbedding,
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
+        *,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         if not self.ops.triton:  # NOTE: the interpreter: torch's rotary, as the CPU engine does
-            return super().rotate_and_forward(positions, q, k, v, rotary, kv_cache, meta)
+            return super().rotate_and_forward(
+                positions, q, k, v, rotary, kv_cache, meta, sinks=sinks
+            )
         # One launch rotates q and k and writes the keys and values into the cache (an FP8 cache:
         # the rotated keys round to q's dtype first, then are quantized, as the unfused path).
         q = rotary_embedding_write_kv(
             positions, q, k, v, rotary.cos, rotary.sin, kv_cache, meta.slot_mapping, pdl=self.pdl
         )
-        return self._attend(q, kv_cache, meta)
+        return self._attend(q, kv_cache, meta, sinks)
 
     def _attend(
-        self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata
+        self,
+        q: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        sinks: torch.Tensor | None,
     ) -> torch.Tensor:
         if meta.max_query_len == 1:
             # NOTE: the split count comes from the block tables' width, not from seq_lens_cpu,
@@ -74,6 +85,7 @@ class TritonPagedAttention(AttentionBackend):
                 self.scale,
                 self.sliding_window,
                 pdl=self.pdl,
+                sinks=sinks,
             )
         return prefill_attention(
             q,
@@ -84,4 +96,5 @@ class TritonPagedAttention(AttentionBackend):
             meta.max_query_len,
             self.scale,
             self.sliding_window,
+            sinks=sinks,
         )

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
-from splitserve.engine import quantization
+from splitserve.engine import moe, quantization
 from splitserve.engine.config import EngineConfig
 from splitserve.engine.gguf_cache import resolve_checkpoint
 from splitserve.engine.model import CausalLM
@@ -71,34 +71,51 @@ def load_weights(
     *,
     tied_lm_head: bool,
     select: Select | None = None,
+    model_cfg: ModelConfig | None = None,
 ) -> None:
     """Copy checkpoint tensors into `model`'s parameters; raise ValueError on any mismatch.
 
     Every parameter must be filled exactly once (except a tied `lm_head`, which shares the
     embedding), and every checkpoint tensor must land somewhere, so a wrong architecture or a
-    truncated checkpoint fails here with the names that are wrong.
+    truncated checkpoint fails here with the names that are wrong. With `model_cfg`, what the
+    family stores differently is put right: Mixture-of-Experts tensors into the stacked expert
+    parameters (engine/moe.py), Gemma's norm weights plus their offset.
     """
     params = dict(model.named_parameters(remove_duplicate=False))
-    loaded: set[str] = set()
+    filled: dict[str, int] = {}  # parameter -> elements filled so far
+    parts: set[tuple[str, str]] = set()
     unexpected: list[str] = []
+    experts = None
+    if model_cfg is not None and model_cfg.moe is not None:
+        experts = moe.CheckpointReader(model_cfg, next(iter(params.values())).dtype)
     for name, tensor in iter_tensors(model_dir, select):
         # Tied checkpoints sometimes still store a copy of the embedding as lm_head.
         if name.endswith("rotary_emb.inv_freq") or (tied_lm_head and name == "lm_head.weight"):
             continue
-        param = params.get(name)
-        if param is None:
-            unexpected.append(name)
-            continue
-        if name.endswith(("weight_scale", "input_scale")):  # FP8: engine/quantization.py
-            tensor = quantization.checkpoint_scale(name, tensor, param.shape[0])
-        if tuple(param.shape) != tuple(tensor.shape):
-            raise ValueError(
-                f"weight {name!r} has shape {tuple(tensor.shape)} in the checkpoint but the "
-                f"config implies {tuple(param.shape)}"
-            )
-        with torch.no_grad():
-            param.copy_(tensor.to(param.dtype))
-        loaded.add(name)
+        for target, index, part in _targets(name, tensor, model_cfg, experts):
+            param = params.get(target)
+            if param is None:
+                unexpected.append(name)
+                continue
+            if target.endswith(("weight_scale", "input_scale")):  # FP8: engine/quantization.py
+                part = quantization.checkpoint_scale(target, part, param.shape[0])
+            dest = param.data[index] if index else param.data
+            if (target, repr(index)) in parts:
+                raise ValueError(f"checkpoint in {str(model_dir)!r}: {name!r} is stored twice")
+            if tuple(dest.shape) != tuple(part.shape):
+                raise ValueError(
+                    f"weight {name!r} has shape {tuple(part.shape)} in the checkpoint but the "
+                    f"config implies {tuple(dest.shape)}"
+                )
+            with torch.no_grad():
+                dest.copy_(part.to(param.dtype))
+            parts.add((target, repr(index)))
+            filled[target] = filled.get(target, 0) + dest.numel()
+    if experts is not None:
+        unexpected += [
+            f"{name}_blocks/_scales (one without the other)" for name in experts.unpaired()
+        ]
+    loaded = {name for name, n in filled.items() if n == params[name].numel()}
     missing = sorted(set(params) - loaded - ({"lm_head.weight"} if tied_lm_head else set()))
     if missing or unexpected:
         raise ValueError(
@@ -106,6 +123,19 @@ def load_weights(
             f"missing {missing[:8]}{'…' if len(missing) > 8 else ''}, "
             f"unexpected {unexpected[:8]}{'…' if len(unexpected) > 8 else ''}"
         )
+
+
+def _targets(
+    name: str, tensor: torch.Tensor, cfg: ModelConfig | None, experts: moe.CheckpointReader | None
+) -> list[moe.Target]:
+    """(parameter, index within it, tensor) for the checkpoint tensor `name`."""
+    if experts is not None:
+        found = experts.targets(name, tensor)
+        if found is not None:
+            return found
+    if cfg is not None and cfg.norm_offset and name.endswith("norm.weight"):
+        tensor = tensor.float() + cfg.norm_offset  # Gemma stores norm weights as w - 1
+    return [(name, (), tensor)]
 
 
 @torch.no_grad()
@@ -150,11 +180,15 @@ def load_model(
         quant = quantization.resolve(model_dir, config.quantization)
         if quant is not None and shard.size > 1:
             raise ValueError("FP8 weights are not supported with tensor parallelism yet")
+        if shard.size > 1 and (model_cfg.moe is not None or model_cfg.attn_sinks):
+            raise ValueError(
+                f"{model_cfg.architecture} is not supported with tensor parallelism yet"
+            )
         if quant is not None and quant.prequantized and config.load_format != "dummy":
             quantization.prepare(model, quant)  # filled from the checkpoint as stored
     model = model.to_empty(device=config.device)
     model.tie_weights()
-    model.model.rotary.reset(config.device)
+    model.model.reset_rotary(config.device)
     if config.load_format == "dummy":
         fill_dummy_weights(model, config.seed)
     else:
@@ -164,7 +198,13 @@ def load_model(
             def select(name: str, source: Any) -> torch.Tensor:
                 return sharding.read_slice(name, source, model_cfg, shard)
 
-        load_weights(model, model_dir, tied_lm_head=model_cfg.tie_word_embeddings, select=select)
+        load_weights(
+            model,
+            model_dir,
+            tied_lm_head=model_cfg.tie_word_embeddings,
+            select=select,
+            model_cfg=model_cfg,
+        )
     if quant is not None and not any(p.dtype == quantization.FP8 for p in model.parameters()):
         quantization.quantize_model(model)  # at load (or dummy weights)
     if platform.merge_projections:

@@ -22,6 +22,8 @@ Every module holds one kernel (or one kernel pair) with three layers:
 | `argmax` | `argmax_rows`, `argmax_rows_ref` |
 | `lora` | `lora_shrink`, `lora_expand` (batched LoRA by segment; reference in `lora_ref`) |
 
+`decode_tiles` and `decode_merge` are parts of the decode attention (a key tile; the merge of
+its splits), `attention_sinks` what both attention kernels do with gpt-oss's sink logits.
 `pdl` is shared launch plumbing, not a kernel: on Hopper and newer every kernel here except the
 prefill attention is launched with programmatic dependent launch (see its docstring).
 

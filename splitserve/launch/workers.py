@@ -32,6 +32,11 @@ def engine_config(
         kv_cache_memory_bytes=worker.kv_cache_memory_bytes,
         gpu_memory_utilization=worker.gpu_memory_utilization,
         max_model_len=worker.max_model_len,
+        # NOTE: only where neither the context nor the pool was asked for: sizes the user set
+        # that do not fit each other stay an error at start (build_engine)
+        fit_max_model_len_to_pool=worker.max_model_len is None
+        and worker.num_kv_blocks is None
+        and worker.kv_cache_memory_bytes is None,
         max_num_batched_tokens=worker.max_num_batched_tokens,
         max_num_seqs=worker.max_num_seqs,
         enable_pdl=worker.pdl,

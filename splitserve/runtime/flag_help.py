@@ -9,7 +9,8 @@ from __future__ import annotations
 
 _HELP = {
     # ServiceSettings
-    "model": "the model to serve: an HF checkpoint directory",
+    "model": "the model to serve: an HF checkpoint directory, a .gguf file, 'tiny' or a model's "
+    "name (as `splitserve up --model`)",
     "redis_url": "the registry's Redis, redis://host:port[/db] (required)",
     "host": "the address this service binds",
     "port": "the gRPC port (0: a free one)",

@@ -28,7 +28,7 @@ def engine(tiny_models):
 
 
 def test_a_batch_that_takes_many_steps_to_fill_is_timed_whole(engine) -> None:
-    times, mean_tokens = decode_step_times(engine, batch=16, context=40, steps=5)
+    times, mean_tokens, _ = decode_step_times(engine, batch=16, context=40, steps=5)
     assert len(times) == 5 and all(t > 0 for t in times)
     # the first rows decoded while the rest prefilled: longer than the prompt, within the model
     assert 40 < mean_tokens < 128

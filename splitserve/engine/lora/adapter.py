@@ -145,6 +145,12 @@ def load_adapter(
                 f"LoRA adapter {name!r}: {key!r} names layer {layer}, the model has "
                 f"{model_config.num_layers}"
             )
+        if module in ("gate_proj", "up_proj", "down_proj") and model_config.is_moe_layer(layer):
+            raise InvalidRequest(
+                f"LoRA adapter {name!r}: {key!r} targets layer {layer}'s MLP, which is a "
+                "Mixture-of-Experts block here; adapters on experts are not supported "
+                "(attention projections are)"
+            )
         halves.setdefault((layer, module), {})[half] = tensor
     weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}
     digest = hashlib.blake2b(f"{scale!r}".encode(), digest_size=16)

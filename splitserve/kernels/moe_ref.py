@@ -1,0 +1,125 @@
+"""The plain-torch reference of `kernels/fused_moe.py`'s Mixture-of-Experts layer, same signature.
+
+Each token t is routed to k experts (`topk_ids[t]`) with weights `topk_weights[t]`; expert e is a
+gated MLP with its merged gate/up projection `w13[e]` [2I, H] (rows 0..I-1 gate, I..2I-1 up,
+nn.Linear layout) and its down projection `w2[e]` [H, I]:
+
+    out[t] = sum_j topk_weights[t, j] * (w2[e] @ act(w13[e] @ x[t] + b13[e]) + b2[e])
+
+with e = topk_ids[t, j], computed as HF transformers' Qwen3-MoE, Mixtral and gpt-oss expert
+blocks compute it: a loop over the experts some token chose, each running its tokens as one batch
+in x's dtype, and an `index_add_` of the weighted output (rounded to x's dtype) into a zeroed
+result. An id outside [0, E) (an expert another rank owns, under expert parallelism) contributes
+nothing.
+
+Activations: "silu" (Qwen3-MoE, Mixtral, DeepSeek), "gelu_tanh", and "swiglu_oai" (gpt-oss:
+gate clamped above at 7, up to [-7, 7], (up + 1) * gate * sigmoid(1.702 * gate)).
+
+Also here, because both modules need them and this one imports no Triton: the activation names and
+`MoeConfig`, the Triton path's tile sizes (the reference ignores it).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+__all__ = ["ACTIVATIONS", "GemmTiles", "MoeConfig", "apply_activation", "fused_moe_ref"]
+
+ACTIVATIONS = ("silu", "gelu_tanh", "swiglu_oai")
+SWIGLU_LIMIT = 7.0  # gpt-oss's swiglu_limit
+SWIGLU_ALPHA = 1.702  # gpt-oss's swiglu_alpha
+
+
+def _pow2(n: int) -> bool:
+    return n > 0 and n & (n - 1) == 0
+
+
+@dataclass(frozen=True)
+class GemmTiles:
+    """One grouped GEMM's tiles: output columns and reduction depth per step (powers of two,
+    >= 16 for `tl.dot`), warps and software-pipeline stages of each program."""
+
+    block_n: int
+    block_k: int
+    num_warps: int = 4
+    num_stages: int = 3
+
+    def __post_init__(self) -> None:
+        if (
+            not (_pow2(self.block_n) and _pow2(self.block_k))
+            or min(self.block_n, self.block_k) < 16
+        ):
+            raise ValueError(f"block_n and block_k must be powers of two >= 16, got {self}")
+        if not _pow2(self.num_warps) or self.num_stages < 1:
+            raise ValueError(f"num_warps must be a power of two, num_stages >= 1, got {self}")
+
+
+@dataclass(frozen=True)
+class MoeConfig:
+    """The Triton path's tiles: `block_m` rows of one expert per tile (the alignment's tile
+    height, shared by both GEMMs), and each GEMM's own `GemmTiles` (`gate_up.block_n` counts the
+    columns of each half: a program computes that many gate and as many up columns)."""
+
+    block_m: int
+    gate_up: GemmTiles
+    down: GemmTiles
+
+    def __post_init__(self) -> None:
+        if not _pow2(self.block_m) or self.block_m < 16:
+            raise ValueError(f"block_m must be a power of two >= 16, got {self.block_m}")
+
+
+def check_activation(activation: str) -> None:
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
+
+
+def apply_activation(gate: torch.Tensor, up: torch.Tensor, activation: str) -> torch.Tensor:
+    """The gated activation of the gate and up halves, in their dtype (as HF computes it)."""
+    if activation == "silu":
+        return F.silu(gate) * up
+    if activation == "gelu_tanh":
+        return F.gelu(gate, approximate="tanh") * up
+    check_activation(activation)
+    gate = gate.clamp(max=SWIGLU_LIMIT)
+    up = up.clamp(-SWIGLU_LIMIT, SWIGLU_LIMIT)
+    return (up + 1) * (gate * torch.sigmoid(gate * SWIGLU_ALPHA))
+
+
+def fused_moe_ref(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    *,
+    activation: str = "silu",
+    w13_bias: torch.Tensor | None = None,
+    w2_bias: torch.Tensor | None = None,
+    config: MoeConfig | None = None,
+    pdl: bool = False,
+) -> torch.Tensor:
+    """x [T, H], w13 [E, 2I, H], w2 [E, H, I], topk_ids [T, k] (integer), topk_weights [T, k],
+    optional w13_bias [E, 2I] and w2_bias [E, H] -> out [T, H] in x's dtype. `config` and `pdl`
+    are the Triton path's and ignored here. Not CUDA-graph safe (it asks which experts have
+    tokens)."""
+    del config, pdl
+    check_activation(activation)
+    num_experts = w13.shape[0]
+    out = torch.zeros_like(x)
+    ids = topk_ids.long()
+    # NOTE: HF's order: experts ascending; within one, its (slot, token) pairs slot-major.
+    by_slot = ids.t()
+    hit = by_slot[(by_slot >= 0) & (by_slot < num_experts)]
+    for expert in torch.unique(hit).tolist():
+        slot, token = torch.where(by_slot == expert)
+        b13 = None if w13_bias is None else w13_bias[expert]
+        b2 = None if w2_bias is None else w2_bias[expert]
+        gate, up = F.linear(x[token], w13[expert], b13).chunk(2, dim=-1)
+        y = F.linear(apply_activation(gate, up, activation), w2[expert], b2)
+        y = y * topk_weights[token, slot, None]
+        out.index_add_(0, token, y.to(x.dtype))
+    return out
