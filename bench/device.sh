@@ -216,7 +216,7 @@ for step in "$@"; do
       run moe_roofline 40 timeout 200 python3 -m bench.decode_roofline --shape qwen3-30b-a3b \
         --batches 1 64 --context 1024 --pdl on --async-scheduling on --profile \
         --out "$OUT/moe_roofline.json"
-      run moe_sweep 40 timeout 180 python3 -m bench.moe_layer --sweep --tokens 1,64 --layers 3 \
+      run moe_sweep 40 timeout 200 python3 -m bench.moe_layer --sweep --tokens 1,64,4096 --layers 3 \
         --out "$OUT/moe_sweep.json" ;;
     moe-sweep)
       run moe_sweep 60 timeout 420 python3 -m bench.moe_layer --sweep --layers 3 \

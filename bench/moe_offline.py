@@ -88,7 +88,7 @@ def run(path: Path, args, *, graphs: bool, loop: bool) -> float:
     return tokens / elapsed
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shape", choices=sorted(SHAPES), default="qwen3-30b-a3b")
     parser.add_argument("--layers", type=int, default=12)
@@ -97,7 +97,7 @@ def main() -> None:
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--out", default="bench/results/moe_offline.json")
     parser.add_argument("--quick", action="store_true", help="a tiny shape and workload (CPU)")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.quick:
         args.layers, args.num_requests, args.input_len, args.output_len = 2, 4, 24, 8
     with tempfile.TemporaryDirectory() as tmp:

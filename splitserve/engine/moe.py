@@ -5,7 +5,9 @@ elsewhere).
 Parameters are kept stacked, the way transformers holds them in memory: `experts.gate_up_proj`
 [E, 2I, H] (each expert's gate rows, then its up rows), `experts.down_proj` [E, H, I], the router
 `gate` [E, H]. Checkpoints that store one tensor per expert (Qwen3-MoE, Mixtral) or gpt-oss's
-stacked, interleaved layout are put into that form as they load (`checkpoint_targets`).
+stacked, interleaved layout are put into that form as they load (`checkpoint_targets`). Under
+`--quantization fp8` the two expert weights become float8_e4m3fn with `gate_up_proj_scale`
+[E, 2I] and `down_proj_scale` [E, H] (engine/quantization.py); the router stays 16-bit.
 """
 
 from __future__ import annotations
@@ -45,6 +47,9 @@ class Experts(nn.Module):
         if moe.bias:
             self.gate_up_proj_bias = nn.Parameter(torch.empty(e, 2 * i))
             self.down_proj_bias = nn.Parameter(torch.empty(e, hidden))
+        # FP8 (engine/quantization.py quantize_model): per expert and output channel.
+        self.gate_up_proj_scale: nn.Parameter | None = None
+        self.down_proj_scale: nn.Parameter | None = None
 
 
 class MoE(nn.Module):
@@ -76,6 +81,8 @@ class MoE(nn.Module):
             activation=self.moe.activation,
             w13_bias=experts.gate_up_proj_bias,
             w2_bias=experts.down_proj_bias,
+            w13_scale=experts.gate_up_proj_scale,
+            w2_scale=experts.down_proj_scale,
         )
 
 

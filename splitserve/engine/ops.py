@@ -122,14 +122,18 @@ class TorchOps:
         activation: str,
         w13_bias: torch.Tensor | None = None,
         w2_bias: torch.Tensor | None = None,
+        w13_scale: torch.Tensor | None = None,
+        w2_scale: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """The experts of a Mixture-of-Experts block (engine/moe.py), each token through its
-        top-k experts and summed with their routing weights: kernels/moe_ref.py."""
+        top-k experts and summed with their routing weights: kernels/moe_ref.py. With scales,
+        FP8 expert weights (weight-only: x stays in its dtype)."""
         from splitserve.kernels.moe_ref import fused_moe_ref
 
         return fused_moe_ref(
             x, w13, w2, topk_ids, topk_weights,
             activation=activation, w13_bias=w13_bias, w2_bias=w2_bias,
+            w13_scale=w13_scale, w2_scale=w2_scale,
         )  # fmt: skip
 
     def argmax(self, logits: torch.Tensor) -> torch.Tensor:
@@ -265,12 +269,15 @@ class TritonOps(TorchOps):
         activation: str,
         w13_bias: torch.Tensor | None = None,
         w2_bias: torch.Tensor | None = None,
+        w13_scale: torch.Tensor | None = None,
+        w2_scale: torch.Tensor | None = None,
     ) -> torch.Tensor:
         from splitserve.kernels.fused_moe import fused_moe
 
         return fused_moe(
             x, w13, w2, topk_ids.contiguous(), topk_weights.contiguous(),
-            activation=activation, w13_bias=w13_bias, w2_bias=w2_bias, pdl=self.pdl,
+            activation=activation, w13_bias=w13_bias, w2_bias=w2_bias,
+            w13_scale=w13_scale, w2_scale=w2_scale, pdl=self.pdl,
         )  # fmt: skip
 
     def argmax(self, logits: torch.Tensor) -> torch.Tensor:

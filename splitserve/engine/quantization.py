@@ -18,6 +18,13 @@ static scale), both operands widened to float32, scaled, multiplied, accumulated
 On a GPU the same quantized operands go through FP8 tensor cores (kernels/fp8_skinny.py up to
 64 rows, `torch._scaled_mm` above) or, for one row, the FP8 GEMV kernel. The LM head and the
 embedding stay in the model's dtype.
+
+Mixture-of-Experts experts (`--quantization fp8` only; a compressed-tensors checkpoint of an MoE
+model is refused): the stacked `experts.gate_up_proj` [E, 2I, H] and `experts.down_proj`
+[E, H, I] become float8_e4m3fn with `gate_up_proj_scale` [E, 2I] / `down_proj_scale` [E, H],
+one float32 scale per expert and output channel. Their arithmetic is weight-only: activations
+stay 16-bit (kernels/moe_ref.py says exactly what is computed; the Triton kernel widens each
+e4m3 tile in registers, so at decode it reads half the bytes). The router stays 16-bit.
 """
 
 from __future__ import annotations
@@ -44,6 +51,10 @@ TARGET_SUFFIXES = (
     "mlp.down_proj",
 )
 """The projections that are quantized (every decoder Linear; never the LM head)."""
+EXPERTS_SUFFIX = "mlp.experts"
+EXPERT_WEIGHTS = ("gate_up_proj", "down_proj")
+"""A Mixture-of-Experts block's stacked expert weights (engine/moe.py `Experts`); each gets a
+`<name>_scale` [E, rows] when quantized."""
 
 
 @dataclass(frozen=True)
@@ -140,9 +151,21 @@ def targets(model: nn.Module) -> Iterator[tuple[str, nn.Linear]]:
             yield name, module
 
 
+def expert_targets(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
+    """The Mixture-of-Experts blocks' `experts` modules (stacked `EXPERT_WEIGHTS`)."""
+    for name, module in model.named_modules():
+        if name.endswith(EXPERTS_SUFFIX) and all(hasattr(module, w) for w in EXPERT_WEIGHTS):
+            yield name, module
+
+
 def prepare(model: nn.Module, cfg: QuantConfig) -> None:
     """Give every targeted projection of a model still on the meta device the parameters a
     pre-quantized checkpoint fills: an FP8 weight, its scale and (static) input scale."""
+    if any(True for _ in expert_targets(model)):
+        raise ValueError(
+            "FP8 compressed-tensors checkpoints of Mixture-of-Experts models are not supported; "
+            "load the 16-bit checkpoint with --quantization fp8 (experts quantized at load)"
+        )
     for _, module in targets(model):
         n, k = module.weight.shape
         module.weight = nn.Parameter(torch.empty(n, k, dtype=FP8), requires_grad=False)
@@ -153,11 +176,24 @@ def prepare(model: nn.Module, cfg: QuantConfig) -> None:
 
 @torch.no_grad()
 def quantize_model(model: nn.Module) -> None:
-    """Quantize every targeted projection of a loaded 16/32-bit model in place."""
+    """Quantize every targeted projection and every MoE block's experts of a loaded 16/32-bit
+    model in place."""
     for _, module in targets(model):
         q, scale = quantize_weight(module.weight.data)
         module.weight = nn.Parameter(q, requires_grad=False)
         module.weight_scale = nn.Parameter(scale, requires_grad=False)
+    for _, experts in expert_targets(model):
+        for name in EXPERT_WEIGHTS:
+            q, scale = quantize_experts(getattr(experts, name).data)
+            setattr(experts, name, nn.Parameter(q, requires_grad=False))
+            setattr(experts, f"{name}_scale", nn.Parameter(scale, requires_grad=False))
+
+
+def quantize_experts(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Stacked expert weights [E, N, K] -> (float8 [E, N, K], float32 scale [E, N]): per expert
+    and output channel, `quantize_weight` over the [E * N, K] rows."""
+    q, scale = quantize_weight(weight.flatten(0, 1))
+    return q.view(weight.shape), scale.view(weight.shape[:2])
 
 
 def checkpoint_scale(name: str, tensor: torch.Tensor, rows: int) -> torch.Tensor:

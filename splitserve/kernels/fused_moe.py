@@ -22,10 +22,16 @@ never read and no program is launched for it; a tile past the real count exits a
 
 CUDA-graph safe: nothing here reads a tensor on the host. Every buffer's shape and every grid
 depends on T, k, E and the layer's sizes only; the data (which experts, how many rows) is read
-by the kernels. The align kernel has one program per expert: each finds the per-expert counts
-(a one-hot sum over the ids when M is small; else a first kernel counts each expert's pairs),
-their prefix sums, writes its own tiles to the map and its pairs, in pair order, to the sorted
-list. `pick_config` chooses the tiles by the expected rows per expert, T * k / E.
+by the kernels (the alignment: kernels/moe_align.py, one program per expert). `pick_config`
+chooses the tiles by the expected rows per expert, T * k / E.
+
+FP8 weights (weight-only: `w13_scale` [E, 2I] / `w2_scale` [E, H], float32, one per output
+channel, with float8_e4m3fn w13 / w2): each K step loads the e4m3 weight tile (half the bytes
+of a 16-bit one, which is what a decode step is bound by) and converts it to x's dtype in
+registers (exact: every e4m3 value is a bf16, fp16 and float32 value) for the same `tl.dot` on
+16-bit activations; after the K loop each accumulator column is multiplied by its channel's
+scale, before bias and activation. So the product is sum_k(x * q) * scale in float32, the
+reference's dequantized product up to float32 rounding.
 
 An id outside [0, E) (another rank's expert) is in no tile and adds nothing to the sum.
 Rounding: gate and up stay float32 into the activation; act and each weighted y are rounded to
@@ -39,6 +45,7 @@ import triton
 import triton.language as tl
 
 from splitserve.kernels._validate import FLOAT_DTYPES, check_devices, check_tensor, dot_precision
+from splitserve.kernels.moe_align import moe_align, num_tiles_bound
 from splitserve.kernels.moe_ref import (
     ACTIVATIONS,
     SWIGLU_ALPHA,
@@ -49,74 +56,13 @@ from splitserve.kernels.moe_ref import (
 )
 from splitserve.kernels.pdl import launch_options, pdl_start, use_pdl
 
+FP8 = torch.float8_e4m3fn
+
 __all__ = ["MoeConfig", "fused_moe", "moe_align", "num_tiles_bound", "pick_config"]
 
-ONE_PASS_PAIRS = 512  # up to this many pairs the align kernel counts the experts itself
 PROGRAMS_WANTED = 1024  # decode: enough programs that the whole GPU streams weights
 _LIMIT = tl.constexpr(SWIGLU_LIMIT)
 _ALPHA = tl.constexpr(SWIGLU_ALPHA)
-
-
-@triton.jit
-def _count_kernel(ids_ptr, counts_ptr, num_pairs, BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
-    pdl_start(USE_PDL)
-    expert = tl.program_id(0)
-    hits = tl.zeros([BLOCK], dtype=tl.int32)
-    for m0 in range(0, num_pairs, BLOCK):
-        ms = m0 + tl.arange(0, BLOCK)
-        ids = tl.load(ids_ptr + ms, mask=ms < num_pairs, other=-1)
-        hits += (ids == expert).to(tl.int32)
-    tl.store(counts_ptr + expert, tl.sum(hits, axis=0))
-
-
-@triton.jit
-def _align_kernel(
-    ids_ptr, counts_ptr, sorted_ptr, tiles_ptr,
-    num_pairs, num_experts, num_tiles,
-    COUNTED: tl.constexpr, TILE_M: tl.constexpr, E_POW2: tl.constexpr, BLOCK: tl.constexpr,
-    USE_PDL: tl.constexpr,
-):  # fmt: skip
-    pdl_start(USE_PDL)
-    expert = tl.program_id(0)
-    es = tl.arange(0, E_POW2)
-    if COUNTED:
-        counts = tl.load(counts_ptr + es, mask=es < num_experts, other=0)
-    else:
-        counts = tl.zeros([E_POW2], dtype=tl.int32)
-        for m0 in range(0, num_pairs, BLOCK):
-            ms = m0 + tl.arange(0, BLOCK)
-            ids = tl.load(ids_ptr + ms, mask=ms < num_pairs, other=-1)
-            counts += tl.sum((ids[:, None] == es[None, :]).to(tl.int32), axis=0)
-        counts = tl.where(es < num_experts, counts, 0)
-    num_expert_tiles = (counts + TILE_M - 1) // TILE_M
-    mine = es == expert
-    count = tl.sum(tl.where(mine, counts, 0), axis=0)
-    row0 = tl.sum(tl.where(mine, tl.cumsum(counts, 0) - counts, 0), axis=0)
-    n_tiles = tl.sum(tl.where(mine, num_expert_tiles, 0), axis=0)
-    tile0 = tl.sum(tl.where(mine, tl.cumsum(num_expert_tiles, 0), 0), axis=0) - n_tiles
-    # This expert's tiles: (expert, first row, end row) in three planes of the map.
-    for j0 in range(0, n_tiles, BLOCK):
-        js = j0 + tl.arange(0, BLOCK)
-        jm = js < n_tiles
-        first = row0 + js * TILE_M
-        tl.store(tiles_ptr + tile0 + js, expert + js * 0, mask=jm)
-        tl.store(tiles_ptr + num_tiles + tile0 + js, first, mask=jm)
-        end = tl.minimum(first + TILE_M, row0 + count)
-        tl.store(tiles_ptr + 2 * num_tiles + tile0 + js, end, mask=jm)
-    if expert == 0:  # the unused tail of the map
-        for t0 in range(tl.sum(num_expert_tiles, axis=0), num_tiles, BLOCK):
-            ts = t0 + tl.arange(0, BLOCK)
-            tl.store(tiles_ptr + ts, tl.full([BLOCK], -1, tl.int32), mask=ts < num_tiles)
-    # This expert's pairs in pair order (a stable sort): the same list every run.
-    if count > 0:
-        seen = count * 0
-        for m0 in range(0, num_pairs, BLOCK):
-            ms = m0 + tl.arange(0, BLOCK)
-            ids = tl.load(ids_ptr + ms, mask=ms < num_pairs, other=-1)
-            hit = (ids == expert).to(tl.int32)
-            rank = seen + tl.cumsum(hit, 0) - 1
-            tl.store(sorted_ptr + row0 + rank, ms, mask=hit > 0)
-            seen += tl.sum(hit, axis=0)
 
 
 @triton.jit
@@ -146,10 +92,11 @@ def _tile_rows(tiles_ptr, sorted_ptr, tile, num_tiles, BLOCK_M: tl.constexpr):
 
 @triton.jit
 def _gate_up_kernel(
-    x_ptr, w_ptr, b_ptr, sorted_ptr, tiles_ptr, act_ptr,
-    num_tiles, top_k, H, I, stride_xt, stride_we, stride_wn, stride_be,
-    ACTIVATION: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr, USE_PDL: tl.constexpr,
+    x_ptr, w_ptr, b_ptr, s_ptr, sorted_ptr, tiles_ptr, act_ptr,
+    num_tiles, top_k, H, I, stride_xt, stride_we, stride_wn, stride_be, stride_se,
+    ACTIVATION: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_SCALE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):  # fmt: skip
     pdl_start(USE_PDL)
     num_n = tl.cdiv(I, BLOCK_N)
@@ -171,12 +118,17 @@ def _gate_up_kernel(
         k_mask = ks < H - k0
         a = tl.load(x_ptrs, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
         w_mask = k_mask[:, None] & n_mask[None, :]
-        w_gate = tl.load(w_ptrs, mask=w_mask, other=0.0)
-        w_up = tl.load(w_ptrs + up_offset, mask=w_mask, other=0.0)
+        # NOTE: an e4m3 tile is widened to x's dtype here (a no-op for 16-bit weights).
+        w_gate = tl.load(w_ptrs, mask=w_mask, other=0.0).to(x_ptr.dtype.element_ty)
+        w_up = tl.load(w_ptrs + up_offset, mask=w_mask, other=0.0).to(x_ptr.dtype.element_ty)
         acc_gate = tl.dot(a, w_gate, acc_gate, input_precision=PRECISION)
         acc_up = tl.dot(a, w_up, acc_up, input_precision=PRECISION)
         x_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
+    if HAS_SCALE:  # FP8: each column's dot product times its channel's scale
+        s = s_ptr + expert.to(tl.int64) * stride_se + ns
+        acc_gate *= tl.load(s, mask=n_mask, other=0.0)[None, :]
+        acc_up *= tl.load(s + I, mask=n_mask, other=0.0)[None, :]
     if HAS_BIAS:
         b = b_ptr + expert.to(tl.int64) * stride_be + ns
         acc_gate += tl.load(b, mask=n_mask, other=0.0).to(tl.float32)[None, :]
@@ -189,10 +141,10 @@ def _gate_up_kernel(
 
 @triton.jit
 def _down_kernel(
-    act_ptr, w_ptr, b_ptr, sorted_ptr, tiles_ptr, topk_weights_ptr, y_ptr,
-    num_tiles, H, I, stride_we, stride_wn, stride_be,
-    HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    PRECISION: tl.constexpr, USE_PDL: tl.constexpr,
+    act_ptr, w_ptr, b_ptr, s_ptr, sorted_ptr, tiles_ptr, topk_weights_ptr, y_ptr,
+    num_tiles, H, I, stride_we, stride_wn, stride_be, stride_se,
+    HAS_BIAS: tl.constexpr, HAS_SCALE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr, PRECISION: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
     pdl_start(USE_PDL)
     num_n = tl.cdiv(H, BLOCK_N)
@@ -212,9 +164,12 @@ def _down_kernel(
         k_mask = ks < I - k0
         a = tl.load(a_ptrs, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
         w = tl.load(w_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
-        acc = tl.dot(a, w, acc, input_precision=PRECISION)
+        acc = tl.dot(a, w.to(act_ptr.dtype.element_ty), acc, input_precision=PRECISION)
         a_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
+    if HAS_SCALE:
+        s = s_ptr + expert.to(tl.int64) * stride_se + ns
+        acc *= tl.load(s, mask=n_mask, other=0.0)[None, :]
     if HAS_BIAS:
         b = b_ptr + expert.to(tl.int64) * stride_be + ns
         acc += tl.load(b, mask=n_mask, other=0.0).to(tl.float32)[None, :]
@@ -291,64 +246,35 @@ def _fit(tiles: GemmTiles, n: int, k: int, wide: bool) -> GemmTiles:
     return GemmTiles(block_n, max(16, block_k), tiles.num_warps, tiles.num_stages)
 
 
-def num_tiles_bound(num_pairs: int, num_experts: int, block_m: int) -> int:
-    """The most tiles `num_pairs` pairs over `num_experts` experts can make: each expert with
-    pairs adds at most one partial tile to the full ones."""
-    return num_pairs // block_m + min(num_experts, num_pairs)
-
-
-def moe_align(
-    topk_ids: torch.Tensor, num_experts: int, block_m: int, *, pdl: bool = False
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """topk_ids [T, k] -> (sorted_pairs [T * k] int32, tiles [3, num_tiles_bound] int32).
-
-    sorted_pairs lists the pairs p = t * k + j by expert, in pair order within an expert (its
-    first `valid` entries are defined, valid = pairs with an id in [0, E)); tiles[:, i] is tile
-    i's (expert, first row, end row) in that list, expert -1 for tiles past the last."""
-    check_tensor("topk_ids", topk_ids, ndim=2, dtypes=(torch.int32, torch.int64), contiguous=True)
-    if num_experts < 1 or block_m < 16 or block_m & (block_m - 1):
-        raise ValueError(
-            f"need num_experts >= 1 and block_m a power of two >= 16, got {num_experts}, {block_m}"
-        )
-    check_devices(_align_kernel, topk_ids=topk_ids)
-    num_pairs = topk_ids.numel()
-    num_tiles = num_tiles_bound(num_pairs, num_experts, block_m)
-    device = topk_ids.device
-    sorted_pairs = torch.empty(num_pairs, dtype=torch.int32, device=device)
-    tiles = torch.empty((3, num_tiles), dtype=torch.int32, device=device)
-    if num_pairs == 0:
-        return sorted_pairs, tiles
-    e_pow2 = triton.next_power_of_2(num_experts)
-    counted = num_pairs > ONE_PASS_PAIRS
-    pdl = use_pdl(_align_kernel, device, pdl)
-    counts = tiles  # unread unless counted
-    if counted:
-        counts = torch.empty(num_experts, dtype=torch.int32, device=device)
-        _count_kernel[(num_experts,)](
-            topk_ids, counts, num_pairs, BLOCK=1024, USE_PDL=pdl, **launch_options(pdl)
-        )
-    _align_kernel[(num_experts,)](
-        topk_ids, counts, sorted_pairs, tiles, num_pairs, num_experts, num_tiles,
-        COUNTED=counted, TILE_M=block_m, E_POW2=e_pow2,
-        BLOCK=1024 if counted else max(16, 4096 // e_pow2), USE_PDL=pdl, **launch_options(pdl),
-    )  # fmt: skip
-    return sorted_pairs, tiles
+def _check_weight(
+    name: str, w: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtype,
+    shape: tuple[int | None, ...],
+) -> None:  # fmt: skip
+    """A projection in x's dtype, or FP8 (e4m3) with a float32 scale per output channel."""
+    if scale is None:
+        if isinstance(w, torch.Tensor) and w.dtype == FP8:
+            raise ValueError(f"an FP8 {name} needs {name}_scale (one per output channel)")
+        check_tensor(name, w, dtypes=(dtype,), shape=shape)
+        return
+    check_tensor(name, w, dtypes=(FP8,), shape=shape)
+    check_tensor(f"{name}_scale", scale, dtypes=(torch.float32,), shape=tuple(w.shape[:2]))
 
 
 def _check_layer(
     x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids: torch.Tensor,
     topk_weights: torch.Tensor, w13_bias: torch.Tensor | None, w2_bias: torch.Tensor | None,
+    w13_scale: torch.Tensor | None, w2_scale: torch.Tensor | None,
 ) -> tuple[int, int, int]:  # fmt: skip
     """(E, H, I) of a layer whose arguments all fit together; else a ValueError."""
     check_tensor("x", x, ndim=2, dtypes=FLOAT_DTYPES)
-    check_tensor("w13", w13, ndim=3, dtypes=(x.dtype,))
+    _check_weight("w13", w13, w13_scale, x.dtype, (None, None, None))
     num_experts, two_inter, hidden = w13.shape
     if hidden != x.shape[1] or two_inter % 2:
         raise ValueError(
             f"w13 must be [E, 2I, H] with H = x's {x.shape[1]} columns, got {tuple(w13.shape)}"
         )
     inter = two_inter // 2
-    check_tensor("w2", w2, dtypes=(x.dtype,), shape=(num_experts, hidden, inter))
+    _check_weight("w2", w2, w2_scale, x.dtype, (num_experts, hidden, inter))
     check_tensor("topk_ids", topk_ids, ndim=2, dtypes=(torch.int32, torch.int64), contiguous=True)
     if topk_ids.shape[0] != x.shape[0]:
         raise ValueError(f"topk_ids must have x's {x.shape[0]} rows, got {tuple(topk_ids.shape)}")
@@ -359,7 +285,8 @@ def _check_layer(
     if w2_bias is not None:
         check_tensor("w2_bias", w2_bias, dtypes=(x.dtype,), shape=(num_experts, hidden))
     check_devices(_gate_up_kernel, x=x, w13=w13, w2=w2, topk_ids=topk_ids,
-                  topk_weights=topk_weights, w13_bias=w13_bias, w2_bias=w2_bias)  # fmt: skip
+                  topk_weights=topk_weights, w13_bias=w13_bias, w2_bias=w2_bias,
+                  w13_scale=w13_scale, w2_scale=w2_scale)  # fmt: skip
     return num_experts, hidden, inter
 
 
@@ -373,17 +300,23 @@ def fused_moe(
     activation: str = "silu",
     w13_bias: torch.Tensor | None = None,
     w2_bias: torch.Tensor | None = None,
+    w13_scale: torch.Tensor | None = None,
+    w2_scale: torch.Tensor | None = None,
     config: MoeConfig | None = None,
     pdl: bool = False,
 ) -> torch.Tensor:
     """x [T, H], w13 [E, 2I, H] (gate rows, then up rows), w2 [E, H, I], topk_ids [T, k]
     (int32/int64), topk_weights [T, k], optional w13_bias [E, 2I] and w2_bias [E, H] -> out
     [T, H] in x's dtype: sum over j of topk_weights[t, j] * expert topk_ids[t, j]'s gated MLP
-    of x[t] (see `fused_moe_ref`). `config` overrides `pick_config`; `pdl` launches with
-    programmatic dependent launch where the GPU has it. No host synchronisation: safe to capture
-    in a CUDA graph."""
+    of x[t] (see `fused_moe_ref`). With `w13_scale` [E, 2I] / `w2_scale` [E, H] (float32, one
+    per output channel) that weight is float8_e4m3fn, weight-only: activations stay in x's
+    dtype (the module docstring says how). `config` overrides `pick_config`; `pdl` launches
+    with programmatic dependent launch where the GPU has it. No host synchronisation: safe to
+    capture in a CUDA graph."""
     check_activation(activation)
-    num_experts, hidden, inter = _check_layer(x, w13, w2, topk_ids, topk_weights, w13_bias, w2_bias)
+    num_experts, hidden, inter = _check_layer(
+        x, w13, w2, topk_ids, topk_weights, w13_bias, w2_bias, w13_scale, w2_scale
+    )
     num_tokens, top_k = topk_ids.shape
     out = x.new_empty((num_tokens, hidden))
     if num_tokens == 0 or hidden == 0:
@@ -403,18 +336,24 @@ def fused_moe(
     precision = dot_precision(x.dtype)
     g, d = config.gate_up, config.down
     _gate_up_kernel[(num_tiles * triton.cdiv(inter, g.block_n),)](
-        x, w13, w13 if w13_bias is None else w13_bias, sorted_pairs, tiles, act,
+        x, w13, w13 if w13_bias is None else w13_bias, w13 if w13_scale is None else w13_scale,
+        sorted_pairs, tiles, act,
         num_tiles, top_k, hidden, inter, x.stride(0), w13.stride(0), w13.stride(1),
         0 if w13_bias is None else w13_bias.stride(0),
+        0 if w13_scale is None else w13_scale.stride(0),
         ACTIVATION=ACTIVATIONS.index(activation), HAS_BIAS=w13_bias is not None,
+        HAS_SCALE=w13_scale is not None,
         BLOCK_M=config.block_m, BLOCK_N=g.block_n, BLOCK_K=g.block_k, PRECISION=precision,
         USE_PDL=pdl, num_warps=g.num_warps, num_stages=g.num_stages, **launch_options(pdl),
     )  # fmt: skip
     _down_kernel[(num_tiles * triton.cdiv(hidden, d.block_n),)](
-        act, w2, w2 if w2_bias is None else w2_bias, sorted_pairs, tiles, topk_weights, y,
+        act, w2, w2 if w2_bias is None else w2_bias, w2 if w2_scale is None else w2_scale,
+        sorted_pairs, tiles, topk_weights, y,
         num_tiles, hidden, inter, w2.stride(0), w2.stride(1),
         0 if w2_bias is None else w2_bias.stride(0),
-        HAS_BIAS=w2_bias is not None, BLOCK_M=config.block_m, BLOCK_N=d.block_n,
+        0 if w2_scale is None else w2_scale.stride(0),
+        HAS_BIAS=w2_bias is not None, HAS_SCALE=w2_scale is not None,
+        BLOCK_M=config.block_m, BLOCK_N=d.block_n,
         BLOCK_K=d.block_k, PRECISION=precision, USE_PDL=pdl, num_warps=d.num_warps,
         num_stages=d.num_stages, **launch_options(pdl),
     )  # fmt: skip

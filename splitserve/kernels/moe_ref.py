@@ -12,6 +12,15 @@ in x's dtype, and an `index_add_` of the weighted output (rounded to x's dtype) 
 result. An id outside [0, E) (an expert another rank owns, under expert parallelism) contributes
 nothing.
 
+FP8 experts (weight-only): with `w13_scale` [E, 2I] / `w2_scale` [E, H] (float32, one per
+output channel) that weight is float8_e4m3fn. Each expert a batch uses is dequantized,
+w.float() * scale[:, None], and its projection computed as `kernels/gemv.py`'s `gemv_ref`
+computes an FP8 weight: F.linear(rows.float(), dequantized weight, bias.float()) in float32,
+rounded once to x's dtype. Everything else is as above (activation in x's dtype, the weighted
+output rounded to x's dtype). So in float32 the result is bitwise the 16-bit path's on the
+dequantized weights; in bf16/fp16 each projection is exact-then-rounded, as the kernel's float32
+accumulation is.
+
 Activations: "silu" (Qwen3-MoE, Mixtral, DeepSeek), "gelu_tanh", and "swiglu_oai" (gpt-oss:
 gate clamped above at 7, up to [-7, 7], (up + 1) * gate * sigmoid(1.702 * gate)).
 
@@ -99,15 +108,20 @@ def fused_moe_ref(
     activation: str = "silu",
     w13_bias: torch.Tensor | None = None,
     w2_bias: torch.Tensor | None = None,
+    w13_scale: torch.Tensor | None = None,
+    w2_scale: torch.Tensor | None = None,
     config: MoeConfig | None = None,
     pdl: bool = False,
 ) -> torch.Tensor:
     """x [T, H], w13 [E, 2I, H], w2 [E, H, I], topk_ids [T, k] (integer), topk_weights [T, k],
-    optional w13_bias [E, 2I] and w2_bias [E, H] -> out [T, H] in x's dtype. `config` and `pdl`
-    are the Triton path's and ignored here. Not CUDA-graph safe (it asks which experts have
-    tokens)."""
+    optional w13_bias [E, 2I] and w2_bias [E, H] -> out [T, H] in x's dtype. A `w13_scale`
+    [E, 2I] / `w2_scale` [E, H] makes that weight FP8 (the module docstring says how it is
+    computed). `config` and `pdl` are the Triton path's and ignored here. Not CUDA-graph safe
+    (it asks which experts have tokens)."""
     del config, pdl
     check_activation(activation)
+    _check_scale("w13", w13, w13_scale)
+    _check_scale("w2", w2, w2_scale)
     num_experts = w13.shape[0]
     out = torch.zeros_like(x)
     ids = topk_ids.long()
@@ -118,8 +132,36 @@ def fused_moe_ref(
         slot, token = torch.where(by_slot == expert)
         b13 = None if w13_bias is None else w13_bias[expert]
         b2 = None if w2_bias is None else w2_bias[expert]
-        gate, up = F.linear(x[token], w13[expert], b13).chunk(2, dim=-1)
-        y = F.linear(apply_activation(gate, up, activation), w2[expert], b2)
+        s13 = None if w13_scale is None else w13_scale[expert]
+        s2 = None if w2_scale is None else w2_scale[expert]
+        gate, up = _project(x[token], w13[expert], b13, s13).chunk(2, dim=-1)
+        y = _project(apply_activation(gate, up, activation), w2[expert], b2, s2)
         y = y * topk_weights[token, slot, None]
         out.index_add_(0, token, y.to(x.dtype))
     return out
+
+
+def _check_scale(name: str, w: torch.Tensor, scale: torch.Tensor | None) -> None:
+    """A scale belongs to an FP8 weight, one per output channel; an FP8 weight needs one."""
+    if (scale is not None) != (w.dtype == torch.float8_e4m3fn):
+        raise ValueError(
+            f"{name} is {w.dtype}: an FP8 (float8_e4m3fn) {name} comes with {name}_scale, "
+            "a 16/32-bit one without"
+        )
+    if scale is not None and tuple(scale.shape) != tuple(w.shape[:2]):
+        raise ValueError(f"{name}_scale must have shape {tuple(w.shape[:2])}, got {scale.shape}")
+
+
+def _project(
+    rows: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    scale: torch.Tensor | None,
+) -> torch.Tensor:
+    """rows @ weight^T + bias in rows' dtype; an FP8 weight (with its per-channel `scale`)
+    dequantized and multiplied in float32, rounded once to rows' dtype (as `gemv_ref`)."""
+    if scale is None:
+        return F.linear(rows, weight, bias)
+    w = weight.float() * scale.float()[:, None]
+    b = None if bias is None else bias.float()
+    return F.linear(rows.float(), w, b).to(rows.dtype)

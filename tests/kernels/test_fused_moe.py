@@ -1,7 +1,8 @@
 """The fused MoE layer matches its torch reference: every activation, with and without biases,
 experts shared by many tokens, experts no token chose, ids of experts this rank does not hold,
-decode and prefill tilings; its alignment tiles only the experts the batch touches; and the
-reference itself matches a dense per-token loop and HF transformers' expert blocks."""
+decode and prefill tilings, FP8 (e4m3) expert weights with per-channel scales; its alignment
+tiles only the experts the batch touches; and the reference itself matches a dense per-token loop
+and HF transformers' expert blocks, and with FP8 weights the same layer on the dequantized ones."""
 
 from __future__ import annotations
 
@@ -9,8 +10,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from splitserve.engine.quantization import quantize_weight
 from splitserve.kernels.fused_moe import fused_moe, moe_align, num_tiles_bound, pick_config
 from splitserve.kernels.moe_ref import ACTIVATIONS, GemmTiles, MoeConfig, fused_moe_ref
+from tests.kernels.paged_inputs import DTYPES
 
 needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -32,9 +35,29 @@ def _layer(T, k, E, H, I, device, dtype=torch.float32, bias=False, ids=None, see
     }  # fmt: skip
 
 
+def _fp8(layer, names=("w13", "w2")):
+    """The layer with `names` quantized per expert and output channel (e4m3 + float32 scale)."""
+    layer = dict(layer)
+    for name in names:
+        w = layer[name]
+        q, scale = quantize_weight(w.flatten(0, 1))
+        layer[name], layer[f"{name}_scale"] = q.view(w.shape), scale.view(w.shape[:2])
+    return layer
+
+
+def _dequantized(layer):
+    """An FP8 layer's weights back in float32 (w.float() * scale), no scales."""
+    layer = dict(layer)
+    for name in ("w13", "w2"):
+        if (scale := layer.pop(f"{name}_scale", None)) is not None:
+            layer[name] = layer[name].float() * scale[..., None]
+    return layer
+
+
 def _check(layer, activation="silu", config=None, tol=2e-5):
     args = [layer[n] for n in ("x", "w13", "w2", "topk_ids", "topk_weights")]
     kw = {"activation": activation, "w13_bias": layer["w13_bias"], "w2_bias": layer["w2_bias"]}
+    kw |= {n: layer[n] for n in ("w13_scale", "w2_scale") if n in layer}
     got = fused_moe(*args, **kw, config=config)
     want = fused_moe_ref(*args, **kw)
     assert got.dtype == want.dtype and got.shape == want.shape
@@ -85,6 +108,50 @@ def test_strided_rows_and_half_precision(device):
     wide[:, 8:40] = layer["x"]
     layer["x"] = wide[:, 8:40]  # rows 80 apart
     _check(layer, "silu", tol=2e-2)
+
+
+# DTYPES: bfloat16 on a GPU only (Triton's interpreter computes it wrongly on the CPU).
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("activation", "bias"), [("silu", False), ("swiglu_oai", True)])
+@pytest.mark.parametrize(("T", "k", "E", "H", "I"), [(1, 2, 4, 32, 16), (17, 2, 6, 64, 48)])
+def test_fp8_experts_match_reference(T, k, E, H, I, activation, bias, dtype, device):
+    layer = _fp8(_layer(T, k, E, H, I, device, dtype=dtype, bias=bias, seed=T + E))
+    assert layer["w13"].dtype == layer["w2"].dtype == torch.float8_e4m3fn
+    _check(layer, activation, tol=2e-5 if dtype == torch.float32 else 2e-2)
+
+
+@pytest.mark.parametrize("names", [("w13",), ("w2",)])
+def test_one_fp8_projection_and_several_k_steps(names, device):
+    config = MoeConfig(16, GemmTiles(16, 16), GemmTiles(32, 16))
+    _check(_fp8(_layer(40, 2, 5, 64, 48, device, bias=True, seed=2), names), "gelu_tanh", config)
+
+
+def test_fp8_arguments_are_clear_errors(device):
+    layer = _fp8(_layer(2, 2, 4, 32, 16, device))
+    args = [layer[n] for n in ("x", "w13", "w2", "topk_ids", "topk_weights")]
+    for moe in (fused_moe, fused_moe_ref):
+        with pytest.raises(ValueError, match="w13_scale"):
+            moe(*args, w2_scale=layer["w2_scale"])  # an FP8 w13 without its scales
+        with pytest.raises(ValueError, match="w2_scale"):
+            moe(*args, w13_scale=layer["w13_scale"], w2_scale=layer["w2_scale"][:, :8])
+    plain = _layer(2, 2, 4, 32, 16, device)
+    with pytest.raises(ValueError, match="w13"):  # a scale belongs to an FP8 weight
+        fused_moe(*[plain[n] for n in ("x", "w13", "w2", "topk_ids", "topk_weights")],
+                  w13_scale=layer["w13_scale"])  # fmt: skip
+
+
+def test_fp8_reference_is_the_layer_on_dequantized_weights():
+    layer = _fp8(_layer(6, 3, 5, 24, 20, "cpu", bias=True, seed=9))
+    # float32: bitwise the 16/32-bit path on w.float() * scale.
+    want = fused_moe_ref(**_dequantized(layer), activation="silu")
+    assert torch.equal(fused_moe_ref(**layer, activation="silu"), want)
+    # bf16 activations: each projection exact in float32, rounded to bf16 once.
+    half = {**layer, "x": layer["x"].bfloat16()}
+    half |= {n: layer[n].bfloat16() for n in ("w13_bias", "w2_bias")}
+    dense = _dense_loop(**_dequantized(half), activation="silu")
+    got = fused_moe_ref(**half, activation="silu")
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.double(), dense, atol=3e-2, rtol=3e-2)
 
 
 def _sorted_by_expert(ids: torch.Tensor, num_experts: int) -> list[int]:
@@ -205,6 +272,13 @@ def test_reference_matches_hf_qwen3_moe_and_gpt_oss_experts():
 @pytest.mark.parametrize("T", [1, 64, 1000])
 def test_bf16_qwen3_moe_shape_on_gpu(T):
     layer = _layer(T, 8, 128, 2048, 768, "cuda", dtype=torch.bfloat16, seed=T)
+    _check(layer, "silu", tol=3e-2)
+
+
+@needs_gpu
+@pytest.mark.parametrize("T", [1, 64])
+def test_fp8_bf16_qwen3_moe_shape_on_gpu(T):
+    layer = _fp8(_layer(T, 8, 128, 2048, 768, "cuda", dtype=torch.bfloat16, seed=T))
     _check(layer, "silu", tol=3e-2)
 
 
