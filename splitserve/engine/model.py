@@ -269,8 +269,8 @@ class DecoderModel(nn.Module):
         )
         self.embed_scale = cfg.embed_scale
         self.rotary = RotaryEmbedding(cfg.rope, cfg.head_dim, max_len)
-        # Gemma 3's sliding layers turn at their own base; kept out of the module tree's
-        # checkpoint names like `rotary` (neither is in a checkpoint).
+        # Gemma 3's sliding layers turn at their own base (tables, like `rotary`'s, that no
+        # checkpoint holds: non-persistent buffers, rebuilt by `reset_rotary`).
         self.rotary_local = (
             RotaryEmbedding(cfg.rope_local, cfg.head_dim, max_len)
             if cfg.rope_local is not None

@@ -13,7 +13,9 @@ and the C CRC-32C release the GIL), so parallel streams run in parallel.
                                           under the reservation's hold, write into the blocks
 
 The receiver publishes its address in the registry (`endpoint()`: `grpc.address`); senders
-fall back to the worker's own address when a receiver published none.
+fall back to the worker's own address only for a peer that names no KV transport (one that
+names its transports has a receiver of its own: a missing record is a lapse, and the push is
+refused as retryable rather than sent to a front that serves none).
 """
 
 from __future__ import annotations

@@ -81,9 +81,13 @@ class Senders:
             peer = self._peers.get(key)
         if peer is None or peer.address != destination.address:
             endpoint = self.registry.kv_endpoint(destination.worker_id)
-            if endpoint is None and name == "grpc":
-                endpoint = {}  # NOTE: no receiver of its own published: push to its address
+            if endpoint is None and name == "grpc" and not destination.kv_transports:
+                # NOTE: a peer that names no transport receives pushes on its own address
+                endpoint = {}
             if endpoint is None:
+                # NOTE: one that names its transports has a receiver of its own, whose record
+                # may have lapsed (a host paused past its TTL): never its front's address,
+                # which serves no pushes; retryable, and nothing is cached
                 raise TransferError(
                     f"{destination.worker_id} published no {name} endpoint in the registry",
                     "UNAVAILABLE",
