@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from bench.common import device_name, table, write_results
+from bench.common import device_name, expected_experts, table, write_results
 
 QWEN3_30B_A3B = {"hidden": 2048, "inter": 768, "experts": 128, "top_k": 8}
 TINY = {"hidden": 64, "inter": 48, "experts": 8, "top_k": 2}
@@ -77,7 +77,7 @@ def bench_tokens(
     x = torch.randn(num_tokens, h, generator=gen).to(device, dtype)
     routes = [route(num_tokens, e, k, gen, device) for _ in layers]
     touched = sum(len(set(ids.flatten().tolist())) for ids, _ in routes) / len(routes)
-    expected = e * (1 - (1 - k / e) ** num_tokens)
+    expected = expected_experts(e, k, num_tokens)
     expert_bytes = 3 * h * i * layers[0][0].element_size()
     touched_bytes = touched * expert_bytes
 

@@ -15,6 +15,7 @@ transports see the pool and move whole blocks.
 from __future__ import annotations
 
 import dataclasses
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -40,6 +41,24 @@ def size_kv_pool(model: ModelConfig, config: EngineConfig, budget: int) -> Engin
             f"no memory left for the KV cache: budget {budget} bytes, one block needs {per_block}"
         )
     return dataclasses.replace(config, num_kv_blocks=int(num_blocks))
+
+
+def fit_context_to_pool(config: EngineConfig) -> EngineConfig:
+    """`config` serving at most what its sized pool holds of one sequence, when it asks for
+    that (`fit_max_model_len_to_pool`, the context not set by the user) and holds fewer tokens
+    than its `max_model_len`; one line says so."""
+    assert config.num_kv_blocks is not None and config.max_model_len is not None
+    holds = config.num_kv_blocks * config.block_size
+    if not config.fit_max_model_len_to_pool or holds >= config.max_model_len:
+        return config
+    print(
+        f"serving a context of {holds} tokens, what the KV pool holds ({config.num_kv_blocks}"
+        f" blocks), not the model's {config.max_model_len}: give the cache more memory "
+        "(--kv-cache-memory-bytes, --gpu-memory-utilization) to serve longer",
+        file=sys.stderr,
+        flush=True,
+    )
+    return dataclasses.replace(config, max_model_len=holds)
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-import sys
 import time
 from pathlib import Path
 
@@ -20,7 +19,7 @@ from splitserve.engine.disaggregation import DisaggregationMixin
 from splitserve.engine.disaggregation import Reservation as Reservation
 from splitserve.engine.errors import AlreadyExists, Cancelled
 from splitserve.engine.grammar import Grammars
-from splitserve.engine.kv_cache import KVCache, size_kv_pool
+from splitserve.engine.kv_cache import KVCache, fit_context_to_pool, size_kv_pool
 from splitserve.engine.kv_connector import KVConnector
 from splitserve.engine.lora.engine_mixin import LoRAEngineMixin
 from splitserve.engine.lora.request import LoRARequest
@@ -48,6 +47,9 @@ from splitserve.engine.weights import load_model
 class LLMEngine(LoRAEngineMixin, DisaggregationMixin, ParkingMixin):
     """Owns the model, the KV pool, the scheduler and the request states of one worker."""
 
+    config: EngineConfig  # as asked, with the pool sized (`_load`) and the context fitted
+    kv_cache: KVCache
+
     def __init__(self, model_dir: str | Path, config: EngineConfig | None = None) -> None:
         config = config or EngineConfig()
         self.model_config = ModelConfig.from_pretrained(model_dir)
@@ -74,8 +76,10 @@ class LLMEngine(LoRAEngineMixin, DisaggregationMixin, ParkingMixin):
             self.shutdown()
             raise
         self.speculator = self._start_speculation(config)
+        if asked_len is None:
+            self.config = fit_context_to_pool(self.config)
+            max_len = self.max_model_len
         assert self.config.num_kv_blocks is not None
-        max_len = self._fit_to_pool(max_len, explicit=asked_len is not None)
         self.block_manager = BlockManager(
             self.config.num_kv_blocks,
             self.config.block_size,
@@ -125,24 +129,6 @@ class LLMEngine(LoRAEngineMixin, DisaggregationMixin, ParkingMixin):
         else:
             self.config = size_kv_pool(local, config, self.platform.kv_cache_budget(config))
         self.kv_cache = KVCache.allocate(local, self.config)
-
-    def _fit_to_pool(self, max_len: int, explicit: bool) -> int:
-        """The context served: `max_len`, or (config.fit_max_model_len_to_pool, max_len not
-        asked for) the tokens the KV pool holds when fewer, with one line saying so."""
-        config = self.config
-        assert config.num_kv_blocks is not None
-        holds = config.num_kv_blocks * config.block_size
-        if explicit or not config.fit_max_model_len_to_pool or holds >= max_len:
-            return max_len
-        print(
-            f"serving a context of {holds} tokens, what the KV pool holds ({config.num_kv_blocks}"
-            f" blocks), not the model's {max_len}: give the cache more memory "
-            "(--kv-cache-memory-bytes, --gpu-memory-utilization) to serve longer",
-            file=sys.stderr,
-            flush=True,
-        )
-        self.config = dataclasses.replace(config, max_model_len=holds)
-        return holds
 
     def shutdown(self) -> None:
         """Stop this engine's other tensor-parallel ranks (idempotent; nothing at TP=1)."""
