@@ -95,10 +95,11 @@ def serve(args: argparse.Namespace, env: Mapping[str, str]) -> int:
                 service.metrics_port, service.worker_id, args.max_inflight,
                 service.drain_timeout_s, metrics_host=service.metrics_bind_host,
             )  # fmt: skip
-    if args.command == "gateway":
-        from splitserve.runtime.torchless import keep_torch_out
+    from splitserve.runtime.torchless import keep_torch_out
 
-        keep_torch_out()  # NOTE: before the gateway's modules load transformers
+    # NOTE: before the service's modules load transformers: a gateway and a worker's front
+    # need no torch (a worker's engine core, a process of its own, loads it)
+    keep_torch_out()
 
     # NOTE: the password joins the URL in memory only (never argv, never printed).
     service = dataclasses.replace(
@@ -122,9 +123,7 @@ def serve(args: argparse.Namespace, env: Mapping[str, str]) -> int:
                 threading.Thread(target=_stop_with_parent, daemon=True).start()
             from splitserve.launch.gateway_service import start_gateway
 
-            running = start_gateway(
-                service, gateway, tracing, security, reuse_port=args.reuse_port
-            )
+            running = start_gateway(service, gateway, tracing, security, reuse_port=args.reuse_port)
         elif args.role_switch:  # NOTE: its role can change later (`splitserve role`)
             from splitserve.roles.switchable import start_switchable
 

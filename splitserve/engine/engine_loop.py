@@ -27,7 +27,7 @@ from concurrent.futures import Future
 from typing import Any, TypeVar
 
 from splitserve.engine.aio import within
-from splitserve.engine.errors import Unavailable
+from splitserve.engine.errors import EngineStopped
 from splitserve.engine.llm_engine import LLMEngine
 from splitserve.engine.outputs import RequestOutput
 from splitserve.engine.stall_log import stall_log_s
@@ -37,10 +37,6 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 StepHook = Callable[[LLMEngine], None]
 OutputSink = Callable[[list[RequestOutput]], None]
-
-
-class EngineStopped(Unavailable):
-    """The engine loop is not running (stopped, or it failed)."""
 
 
 class EngineLoop:

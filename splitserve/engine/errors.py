@@ -88,3 +88,7 @@ def quoted(value: object, max_chars: int = 64) -> str:
     if len(text) <= max_chars:
         return repr(text)
     return f"{text[:max_chars]!r}… ({len(text)} characters)"
+
+
+class EngineStopped(Unavailable):
+    """The engine is not running (stopped, or it failed) (UNAVAILABLE)."""

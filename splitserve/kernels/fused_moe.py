@@ -60,7 +60,6 @@ FP8 = torch.float8_e4m3fn
 
 __all__ = ["MoeConfig", "fused_moe", "moe_align", "num_tiles_bound", "pick_config"]
 
-PROGRAMS_WANTED = 1024  # decode: enough programs that the whole GPU streams weights
 _LIMIT = tl.constexpr(SWIGLU_LIMIT)
 _ALPHA = tl.constexpr(SWIGLU_ALPHA)
 
@@ -206,21 +205,19 @@ def pick_config(
 ) -> MoeConfig:
     """Tiles by the expected rows per expert, r = T * k / E (uniform routing).
 
-    NOTE: starting points to tune on a GPU (bench/moe_layer.py). r <= 8 (decode): BLOCK_M 16
-    (tl.dot's least; a tile's few real rows are padded in registers, which costs compute, not
-    memory) and columns as narrow as it takes to split the touched experts' weights over about
-    PROGRAMS_WANTED programs (Qwen3-30B-A3B at T = 1: 8 tiles x 48 gate/up programs and x 128
-    down programs of 16 columns; at T = 64, ~126 tiles x 12 gate/up programs of 64 columns and
-    x 16 down programs of 128), with K steps of ~8 KiB of weights. Then tensor-core tiles,
-    growing to vLLM's tuned H100 config for this shape at T >= 1536 (128 x 256 x 64, 8 warps, 4
-    stages; gate/up's 128 columns of each half are the same 256 accumulator columns). float32
-    takes half the K step: the same shared memory per stage.
+    r <= 8 (decode): BLOCK_M 16 (tl.dot's least; a tile's few real rows are padded in
+    registers, which costs compute, not memory), gate/up programs of 32 columns of each half and
+    down programs of 64, each with K steps of 256 (8-16 KiB of weights per stage): the fastest of
+    the tile sweep (bench/moe_layer.py --sweep) on an H100 for Qwen3-30B-A3B at both T = 1 and
+    T = 64 (docs/benchmarks.md). Then tensor-core tiles, growing to vLLM's tuned H100 config for
+    this shape at T >= 1536 (128 x 256 x 64, 8 warps, 4 stages; gate/up's 128 columns of each
+    half are the same 256 accumulator columns). float32 takes half the K step: the same shared
+    memory per stage.
     """
     ratio = min(top_k / max(num_experts, 1), 1.0)
     rows = num_tokens * ratio
     if rows <= 8:
-        touched = num_experts * (1.0 - (1.0 - ratio) ** num_tokens)
-        config = MoeConfig(16, _decode_tiles(touched, inter), _decode_tiles(touched, hidden))
+        config = MoeConfig(16, GemmTiles(32, 256, 4, 3), GemmTiles(64, 256, 4, 3))
     elif rows <= 32:
         config = MoeConfig(32, GemmTiles(64, 128, 4, 3), GemmTiles(128, 128, 8, 3))
     elif rows <= 128:
@@ -230,13 +227,6 @@ def pick_config(
     wide = dtype.itemsize > 2
     gate_up = _fit(config.gate_up, inter, hidden, wide)
     return MoeConfig(config.block_m, gate_up, _fit(config.down, hidden, inter, wide))
-
-
-def _decode_tiles(touched: float, n: int) -> GemmTiles:
-    block_n = 16
-    while block_n < 128 and touched * n / (2 * block_n) >= PROGRAMS_WANTED:
-        block_n *= 2
-    return GemmTiles(block_n, max(64, min(256, 4096 // block_n)), 4, 3)
 
 
 def _fit(tiles: GemmTiles, n: int, k: int, wide: bool) -> GemmTiles:

@@ -21,12 +21,14 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Collection, Mapping, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
-from typing import ClassVar, Protocol
+from typing import TYPE_CHECKING, ClassVar, Protocol
 
 from opentelemetry import trace
 
 from splitserve.engine.errors import SplitserveError
-from splitserve.engine.kv_connector import KVConnector, ReadyBlocks
+
+if TYPE_CHECKING:
+    from splitserve.engine.kv_connector import KVConnector, ReadyBlocks
 
 PREFERENCE = ("nixl", "grpc")
 """Transport names, fastest first; `auto` takes the first both ends support."""

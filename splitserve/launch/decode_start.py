@@ -18,8 +18,8 @@ from splitserve.decode_service.worker import DecodeSettings, DecodeWorker
 from splitserve.kv_transfer.presence import Presence
 from splitserve.kv_transfer.registry import WorkerInfo
 from splitserve.launch.engine_core import run_core
+from splitserve.launch.worker_record import worker_info
 from splitserve.launch.worker_start import Loaded, Served, start_worker
-from splitserve.launch.workers import worker_info
 from splitserve.runtime.engine_core.client import CoreTarget
 from splitserve.runtime.engine_core.protocol import endpoint_from_wire
 from splitserve.runtime.metrics import Metrics, RequestMetrics

@@ -20,8 +20,8 @@ from splitserve.launch.decode_start import DecodeWired, start_decode_worker
 from splitserve.launch.gateway_service import GATEWAY_SERVICE as GATEWAY_SERVICE
 from splitserve.launch.gateway_service import start_gateway as start_gateway
 from splitserve.launch.gateway_service import start_http as start_http
+from splitserve.launch.worker_record import worker_info
 from splitserve.launch.worker_start import Loaded, Served, prefill_worker, start_worker
-from splitserve.launch.workers import worker_info
 from splitserve.prefill_service.pusher import Senders
 from splitserve.prefill_service.servicer import PrefillServicer
 from splitserve.protos.v1 import worker_pb2_grpc

@@ -18,8 +18,8 @@ import logging
 import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from splitserve.engine.kv_connector import KVConnector, ReadyBlocks
 from splitserve.kv_transfer.registry import Registry
 from splitserve.kv_transfer.transport import (
     KVSender,
@@ -30,6 +30,9 @@ from splitserve.kv_transfer.transport import (
     choose,
 )
 from splitserve.protos.v1 import worker_pb2
+
+if TYPE_CHECKING:
+    from splitserve.engine.kv_connector import KVConnector, ReadyBlocks
 
 log = logging.getLogger(__name__)
 

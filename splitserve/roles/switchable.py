@@ -13,13 +13,13 @@ from splitserve.decode_service.servicer import DecodeServicer
 from splitserve.decode_service.worker import DecodeWorker
 from splitserve.kv_transfer.transport import Peer
 from splitserve.launch.decode_start import DecodeWired, start_decode_worker
+from splitserve.launch.engine_core import CoreSpec
 from splitserve.launch.services import DECODE_SERVICE, PREFILL_SERVICE
 from splitserve.launch.worker_start import Loaded, prefill_worker
 from splitserve.prefill_service.pusher import Senders
 from splitserve.prefill_service.servicer import PrefillServicer
 from splitserve.protos.v1 import worker_pb2, worker_pb2_grpc
 from splitserve.roles.switch import RoleServicer, RoleSwitch
-from splitserve.roles.switchable_core import run_switchable_core
 from splitserve.runtime.engine_core.protocol import endpoint_from_wire
 from splitserve.runtime.security import Security
 from splitserve.runtime.serving import Running, ServiceSpec
@@ -92,3 +92,14 @@ def start_switchable(
         on_core_death=on_core_death,
         core_entry=run_switchable_core,
     )
+
+
+def run_switchable_core(
+    spec: CoreSpec, command_address: str, event_address: str, own_process: bool
+) -> None:
+    """The entry point of a `--role-switch` worker's core (`EngineCoreClient` starts it): the
+    engine is imported here, in the core's process, never in the front."""
+    from splitserve.launch.core_build import serve_core
+    from splitserve.roles.switchable_core import build_switchable
+
+    serve_core(build_switchable, spec, command_address, event_address, own_process)

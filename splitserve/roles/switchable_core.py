@@ -20,14 +20,13 @@ from typing import Any
 from splitserve.decode_service.core import DecodeCoreHandler
 from splitserve.engine.engine_loop import EngineLoop
 from splitserve.engine.outputs import RequestOutput
-from splitserve.launch.engine_core import (
-    CoreSpec,
+from splitserve.launch.core_build import (
     core_tracing,
     decode_handler,
     prefill_handler,
     report_failure,
-    serve_core,
 )
+from splitserve.launch.engine_core import CoreSpec
 from splitserve.launch.workers import build_engine
 from splitserve.prefill_service.core import PrefillCoreHandler
 from splitserve.roles.handoff_core import hand_off
@@ -111,13 +110,6 @@ class SwitchableCoreHandler(CoreHandler):
     def close(self) -> None:
         self.decode.close()
         self.prefill.close()
-
-
-def run_switchable_core(
-    spec: CoreSpec, command_address: str, event_address: str, own_process: bool
-) -> None:
-    """The entry point of a `--role-switch` worker's core (`EngineCoreClient` starts it)."""
-    serve_core(build_switchable, spec, command_address, event_address, own_process)
 
 
 def build_switchable(spec: CoreSpec, emitter: Emitter) -> tuple[EngineLoop, CoreHandler]:

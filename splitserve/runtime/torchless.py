@@ -1,12 +1,13 @@
-"""Keep torch out of a process that needs none: the gateway.
+"""Keep torch out of a process that needs none: the gateway, and a worker's front (its engine
+core, a process of its own, is where torch runs).
 
-The gateway's own modules never import torch (an import contract says so), but transformers,
-whose tokenizers and chat templates the gateway uses, imports torch whenever it can find it
-(`transformers.configuration_utils` pulls in its RoPE helpers, which load torch). That costs a
-gateway process about 2.5 s of CPU at start and a few hundred MB of memory, per process, for
-nothing: tokenizing and rendering a chat template are torch-free in transformers, which supports
-installs without torch. Marking torch as absent before transformers is imported makes it take
-that path.
+Neither imports torch through our own modules (the gateway's import contract says so; a front
+reaches the engine only through the core's entry point, which imports it in the core's process),
+but transformers, whose tokenizers and chat templates both use, imports torch whenever it can
+find it (`transformers.configuration_utils` pulls in its RoPE helpers, which load torch). That
+costs a process about 2.5 s of CPU at start and a few hundred MB of memory, for nothing:
+tokenizing and rendering a chat template are torch-free in transformers, which supports installs
+without torch. Marking torch as absent before transformers is imported makes it take that path.
 """
 
 from __future__ import annotations

@@ -200,11 +200,19 @@ def test_deadline_is_enforced_and_frees_everything(stack):
     assert_nothing_leaks(stack)
 
 
-def test_the_gateway_process_serves_without_loading_torch(stack, offline):
-    """The gateway tokenizes (transformers' tokenizers, torch-free) and loads no torch at all:
-    none of libtorch is mapped into its process once it has served."""
+def test_the_gateway_and_worker_fronts_serve_without_loading_torch(stack, offline):
+    """The gateway and each worker's front tokenize (transformers' tokenizers, torch-free) and
+    load no torch at all: none of libtorch is mapped into their processes once they have served,
+    while each worker's engine core (a child of its front) has it."""
     prompts, expected = offline
     assert _generate_all(gateway(stack), prompts[:2], GREEDY)[0].token_ids[0] == expected[0]
-    maps = Path(f"/proc/{stack.process('gateway').pid}/maps").read_text()
-    assert "libtorch" not in maps and "/torch/" not in maps
-    assert "tokenizers" in maps  # NOTE: the check sees the gateway's native libraries
+    for name in ("gateway", "prefill-0", "decode-0"):
+        pid = stack.process(name).pid
+        maps = Path(f"/proc/{pid}/maps").read_text()
+        assert "libtorch" not in maps and "/torch/" not in maps, name
+        assert "tokenizers" in maps, name  # NOTE: the check sees the process's native libraries
+        if name != "gateway":
+            tasks = Path(f"/proc/{pid}/task").iterdir()
+            cores = [c for t in tasks for c in (t / "children").read_text().split()]
+            core_maps = [Path(f"/proc/{c}/maps").read_text() for c in cores]
+            assert any("libtorch" in m for m in core_maps), name

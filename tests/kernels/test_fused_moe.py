@@ -54,6 +54,12 @@ def _dequantized(layer):
     return layer
 
 
+def _float32(t):
+    """A 16-bit tensor in float32; anything else (FP8 weights, ids, names) as it is."""
+    is16 = isinstance(t, torch.Tensor) and t.dtype in (torch.float16, torch.bfloat16)
+    return t.float() if is16 else t
+
+
 def _check(layer, activation="silu", config=None, tol=2e-5):
     args = [layer[n] for n in ("x", "w13", "w2", "topk_ids", "topk_weights")]
     kw = {"activation": activation, "w13_bias": layer["w13_bias"], "w2_bias": layer["w2_bias"]}
@@ -61,7 +67,16 @@ def _check(layer, activation="silu", config=None, tol=2e-5):
     got = fused_moe(*args, **kw, config=config)
     want = fused_moe_ref(*args, **kw)
     assert got.dtype == want.dtype and got.shape == want.shape
-    torch.testing.assert_close(got, want, atol=tol, rtol=tol)
+    if got.dtype == torch.float32:
+        torch.testing.assert_close(got, want, atol=tol, rtol=tol)
+        return got
+    # NOTE: in 16 bits the kernel (float32 accumulation, the intermediate rounded once) and the
+    # reference (HF's order: each projection rounded) round at different points, so a value summed
+    # from large terms may differ by a few units in its last place: the kernel must be as close to
+    # the float32 result as the reference is.
+    exact = fused_moe_ref(*map(_float32, args), **{n: _float32(v) for n, v in kw.items()})
+    err, ref_err = (got.float() - exact).abs().max(), (want.float() - exact).abs().max()
+    assert err <= 2 * ref_err + tol * exact.abs().max(), (err, ref_err)
     return got
 
 
@@ -180,13 +195,13 @@ def test_alignment_tiles_only_touched_experts(T, k, E, block_m, device):
         assert tiles.shape[1] == k and len(live) == k
 
 
-def test_decode_config_splits_the_weights_over_many_programs():
-    # Qwen3-30B-A3B: H 2048, I 768, E 128, k 8.
+def test_decode_config_splits_the_weights_over_every_sm():
+    # Qwen3-30B-A3B: H 2048, I 768, E 128, k 8; at least a program per SM of an H100 (132)
     decode = pick_config(1, 8, 128, 2048, 768)
     assert decode.block_m == 16
     gate_up = 8 * 768 // decode.gate_up.block_n
     down = 8 * 2048 // decode.down.block_n
-    assert gate_up >= 256 and down >= 1000
+    assert gate_up >= 132 and down >= 132
     prefill = pick_config(4096, 8, 128, 2048, 768)
     assert prefill.block_m >= 64 and prefill.down.block_n >= 128
     with pytest.raises(ValueError, match="powers of two"):

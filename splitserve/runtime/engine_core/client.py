@@ -29,11 +29,10 @@ import zmq
 from transformers import PreTrainedTokenizerBase
 
 from splitserve.engine.aio import within
-from splitserve.engine.engine_loop import EngineStopped
+from splitserve.engine.errors import EngineStopped
 from splitserve.engine.outputs import RequestOutput
 from splitserve.runtime.engine_core.assembler import OutputAssembler
-from splitserve.runtime.engine_core.protocol import error_from_wire, pack, unpack
-from splitserve.runtime.engine_core.server import STOP
+from splitserve.runtime.engine_core.protocol import STOP, error_from_wire, pack, unpack
 
 log = logging.getLogger(__name__)
 

@@ -52,6 +52,9 @@ from splitserve.protos.v1 import common_pb2
 if TYPE_CHECKING:
     from splitserve.engine.llm_engine import LLMEngine
 
+STOP = "__stop__"
+"""The call that stops the core (its main thread leaves its loop)."""
+
 ERRORS: dict[str, type[SplitserveError]] = {
     cls.__name__: cls
     for cls in (

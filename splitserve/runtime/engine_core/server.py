@@ -19,18 +19,18 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import zmq
 
-from splitserve.engine.engine_loop import EngineLoop
 from splitserve.engine.outputs import RequestOutput
-from splitserve.runtime.engine_core.protocol import StepEncoder, error_to_wire, pack, unpack
+from splitserve.runtime.engine_core.protocol import STOP, StepEncoder, error_to_wire, pack, unpack
 from splitserve.runtime.gc_heap import settle
 
-log = logging.getLogger(__name__)
+if TYPE_CHECKING:
+    from splitserve.engine.engine_loop import EngineLoop
 
-STOP = "__stop__"
+log = logging.getLogger(__name__)
 
 
 class Emitter:
@@ -78,7 +78,7 @@ class CoreHandler(ABC):
         """Stop transports and threads before the engine stops."""
 
 
-Build = Callable[[Emitter], tuple[EngineLoop, CoreHandler]]
+Build = Callable[[Emitter], tuple["EngineLoop", CoreHandler]]
 
 
 def die_with_parent() -> None:
