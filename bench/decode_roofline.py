@@ -44,26 +44,26 @@ def untouched_expert_bytes(engine) -> int:
     without Mixture-of-Experts layers): the step is run once more eagerly with every layer's
     routing recorded, and each layer's experts that no token picked are counted. (Random
     weights do not route uniformly, so the expected E * (1 - (1 - k/E)^B) would misstate it.)"""
-    from splitserve.engine import moe
-
     layers = [layer.mlp for layer in engine.model.model.layers if hasattr(layer.mlp, "experts")]
     if not layers:
         return 0
     picked: list[torch.Tensor] = []
-    route = moe.route
+    ops = layers[0].ops  # NOTE: one ops object serves every layer
+    route = ops.moe_route
 
-    def recording(logits, config):
-        weights, ids = route(logits, config)
+    def recording(*args, **kwargs):
+        weights, ids = route(*args, **kwargs)
         picked.append(ids.flatten())
         return weights, ids
 
     graphs, engine.runner.graphs = engine.runner.graphs, None
-    moe.route = recording
+    ops.moe_route = recording
     try:
         engine.step()
         sync()
     finally:
-        moe.route, engine.runner.graphs = route, graphs
+        del ops.moe_route
+        engine.runner.graphs = graphs
     total = 0
     for block, ids in zip(layers, picked[-len(layers) :], strict=True):
         per_expert = sum(p[0].numel() * p.element_size() for p in block.experts.parameters())

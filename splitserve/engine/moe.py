@@ -16,24 +16,10 @@ import re
 from collections.abc import Iterator
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from splitserve.engine.model_config import ModelConfig, MoEConfig
 from splitserve.engine.ops import TorchOps
-
-
-def route(logits: torch.Tensor, moe: MoEConfig) -> tuple[torch.Tensor, torch.Tensor]:
-    """(weights [T, k] in the logits' dtype, expert ids [T, k]) from router logits [T, E],
-    computed in the order transformers does (so float32 routing agrees)."""
-    if moe.router == "topk_softmax":  # gpt-oss: the top logits, then a softmax over them
-        top, ids = torch.topk(logits, moe.top_k, dim=-1)
-        return F.softmax(top, dim=-1, dtype=top.dtype), ids
-    probs = F.softmax(logits, dim=-1, dtype=torch.float)
-    top, ids = torch.topk(probs, moe.top_k, dim=-1)
-    if moe.renormalize:
-        top = top / top.sum(dim=-1, keepdim=True)
-    return top.to(logits.dtype), ids
 
 
 class Experts(nn.Module):
@@ -70,7 +56,8 @@ class MoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         logits = self.ops.linear(x, self.gate.weight, self.gate.bias)
-        weights, ids = route(logits, self.moe)
+        moe = self.moe
+        weights, ids = self.ops.moe_route(logits, moe.top_k, moe.router, moe.renormalize)
         experts = self.experts
         return self.ops.fused_moe(
             x,

@@ -136,6 +136,15 @@ class TorchOps:
             w13_scale=w13_scale, w2_scale=w2_scale,
         )  # fmt: skip
 
+    def moe_route(
+        self, logits: torch.Tensor, top_k: int, router: str, renormalize: bool
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """A Mixture-of-Experts router's (weights, expert ids) [T, k] from its logits [T, E], in
+        transformers' order: kernels/moe_ref.py."""
+        from splitserve.kernels.moe_ref import moe_route_ref
+
+        return moe_route_ref(logits, top_k, router, renormalize)
+
     def argmax(self, logits: torch.Tensor) -> torch.Tensor:
         return logits.argmax(dim=-1)
 
@@ -279,6 +288,13 @@ class TritonOps(TorchOps):
             activation=activation, w13_bias=w13_bias, w2_bias=w2_bias,
             w13_scale=w13_scale, w2_scale=w2_scale, pdl=self.pdl,
         )  # fmt: skip
+
+    def moe_route(
+        self, logits: torch.Tensor, top_k: int, router: str, renormalize: bool
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        from splitserve.kernels.moe_route import moe_route
+
+        return moe_route(logits.contiguous(), top_k, router, renormalize, pdl=self.pdl)
 
     def argmax(self, logits: torch.Tensor) -> torch.Tensor:
         from splitserve.kernels.argmax import argmax_rows

@@ -35,9 +35,13 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-__all__ = ["ACTIVATIONS", "GemmTiles", "MoeConfig", "apply_activation", "fused_moe_ref"]
+__all__ = [
+    "ACTIVATIONS", "ROUTERS", "GemmTiles", "MoeConfig", "apply_activation", "fused_moe_ref",
+    "moe_route_ref",
+]  # fmt: skip
 
 ACTIVATIONS = ("silu", "gelu_tanh", "swiglu_oai")
+ROUTERS = ("softmax_topk", "topk_softmax")  # kernels/moe_route.py
 SWIGLU_LIMIT = 7.0  # gpt-oss's swiglu_limit
 SWIGLU_ALPHA = 1.702  # gpt-oss's swiglu_alpha
 
@@ -165,3 +169,20 @@ def _project(
     w = weight.float() * scale.float()[:, None]
     b = None if bias is None else bias.float()
     return F.linear(rows.float(), w, b).to(rows.dtype)
+
+
+def moe_route_ref(
+    logits: torch.Tensor, top_k: int, router: str = "softmax_topk", renormalize: bool = True
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`kernels/moe_route.py`'s router top-k as transformers computes it: (weights [T, k] in the
+    logits' dtype, expert ids [T, k]) from router logits [T, E]. `softmax_topk`: a float32 softmax
+    over every expert, its top k, renormalised if asked (Qwen3-MoE, Mixtral); `topk_softmax`: the
+    top k logits, then a softmax over them (gpt-oss)."""
+    if router == "topk_softmax":
+        top, ids = torch.topk(logits, top_k, dim=-1)
+        return F.softmax(top, dim=-1, dtype=top.dtype), ids
+    probs = F.softmax(logits, dim=-1, dtype=torch.float)
+    top, ids = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        top = top / top.sum(dim=-1, keepdim=True)
+    return top.to(logits.dtype), ids
