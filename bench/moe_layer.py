@@ -132,11 +132,13 @@ def sweep_tokens(
     decode = base.block_m == 16
     if decode:  # memory-bound: how wide and deep a program streams
         shapes = [
-            GemmTiles(n, kk, 4, st) for n in (16, 32, 64) for kk in (256, 512) for st in (3, 4)
+            GemmTiles(n, kk, w, st)
+            for n in (32, 64, 128) for kk in (128, 256) for w in (2, 4, 8) for st in (2, 3, 4)
         ]  # fmt: skip
     else:  # tensor-core tiles
         shapes = [
-            GemmTiles(n, 64, w, st) for n in (128, 256) for w in (4, 8) for st in (3, 4)
+            GemmTiles(n, kk, w, st)
+            for n in (64, 128, 256) for kk in (32, 64, 128) for w in (4, 8) for st in (3, 4, 5)
         ]  # fmt: skip
     rows: list[dict[str, Any]] = []
 
