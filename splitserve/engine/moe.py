@@ -1,6 +1,6 @@
-"""The Mixture-of-Experts MLP: a router picks each token's experts, the experts run as one fused
-grouped computation (`ops.fused_moe`: kernels/fused_moe.py on a GPU, kernels/moe_ref.py
-elsewhere).
+"""The Mixture-of-Experts MLP: a router picks each token's experts (`ops.moe_route`:
+kernels/moe_route.py on a GPU), the experts run as one fused grouped computation
+(`ops.fused_moe`: kernels/fused_moe.py on a GPU); kernels/moe_ref.py is both elsewhere.
 
 Parameters are kept stacked, the way transformers holds them in memory: `experts.gate_up_proj`
 [E, 2I, H] (each expert's gate rows, then its up rows), `experts.down_proj` [E, H, I], the router

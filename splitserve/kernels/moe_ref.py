@@ -24,6 +24,8 @@ accumulation is.
 Activations: "silu" (Qwen3-MoE, Mixtral, DeepSeek), "gelu_tanh", and "swiglu_oai" (gpt-oss:
 gate clamped above at 7, up to [-7, 7], (up + 1) * gate * sigmoid(1.702 * gate)).
 
+The router's reference (`moe_route_ref`, of kernels/moe_route.py) is here too, at the end.
+
 Also here, because both modules need them and this one imports no Triton: the activation names and
 `MoeConfig`, the Triton path's tile sizes (the reference ignores it).
 """

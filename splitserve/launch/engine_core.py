@@ -26,6 +26,7 @@ class CoreSpec:
 def run_core(spec: CoreSpec, command_address: str, event_address: str, own_process: bool) -> None:
     """The entry point of a prefill, decode or colocated worker's core (`EngineCoreClient`
     starts it)."""
-    from splitserve.launch.core_build import build_core, serve_core  # NOTE: the core's only
+    # NOTE: here, so that the engine (and torch) load in the core's process, never the front's
+    from splitserve.launch.core_build import build_core, serve_core
 
     serve_core(build_core, spec, command_address, event_address, own_process)
