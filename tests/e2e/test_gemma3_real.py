@@ -14,6 +14,7 @@ from splitserve.client import collect, stream
 from splitserve.engine import LLM, SamplingParams
 from splitserve.engine.tokenizer import load_tokenizer
 from tests.e2e.harness import assert_nothing_leaks, gateway, running_stack
+from tests.engine.hf_oracle import greedy_tokens
 
 pytestmark = pytest.mark.slow
 
@@ -27,17 +28,8 @@ def _hf(model: torch.nn.Module, ids: list[int]) -> list[int]:
 
 
 @cache
-@torch.inference_mode()
 def _hf_cached(model: torch.nn.Module, ids: tuple[int, ...]) -> tuple[int, ...]:
-    out = model.generate(
-        torch.tensor([ids]),
-        max_new_tokens=STEPS,
-        min_new_tokens=STEPS,
-        do_sample=False,
-        eos_token_id=None,
-        pad_token_id=0,
-    )
-    return tuple(out[0, len(ids) :].tolist())
+    return greedy_tokens(model, ids, STEPS)
 
 
 def _prompts(hf_dir) -> list[list[int]]:

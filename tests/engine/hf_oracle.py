@@ -22,7 +22,13 @@ def hf_greedy(model_dir: Path, prompt: tuple[int, ...], max_new_tokens: int) -> 
 
 @lru_cache(maxsize=512)
 def _hf_greedy_cached(model_dir: Path, prompt: tuple[int, ...], max_new: int) -> tuple[int, ...]:
-    out = hf_model(model_dir).generate(
+    return greedy_tokens(hf_model(model_dir), prompt, max_new)
+
+
+@torch.inference_mode()
+def greedy_tokens(model: torch.nn.Module, prompt: tuple[int, ...], max_new: int) -> tuple[int, ...]:
+    """`model`'s greedy tokens from HF `generate` after `prompt` (no padding), EOS ignored."""
+    out = model.generate(
         torch.tensor([prompt]),
         max_new_tokens=max_new,
         min_new_tokens=max_new,
