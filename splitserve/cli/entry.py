@@ -59,10 +59,12 @@ def _offline(args: argparse.Namespace) -> int:
     return 0
 
 
-def _up(args: argparse.Namespace) -> int:
+def _up(args: argparse.Namespace, env: Mapping[str, str]) -> int:
+    from splitserve.cli.up_flags import stack_worker_args
     from splitserve.launch.up import StackSettings, run_until_interrupted
     from splitserve.runtime.secrets import read_lines_file
 
+    passed = stack_worker_args(args, env)  # NOTE: checked before anything starts
     return run_until_interrupted(
         StackSettings(
             model=args.model,
@@ -80,6 +82,10 @@ def _up(args: argparse.Namespace) -> int:
             tls_cert_file=args.tls_cert_file,
             tls_key_file=args.tls_key_file,
             insecure=args.insecure,
+            extra_worker_args=passed.workers,
+            extra_prefill_args=passed.prefill,
+            extra_decode_args=passed.decode,
+            extra_gateway_args=passed.gateway,
         )
     )
 
@@ -132,7 +138,13 @@ def build_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="command", required=True)
 
-    up = sub.add_parser("up", help="start Redis, the workers and the gateway; serve until Ctrl-C")
+    from splitserve.cli.up_flags import DESCRIPTION, add_up_worker_flags
+
+    up = sub.add_parser(
+        "up",
+        help="start Redis, the workers and the gateway; serve until Ctrl-C",
+        description=DESCRIPTION,
+    )
     up.add_argument(
         "--model",
         default=env.get("SPLITSERVE_MODEL"),
@@ -168,7 +180,8 @@ def build_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
         "--devices",
         default=env.get("SPLITSERVE_DEVICES", ""),
         help="comma-separated devices handed to the workers in turn, decode workers first "
-        "(e.g. cuda:1,cuda:0 puts decode on GPU 1 and prefill on GPU 0)",
+        "(e.g. cuda:1,cuda:0 puts decode on GPU 1 and prefill on GPU 0; or --device, "
+        "--prefill-device, --decode-device)",
     )
     up.add_argument(
         "--host",
@@ -187,7 +200,8 @@ def build_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
         action="store_true",
         help="serve a non-loopback --host without an API key",
     )
-    up.set_defaults(func=_up)
+    add_up_worker_flags(up)  # NOTE: after up's own flags: those it shares are not mirrored
+    up.set_defaults(func=lambda args: _up(args, env))
 
     from splitserve.cli.serve import add_serve_commands
 

@@ -17,12 +17,7 @@ from typing import Any
 def add_serve_commands(sub: Any, env: Mapping[str, str]) -> None:
     """Add `gateway`, `prefill` and `decode` to the `splitserve` command's subparsers."""
     from splitserve.runtime.security import add_security_flags
-    from splitserve.runtime.settings import (
-        GatewaySettings,
-        ServiceSettings,
-        WorkerSettings,
-        add_flags,
-    )
+    from splitserve.runtime.settings import GatewaySettings, ServiceSettings, add_flags
 
     for name, help_text in [
         ("gateway", "run the public gateway"),
@@ -30,24 +25,34 @@ def add_serve_commands(sub: Any, env: Mapping[str, str]) -> None:
         ("decode", "run a decode worker"),
     ]:
         p = sub.add_parser(name, help=help_text)
-        add_flags(p, ServiceSettings, env)
         if name == "gateway":
+            add_flags(p, ServiceSettings, env)
             add_flags(p, GatewaySettings, env)
-        else:
-            add_flags(p, WorkerSettings, env)
-        add_security_flags(p, env, gateway=name == "gateway")
-        if name == "gateway":  # NOTE: set by `--processes N` on each of its processes
+            add_security_flags(p, env, gateway=True)
+            # NOTE: set by `--processes N` on each of its processes
             p.add_argument("--reuse-port", action="store_true", help=argparse.SUPPRESS)
-        if name == "decode":
-            p.add_argument("--colocated", action="store_true", help="also prefill (no P workers)")
-        if name != "gateway":
-            p.add_argument(
-                "--role-switch",
-                action="store_true",
-                help="serve both roles' calls on one engine, so that `splitserve role` (or the "
-                "planner) can move this worker between prefill, decode and colocated in place",
-            )
+        else:
+            add_worker_flags(p, env, name)
         p.set_defaults(func=lambda args: serve(args, env))
+
+
+def add_worker_flags(parser: argparse.ArgumentParser, env: Mapping[str, str], kind: str) -> None:
+    """Every flag of a `kind` (prefill or decode) worker: the one definition of each, which
+    `splitserve prefill|decode` take and `splitserve up` mirrors (`up_flags.py`)."""
+    from splitserve.runtime.security import add_security_flags
+    from splitserve.runtime.settings import ServiceSettings, WorkerSettings, add_flags
+
+    add_flags(parser, ServiceSettings, env)
+    add_flags(parser, WorkerSettings, env)
+    add_security_flags(parser, env, gateway=False)
+    if kind == "decode":
+        parser.add_argument("--colocated", action="store_true", help="also prefill (no P workers)")
+    parser.add_argument(
+        "--role-switch",
+        action="store_true",
+        help="serve both roles' calls on one engine, so that `splitserve role` (or the "
+        "planner) can move this worker between prefill, decode and colocated in place",
+    )
 
 
 def serve(args: argparse.Namespace, env: Mapping[str, str]) -> int:
