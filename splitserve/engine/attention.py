@@ -13,6 +13,7 @@ its column after the softmax).
 
 from __future__ import annotations
 
+import dataclasses
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -55,6 +56,20 @@ class AttentionMetadata:
     @property
     def max_seq_len(self) -> int:
         return max(self.seq_lens_cpu, default=0)
+
+
+def window_view(meta: AttentionMetadata, window_map: torch.Tensor) -> AttentionMetadata:
+    """`meta` for sliding layers whose KV has a pool of its own (engine/kv_cache.py): slots and
+    block tables through the window map, on the device (a padded row's slot -1 stays -1)."""
+    bs = meta.block_size
+    slots = meta.slot_mapping
+    blocks = torch.div(slots, bs, rounding_mode="floor").clamp_min(0)
+    mapped = window_map[blocks].to(slots.dtype) * bs + slots.remainder(bs)
+    return dataclasses.replace(
+        meta,
+        slot_mapping=torch.where(slots < 0, slots, mapped),
+        block_tables=window_map[meta.block_tables.long()],
+    )
 
 
 class AttentionBackend(ABC):

@@ -10,6 +10,10 @@ partly filled:
 Full blocks are hashed (chained over the parent hash) once computed and stay in the pool's
 prefix cache after release. A forked child shares every block of its parent; whichever of them
 next writes into a shared, partly filled last block first copies it (copy-on-write).
+
+With sliding-window layers (`window`: engine/window_slots.py) a block also holds a slot of
+their smaller pool while some sequence's window still covers it: `allocate` is told where a
+sequence's next query is (`num_computed`) and lets go of the blocks behind its window.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from splitserve.engine.block_pool import (
     BlockPool,
 )
 from splitserve.engine.prefix_hash import chain_hash, prefix_block_hashes
+from splitserve.engine.window_slots import WindowSlots
 
 SeqId = Hashable
 
@@ -59,6 +64,9 @@ class KVUsage:
     # partly filled block per sequence.
     num_unused_slots: int
     num_sequences: int
+    # Sliding-window layers' slots (engine/window_slots.py): in use, and all but the null one.
+    num_window_slots_held: int = 0
+    num_window_slots: int = 0
 
     @property
     def usage_perc(self) -> float:
@@ -74,9 +82,13 @@ class BlockManager:
         block_size: int,
         enable_prefix_caching: bool = True,
         record_prefix_events: bool = False,
+        window: WindowSlots | None = None,
     ):
         self.block_size = block_size
         self.pool = BlockPool(num_blocks, enable_prefix_caching, record_prefix_events)
+        self.window = window
+        # The first block each sequence's window still covers (with `window` only).
+        self._live_from: dict[SeqId, int] = {}
         self._tables: dict[SeqId, list[int]] = {}
         self._num_tokens: dict[SeqId, int] = {}
         self._hashes: dict[SeqId, list[bytes]] = {}
@@ -106,6 +118,8 @@ class BlockManager:
             if block_id is None:
                 break
             ids.append(block_id)
+        if self.window is not None:
+            del ids[self.window.usable_prefix(ids) :]
         if not ids:
             return None
         self.prefix_cache_hits += len(ids) * bs
@@ -119,12 +133,20 @@ class BlockManager:
         )
 
     def allocate(
-        self, seq_id: SeqId, num_total_tokens: int, prefix_hit: PrefixHit | None = None
+        self,
+        seq_id: SeqId,
+        num_total_tokens: int,
+        prefix_hit: PrefixHit | None = None,
+        num_computed: int | None = None,
     ) -> Allocation | None:
         """Give `seq_id` slots for its first `num_total_tokens` tokens, or None if they don't fit.
 
-        A new sequence may start from `prefix_hit`. Nothing changes when None is returned.
+        A new sequence may start from `prefix_hit`. `num_computed`: where the sequence's next
+        query is (no earlier position is queried again): with sliding-window layers, the
+        blocks behind its window are let go first. Nothing else changes when None is returned.
         """
+        if num_computed is not None and self.window is not None:
+            self._slide(seq_id, num_computed)
         table = self._tables.get(seq_id)
         if (
             table is not None
@@ -141,20 +163,27 @@ class BlockManager:
             table = self._tables[seq_id] = []
             self._hashes[seq_id] = []
             self._num_tokens[seq_id] = 0
+            self._live_from[seq_id] = 0
             if prefix_hit is not None:
                 for block_id in prefix_hit.block_ids:
                     self.pool.touch(block_id)
                 table.extend(prefix_hit.block_ids)
                 self._hashes[seq_id].extend(prefix_hit.block_hashes)
                 self._num_tokens[seq_id] = prefix_hit.num_tokens(self.block_size)
+                if self.window is not None:
+                    live = self.window.first_live(self._num_tokens[seq_id])
+                    self._live_from[seq_id] = live
+                    for block_id in table[live:]:
+                        self.window.hold(block_id)
         copies = []
         if self._needs_copy(seq_id, num_total_tokens):
             shared = table[-1]
-            table[-1] = self.pool.allocate()
-            self.pool.release(shared)
+            table[-1] = self._take()
+            self._let_go(shared)
+            self._release(shared)
             copies.append((shared, table[-1]))
         while len(table) * self.block_size < num_total_tokens:
-            table.append(self.pool.allocate())
+            table.append(self._take())
         self._num_tokens[seq_id] = max(self._num_tokens[seq_id], num_total_tokens)
         return Allocation(tuple(copies))
 
@@ -165,6 +194,10 @@ class BlockManager:
         table = list(self._tables[parent_id])
         for block_id in table:
             self.pool.touch(block_id)
+        self._live_from[child_id] = live = self._live_from[parent_id]
+        if self.window is not None:
+            for block_id in table[live:]:
+                self.window.hold(block_id)
         self._tables[child_id] = table
         self._num_tokens[child_id] = self._num_tokens[parent_id]
         self._hashes[child_id] = list(self._hashes[parent_id])
@@ -183,7 +216,7 @@ class BlockManager:
             del self._pins[block_id]
         else:
             self._pins[block_id] = count - 1
-        self.pool.release(block_id)
+        self._release(block_id)
 
     @property
     def num_pinned_blocks(self) -> int:
@@ -195,8 +228,11 @@ class BlockManager:
         table = self._tables.pop(seq_id, None)
         if table is None:
             return
-        for block_id in reversed(table):
-            self.pool.release(block_id)
+        live = self._live_from.pop(seq_id)
+        for i in reversed(range(len(table))):
+            if i >= live:
+                self._let_go(table[i])
+            self._release(table[i])
         del self._num_tokens[seq_id]
         del self._hashes[seq_id]
 
@@ -227,7 +263,10 @@ class BlockManager:
             raise BlockIntegrityError(f"trim of {seq_id!r} below its cached blocks")
         keep = -(-num_tokens // self.block_size)
         while len(table) > keep:
-            self.pool.release(table.pop())
+            block_id = table.pop()
+            if len(table) >= self._live_from[seq_id]:
+                self._let_go(block_id)
+            self._release(block_id)
         self._num_tokens[seq_id] = min(self._num_tokens[seq_id], num_tokens)
 
     def usage(self) -> KVUsage:
@@ -243,20 +282,32 @@ class BlockManager:
             num_free_blocks=pool.num_free,
             num_unused_slots=unused,
             num_sequences=len(self._tables),
+            num_window_slots_held=self.window.num_held if self.window else 0,
+            num_window_slots=self.window.num_slots - 1 if self.window else 0,
         )
 
     def check_integrity(self) -> None:
         """Raise BlockIntegrityError unless free + cached + in use == total and every reference
         count equals the number of block tables holding that block."""
         refs: dict[int, int] = {}
+        seen: dict[int, int] = {}  # block id -> sequences whose window covers it
         for seq_id, table in self._tables.items():
             if len(table) != -(-self._num_tokens[seq_id] // self.block_size):
                 raise BlockIntegrityError(f"sequence {seq_id!r} holds more blocks than tokens need")
             for block_id in table:
                 refs[block_id] = refs.get(block_id, 0) + 1
+            for block_id in table[self._live_from[seq_id] :]:
+                seen[block_id] = seen.get(block_id, 0) + 1
         for block_id, count in self._pins.items():
             refs[block_id] = refs.get(block_id, 0) + count
         self.pool.check_integrity(refs)
+        if self.window is not None:
+            self.window.check_integrity(seen)
+            stale = [
+                b for b in self.window.slot_of if b not in refs and not self.pool.is_evictable(b)
+            ]
+            if stale:
+                raise BlockIntegrityError(f"free blocks still hold window slots: {stale[:5]}")
 
     def _needs_copy(self, seq_id: SeqId, num_total_tokens: int) -> bool:
         # The next token lands in the last block if it is partly filled; if that block is
@@ -285,4 +336,44 @@ class BlockManager:
         taken = 0
         if prefix_hit is not None:
             taken = sum(self.pool.is_evictable(b) for b in prefix_hit.block_ids)
-        return self.pool.num_available - taken
+        available = self.pool.num_available - taken
+        if self.window is not None:  # every new block needs a window slot too
+            window = self.window
+            if prefix_hit is not None:
+                hit = prefix_hit.block_ids
+                live = window.first_live(len(hit) * self.block_size)
+                taken = sum(window.is_idle(b) for b in hit[live:])
+            available = min(available, window.num_available - taken)
+        return available
+
+    def _take(self) -> int:
+        """A block for new tokens (and its window slot): evicting a cached block makes its
+        old window slot's contents stale."""
+        block_id = self.pool.allocate()
+        if self.window is not None:
+            self.window.drop(block_id)
+            self.window.give(block_id)
+        return block_id
+
+    def _release(self, block_id: int) -> None:
+        self.pool.release(block_id)
+        block = self.pool.blocks[block_id]
+        if self.window is not None and block.ref_count == 0 and block.block_hash is None:
+            self.window.drop(block_id)  # freed: nothing can hit it any more
+
+    def _let_go(self, block_id: int) -> None:
+        if self.window is not None:
+            self.window.let_go(block_id)
+
+    def _slide(self, seq_id: SeqId, num_computed: int) -> None:
+        """Let go of the blocks behind `seq_id`'s window, its next query being at
+        `num_computed`."""
+        table = self._tables.get(seq_id)
+        if table is None:
+            return
+        assert self.window is not None
+        old = self._live_from[seq_id]
+        new = min(self.window.first_live(num_computed), len(table))
+        for block_id in table[old:new]:
+            self.window.let_go(block_id)
+        self._live_from[seq_id] = max(old, new)

@@ -68,6 +68,11 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.9
     kv_cache_memory_bytes: int | None = None
     num_kv_blocks: int | None = None
+    # Sliding-window layers keep only the blocks their window still covers, in a pool of their
+    # own (engine/window_slots.py); False keeps every block for every layer. Its slots are
+    # sized with the pool (`num_window_slots`, the null slot included; None: no window pool).
+    sliding_window_kv: bool = True
+    num_window_slots: int | None = None
     scheduling_policy: str = "fcfs"
     # "auto": Triton kernels on CUDA, the plain-torch backend elsewhere.
     attention_backend: str = "auto"
@@ -124,6 +129,8 @@ class EngineConfig:
             raise ValueError("kv_cache_memory_bytes must be positive")
         if self.num_kv_blocks is not None and self.num_kv_blocks <= 0:
             raise ValueError("num_kv_blocks must be positive")
+        if self.num_window_slots is not None and self.num_window_slots < 2:
+            raise ValueError("num_window_slots must be at least 2 (slot 0 is the null slot)")
         if self.scheduling_policy not in ("fcfs", "priority"):
             raise ValueError("scheduling_policy must be 'fcfs' or 'priority'")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:

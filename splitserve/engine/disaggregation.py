@@ -85,6 +85,11 @@ class DisaggregationMixin:
         if resume is not None:
             seq.resume(resume, self.model_config.vocab_size)
         bm = self.block_manager
+        if bm.window is not None:
+            raise InvalidRequest(
+                "this engine keeps sliding layers' KV in a window pool, which transfers do not "
+                "carry: start it with sliding_window_kv=False to take pushed KV"
+            )
         hit = bm.find_prefix_hit(seq.token_ids, seq.prefix_root)
         if bm.allocate(seq.seq_id, seq.num_tokens, hit) is None:
             raise CapacityError(

@@ -10,6 +10,17 @@ moving a block between workers is one descriptor (one copy) however many layers 
 
 The attention backends see the per-layer views and find each page through its block stride;
 transports see the pool and move whole blocks.
+
+Sliding-window layers (Gemma 3's five of six, gpt-oss's every other) keep only the blocks their
+window still covers (engine/window_slots.py): with `window_slots`, their keys and values live
+in a second, smaller block-major pool of slots, and the pool above holds the full layers only:
+
+    pool          [num_blocks, full layers, 2, block_size, heads, dim]
+    window pool   [num_slots, sliding layers, 2, block_size, heads, dim]   (slot 0: zeros)
+    window map    [num_blocks] int32: the slot block b's sliding layers use (0: none)
+
+The model reads a sliding layer's pages through the window map (`window_view`), on the device,
+so CUDA graphs replay it; the block manager decides the map, the engine copies its changes in.
 """
 
 from __future__ import annotations
@@ -22,6 +33,7 @@ import torch
 
 from splitserve.engine.config import EngineConfig
 from splitserve.engine.model_config import ModelConfig
+from splitserve.engine.window_slots import slots_needed
 
 
 def bytes_per_block(model: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
@@ -30,9 +42,30 @@ def bytes_per_block(model: ModelConfig, block_size: int, dtype: torch.dtype) -> 
     return 2 * model.num_layers * block_size * model.num_kv_heads * model.head_dim * elem
 
 
+def window_layers(model: ModelConfig, config: EngineConfig) -> tuple[int, ...]:
+    """The sliding-window layers whose KV lives in the window pool; () keeps every block.
+
+    NOTE: not yet with tensor parallelism, speculative decoding (a draft may attend over the
+    target's pool) or a model whose every layer slides (no full layer to key blocks by)."""
+    if not config.sliding_window_kv or config.tensor_parallel_size > 1 or config.speculative:
+        return ()
+    local = tuple(i for i in range(model.num_layers) if model.window(i) is not None)
+    return local if 0 < len(local) < model.num_layers else ()
+
+
 def size_kv_pool(model: ModelConfig, config: EngineConfig, budget: int) -> EngineConfig:
-    """Return `config` with `num_kv_blocks` set from `budget` bytes (unless it is given)."""
+    """Return `config` with `num_kv_blocks` set from `budget` bytes (unless it is given), and
+    with sliding-window layers (`window_layers`) `num_window_slots`: what every running
+    sequence's window needs at most, the memory it saves going to more blocks."""
+    local = window_layers(model, config)
+    if not local:
+        config = dataclasses.replace(config, num_window_slots=None)
     if config.num_kv_blocks is not None:
+        if local and config.num_window_slots is None:
+            slots = _window_slots(model, config, config.num_kv_blocks)
+            config = dataclasses.replace(config, num_window_slots=slots)
+        elif local:
+            _check_window_slots(model, config)
         return config
     per_block = bytes_per_block(model, config.block_size, config.cache_dtype)
     num_blocks = budget // per_block
@@ -40,7 +73,26 @@ def size_kv_pool(model: ModelConfig, config: EngineConfig, budget: int) -> Engin
         raise ValueError(
             f"no memory left for the KV cache: budget {budget} bytes, one block needs {per_block}"
         )
-    return dataclasses.replace(config, num_kv_blocks=int(num_blocks))
+    if not local:
+        return dataclasses.replace(config, num_kv_blocks=int(num_blocks))
+    per_layer = per_block // model.num_layers
+    slots = _window_slots(model, config, num_blocks)
+    full = model.num_layers - len(local)
+    more = (budget - slots * len(local) * per_layer) // (full * per_layer)
+    assert config.max_model_len is not None
+    most = config.max_num_seqs * -(-config.max_model_len // config.block_size)
+    num_blocks = max(num_blocks, min(more, most))  # NOTE: more blocks than any batch fills
+    return dataclasses.replace(config, num_kv_blocks=int(num_blocks), num_window_slots=slots)
+
+
+def _window_slots(model: ModelConfig, config: EngineConfig, num_blocks: int) -> int:
+    """Slots of the window pool: one per block at most, and the null slot."""
+    window = model.sliding_window
+    assert window is not None
+    needed = slots_needed(
+        window, config.block_size, config.max_num_seqs, config.max_num_batched_tokens
+    )
+    return min(num_blocks, needed) + 1
 
 
 def fit_context_to_pool(config: EngineConfig) -> EngineConfig:
@@ -61,26 +113,54 @@ def fit_context_to_pool(config: EngineConfig) -> EngineConfig:
     return dataclasses.replace(config, max_model_len=holds)
 
 
+def _check_window_slots(model: ModelConfig, config: EngineConfig) -> None:
+    """A `num_window_slots` given must hold one step of one sequence: the window before its
+    longest chunk, the chunk, and the null slot (fewer, and a long prompt would wait forever)."""
+    window, bs = model.sliding_window, config.block_size
+    assert window is not None and config.num_window_slots is not None
+    chunk = min(config.max_num_batched_tokens, config.max_model_len or model.max_model_len)
+    least = -(-(window - 1 + chunk) // bs) + 2
+    if config.num_window_slots < least:
+        raise ValueError(
+            f"num_window_slots {config.num_window_slots} cannot hold one sequence's window "
+            f"({window} tokens) and a chunk of {chunk} tokens: give at least {least}"
+        )
+
+
 @dataclass(frozen=True)
 class KVCache:
-    """The pool tensor and the per-layer views the model attends over."""
+    """The pool tensor and the per-layer views the model attends over (sliding layers' in the
+    window pool, when there is one)."""
 
-    pool: torch.Tensor  # [num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]
-    layers: tuple[torch.Tensor, ...]  # per layer: [2, num_blocks, block_size, heads, dim]
+    pool: torch.Tensor  # [num_blocks, full layers, 2, block_size, num_kv_heads, head_dim]
+    layers: tuple[torch.Tensor, ...]  # per layer: [2, num_blocks or slots, block_size, heads, dim]
+    window_pool: torch.Tensor | None = None  # [num_slots, sliding layers, 2, block_size, …]
+    window_map: torch.Tensor | None = None  # [num_blocks] int32: block -> window slot
 
     @classmethod
     def allocate(cls, model: ModelConfig, config: EngineConfig) -> KVCache:
         assert config.num_kv_blocks is not None, "size the pool first"
-        shape = (
-            config.num_kv_blocks,
-            model.num_layers,
-            2,
-            config.block_size,
-            model.num_kv_heads,
-            model.head_dim,
+        local = window_layers(model, config) if config.num_window_slots else ()
+        page = (2, config.block_size, model.num_kv_heads, model.head_dim)
+        full = model.num_layers - len(local)
+        dtype, device = config.cache_dtype, config.device
+        pool = torch.zeros((config.num_kv_blocks, full, *page), dtype=dtype, device=device)
+        if not local:
+            return cls.over(pool)
+        assert config.num_window_slots is not None
+        window_pool = torch.zeros(
+            (config.num_window_slots, len(local), *page), dtype=dtype, device=device
         )
-        pool = torch.zeros(shape, dtype=config.cache_dtype, device=config.device)
-        return cls.over(pool)
+        full_ids = iter(range(full))
+        local_ids = iter(range(len(local)))
+        layers = tuple(
+            window_pool[:, next(local_ids)].transpose(0, 1)
+            if layer in local
+            else pool[:, next(full_ids)].transpose(0, 1)
+            for layer in range(model.num_layers)
+        )
+        window_map = torch.zeros(config.num_kv_blocks, dtype=torch.int32, device=config.device)
+        return cls(pool, layers, window_pool, window_map)
 
     @classmethod
     def over(cls, pool: torch.Tensor) -> KVCache:
@@ -103,10 +183,27 @@ class KVCache:
         return int(self.pool[0].numel() * self.pool.element_size())
 
     def copy_blocks(self, copies: tuple[tuple[int, int], ...]) -> None:
-        """Copy whole blocks src -> dst (copy-on-write of a shared last block)."""
+        """Copy whole blocks src -> dst (copy-on-write of a shared last block), their window
+        slots too (the window map already names dst's)."""
         if not copies:
             return
         device = self.pool.device
         src = torch.tensor([s for s, _ in copies], device=device)
         dst = torch.tensor([d for _, d in copies], device=device)
         self.pool[dst] = self.pool[src]
+        if self.window_pool is not None and self.window_map is not None:
+            wmap = self.window_map
+            self.window_pool[wmap[dst].long()] = self.window_pool[wmap[src].long()]
+
+    def apply_window_changes(self, changes: list[tuple[int, int]]) -> None:
+        """Mirror the block manager's window-slot changes (block id, slot or 0) on the device."""
+        if not changes or self.window_map is None:
+            return
+        blocks, slots = zip(*changes, strict=True)
+        index = torch.tensor(blocks, dtype=torch.long)
+        values = torch.tensor(slots, dtype=torch.int32)
+        device = self.window_map.device
+        pin = device.type == "cuda"
+        if pin:
+            index, values = index.pin_memory(), values.pin_memory()
+        self.window_map[index.to(device, non_blocking=pin)] = values.to(device, non_blocking=pin)

@@ -132,6 +132,11 @@ class KVConnector:
     # -- both sides -----------------------------------------------------------------------
 
     def region(self) -> KVRegion:
+        if self._cache.window_pool is not None:
+            raise ValueError(
+                "a KV pool whose sliding layers have a window pool of their own cannot be "
+                "transferred: build the engine with sliding_window_kv=False"
+            )
         pool = self._cache.pool
         _, num_layers, _, block_size, num_kv_heads, head_dim = pool.shape
         return KVRegion(

@@ -42,6 +42,7 @@ from splitserve.engine.spec_decode.speculator import Speculator
 from splitserve.engine.stats import EngineStats
 from splitserve.engine.tokenizer import load_tokenizer
 from splitserve.engine.weights import load_model
+from splitserve.engine.window_slots import WindowSlots
 
 
 class LLMEngine(LoRAEngineMixin, DisaggregationMixin, ParkingMixin):
@@ -85,6 +86,7 @@ class LLMEngine(LoRAEngineMixin, DisaggregationMixin, ParkingMixin):
             self.config.block_size,
             self.config.enable_prefix_caching,
             self.config.record_prefix_events,
+            window=self._window_slots(),
         )
         self.scheduler = Scheduler(
             self.config, self.block_manager, max_len, self.model_config.eos_token_ids
@@ -129,6 +131,15 @@ class LLMEngine(LoRAEngineMixin, DisaggregationMixin, ParkingMixin):
         else:
             self.config = size_kv_pool(local, config, self.platform.kv_cache_budget(config))
         self.kv_cache = KVCache.allocate(local, self.config)
+        self.model.window_map = self.kv_cache.window_map
+
+    def _window_slots(self) -> WindowSlots | None:
+        """The sliding layers' slots when their KV has a pool of its own (engine/kv_cache.py)."""
+        if self.kv_cache.window_pool is None:
+            return None
+        window = self.model_config.sliding_window
+        assert window is not None and self.config.num_window_slots is not None
+        return WindowSlots(self.config.num_window_slots, window, self.config.block_size)
 
     def shutdown(self) -> None:
         """Stop this engine's other tensor-parallel ranks (idempotent; nothing at TP=1)."""
@@ -292,6 +303,8 @@ class LLMEngine(LoRAEngineMixin, DisaggregationMixin, ParkingMixin):
         if not out.is_empty:
             bm = self.block_manager
             tables = {s.seq.seq_id: bm.block_table(s.seq.seq_id) for s in out.scheduled}
+            if bm.window is not None:  # NOTE: stream-ordered after any step in flight
+                self.kv_cache.apply_window_changes(bm.window.drain_changes())
             if overlap:
                 launched = self.runner.launch(out, tables, prev)
                 if prev is not None:

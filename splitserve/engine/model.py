@@ -14,7 +14,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from splitserve.engine.attention import AttentionBackend, AttentionMetadata, get_attention_backend
+from splitserve.engine.attention import (
+    AttentionBackend,
+    AttentionMetadata,
+    get_attention_backend,
+    window_view,
+)
 from splitserve.engine.lora.batch import LoRALayer
 from splitserve.engine.model_config import ModelConfig
 from splitserve.engine.moe import MoE
@@ -333,6 +338,9 @@ class CausalLM(nn.Module):
         vocab = -(-cfg.vocab_size // self.group.world_size)  # this rank's rows, padded
         self.lm_head = nn.Linear(cfg.hidden_size, vocab, bias=False)
         self.tie_weights()
+        self._slides = [cfg.window(i) is not None for i in range(cfg.num_layers)]
+        # The KV cache's window map when its sliding layers have a pool of their own.
+        self.window_map: torch.Tensor | None = None
 
     def tie_weights(self) -> None:
         """Share the embedding with the LM head when the config says so.
@@ -351,8 +359,11 @@ class CausalLM(nn.Module):
     ) -> torch.Tensor:
         x = self.model.embed(input_ids)
         residual: torch.Tensor | None = None
-        for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
-            x, residual = layer(positions, x, residual, kv_cache, meta)
+        # Sliding layers in a window pool of their own (engine/kv_cache.py) read it through
+        # the window map: translated once per step, on the device.
+        local = meta if self.window_map is None else window_view(meta, self.window_map)
+        for layer, kv_cache, slides in zip(self.model.layers, kv_caches, self._slides, strict=True):
+            x, residual = layer(positions, x, residual, kv_cache, local if slides else meta)
         assert residual is not None
         return self.model.norm.add_and_norm(x, residual)[0]
 

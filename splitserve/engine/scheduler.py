@@ -96,17 +96,26 @@ class Scheduler:
             # NOTE: drafts never preempt: they take slots only while every running sequence
             # could still get a block.
             if num_spec and bm.pool.num_available > len(self.running):
-                alloc = bm.allocate(seq.seq_id, seq.num_computed_tokens + num_new + num_spec)
+                alloc = bm.allocate(
+                    seq.seq_id, seq.num_computed_tokens + num_new + num_spec,
+                    num_computed=seq.num_computed_tokens,
+                )  # fmt: skip
             if alloc is None:
                 num_spec = 0
-                alloc = bm.allocate(seq.seq_id, seq.num_computed_tokens + num_new)
+                alloc = bm.allocate(
+                    seq.seq_id, seq.num_computed_tokens + num_new,
+                    num_computed=seq.num_computed_tokens,
+                )  # fmt: skip
             while alloc is None:
                 victim = self.running.pop()
                 self._preempt(victim)
                 preempted.append(victim)
                 if victim is seq:
                     break
-                alloc = bm.allocate(seq.seq_id, seq.num_computed_tokens + num_new)
+                alloc = bm.allocate(
+                    seq.seq_id, seq.num_computed_tokens + num_new,
+                    num_computed=seq.num_computed_tokens,
+                )  # fmt: skip
             if alloc is None:
                 break
             copies.extend(alloc.copies)
@@ -128,7 +137,7 @@ class Scheduler:
                 hit = bm.find_prefix_hit(seq.token_ids, seq.prefix_root)
                 num_computed = hit.num_tokens(bm.block_size) if hit else 0
             num_new = min(seq.num_tokens - num_computed, budget)
-            alloc = bm.allocate(seq.seq_id, num_computed + num_new, hit)
+            alloc = bm.allocate(seq.seq_id, num_computed + num_new, hit, num_computed)
             if alloc is None:
                 # NOTE: prefilled sequences wait holding their blocks; with nothing running to
                 # finish and free some, one of them gives its blocks up (it recomputes later).

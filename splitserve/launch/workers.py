@@ -35,6 +35,9 @@ def engine_config(
         and worker.kv_cache_memory_bytes is None,
         max_num_batched_tokens=worker.max_num_batched_tokens,
         max_num_seqs=worker.max_num_seqs,
+        # NOTE: every worker's KV may move (a prefill's push, a stream moved off a decode
+        # worker), and transfers carry the one block-major pool: sliding layers keep theirs.
+        sliding_window_kv=False,
         enable_pdl=worker.pdl,
         load_format=worker.load_format,
         quantization=None if worker.quantization == "auto" else worker.quantization,
