@@ -5,9 +5,10 @@ HF-format directory it is the identity; for a `.gguf` file (or a directory holdi
 config.json) it returns a directory under `$XDG_CACHE_HOME/splitserve/gguf/` holding
 config.json, model.safetensors (dequantized: float32, float16 where the GGUF stored float16)
 and the tokenizer files (tokenizer.json, tokenizer_config.json, chat template) that
-transformers builds from the GGUF's metadata. Converting once, rather than reading GGUF in each
-loader, keeps one loading path: the engine, its tensor-parallel followers and the torch-free
-gateway all read the same files, and a second start costs nothing.
+transformers builds from the GGUF's metadata (`gguf_tokenizer`, from the metadata read once).
+Converting once, rather than reading GGUF in each loader, keeps one loading path: the engine,
+its tensor-parallel followers and the torch-free gateway all read the same files, and a second
+start costs nothing.
 
 The directory sits below a digest of the source's path, size and modification time (and of
 this converter's version), so a changed file is converted again; it is written beside its
@@ -26,6 +27,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from splitserve.engine.gguf_loader import GGUFError, GGUFModel
+from splitserve.engine.gguf_tokenizer import write_tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -95,28 +97,12 @@ def convert_gguf(source: Path, out_dir: Path) -> None:
         raise GGUFError(f"{source.name}: no tokenizer in the GGUF metadata")
     (out_dir / "config.json").write_text(json.dumps(model.hf_config, indent=2) + "\n")
     save_file(dict(model.tensors()), str(out_dir / "model.safetensors"), metadata={"format": "pt"})
-    _write_tokenizer(source, out_dir)
+    write_tokenizer(model.header, model.hf_config["model_type"], out_dir)
     stat = source.stat()
     (out_dir / SOURCE_FILE).write_text(
         json.dumps({"path": str(source.resolve()), "size": stat.st_size,
                     "mtime_ns": stat.st_mtime_ns, "converter": CONVERTER_VERSION}) + "\n"
     )  # fmt: skip
-
-
-def _write_tokenizer(source: Path, out_dir: Path) -> None:
-    """transformers' GGUF tokenizer conversion (vocabulary, merges, special tokens, chat
-    template), saved as a fast tokenizer."""
-    from transformers import AutoTokenizer  # NOTE: here: this conversion loads torch
-
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(
-            str(source.parent), gguf_file=source.name, local_files_only=True
-        )
-    except (ValueError, KeyError, NotImplementedError) as exc:
-        raise GGUFError(f"{source.name}: its tokenizer could not be converted: {exc}") from None
-    tokenizer.save_pretrained(str(out_dir))
-    if not (out_dir / "tokenizer.json").is_file():
-        raise GGUFError(f"{source.name}: its tokenizer has no fast (tokenizer.json) form")
 
 
 def _digest(source: Path) -> str:

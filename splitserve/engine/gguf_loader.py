@@ -18,7 +18,10 @@ What the conversion to GGUF did is undone (each architecture's part: `gguf_archs
 
   `unpermute_qk` puts them back.
 
-Only numpy and `gguf` are imported here (never torch): the gateway reads GGUF models too.
+The file's metadata and tensor table are read by `gguf_fields` (fast: `gguf.GGUFReader` spends
+seconds walking a large vocabulary element by element); the tensor data stays in the file's map
+until each tensor is dequantized. Only numpy and `gguf` are imported here (never torch): the
+gateway reads GGUF models too.
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ from splitserve.engine.gguf_archs import (
     hf_tensor_name,
     is_shifted_norm,
 )
+from splitserve.engine.gguf_fields import GGUFHeader, read_gguf
 
 __all__ = ["ARCHITECTURES", "SUPPORTED_TYPES", "GGUFError", "GGUFModel", "unpermute_qk"]
 
@@ -64,24 +68,17 @@ class GGUFModel:
     arch: str  # the GGUF architecture ("llama", …)
     hf_config: dict[str, Any]
     metadata: dict[str, Any]
-    _reader: Any
+    header: GGUFHeader  # every key/value (the tokenizer's too) and the tensor table
 
     @classmethod
     def open(cls, path: str | Path) -> GGUFModel:
         """Read `path`'s metadata; raise GGUFError naming an unsupported architecture or tensor
         type (every tensor is checked here, before anything is converted)."""
-        import gguf  # NOTE: here, so that importing this module stays cheap
-
         path = Path(path)
-        try:
-            reader = gguf.GGUFReader(str(path))
-        except (OSError, ValueError) as exc:
-            raise GGUFError(f"{str(path)!r} is not a readable GGUF file: {exc}") from None
-        metadata = {
-            key: field.contents()
-            for key, field in reader.fields.items()
-            if not key.startswith(("tokenizer.ggml.", "GGUF."))
-        }
+        header = read_gguf(path)
+        fields = header.fields
+        metadata = {key: value for key, value in fields.items()
+                    if not key.startswith("tokenizer.ggml.")}  # fmt: skip
         arch = str(metadata.get("general.architecture"))
         if arch not in ARCHITECTURES:
             raise GGUFError(
@@ -89,15 +86,15 @@ class GGUFModel:
                 f"supported: {', '.join(ARCHITECTURES)}"
             )
         bad = sorted(
-            {t.tensor_type.name for t in reader.tensors} - set(SUPPORTED_TYPES),
+            {t.tensor_type.name for t in header.tensors} - set(SUPPORTED_TYPES),
         )
         if bad:
-            examples = [t.name for t in reader.tensors if t.tensor_type.name in bad][:3]
+            examples = [t.name for t in header.tensors if t.tensor_type.name in bad][:3]
             raise GGUFError(
                 f"{path.name}: unsupported GGUF tensor type(s) {', '.join(bad)} (e.g. "
                 f"{', '.join(examples)}); supported: {', '.join(SUPPORTED_TYPES)}"
             )
-        names = {t.name for t in reader.tensors}
+        names = {t.name for t in header.tensors}
         if "rope_freqs.weight" in names:
             raise GGUFError(
                 f"{path.name}: per-frequency RoPE factors (rope_freqs.weight, Llama 3.1-style "
@@ -106,19 +103,18 @@ class GGUFModel:
         unknown = sorted(n for n in names if hf_tensor_name(arch, n) is None)
         if unknown:
             raise GGUFError(f"{path.name}: tensors with no known meaning: {unknown[:5]}")
-        tokens = reader.fields.get("tokenizer.ggml.tokens")
         special_ids = {
-            name: int(field.contents())
+            name: int(fields[key])
             for name in ("bos", "eos", "padding")
-            if (field := reader.fields.get(f"tokenizer.ggml.{name}_token_id")) is not None
+            if (key := f"tokenizer.ggml.{name}_token_id") in fields
         }
-        num_tokens = len(tokens.data) if tokens is not None else 0
+        num_tokens = len(fields.get("tokenizer.ggml.tokens", ()))
         config = hf_config(arch, metadata, names, num_tokens, special_ids, path.name)
-        return cls(path, arch, config, metadata, reader)
+        return cls(path, arch, config, metadata, header)
 
     @property
     def has_tokenizer(self) -> bool:
-        return "tokenizer.ggml.model" in self._reader.fields
+        return "tokenizer.ggml.model" in self.header.fields
 
     def tensors(self) -> Iterator[tuple[str, np.ndarray]]:
         """(HF name, float array) for every tensor: dequantized, Q/K permutation and norm
@@ -129,15 +125,15 @@ class GGUFModel:
 
         spec = ARCHITECTURES[self.arch]
         cfg = self.hf_config
-        for tensor in self._reader.tensors:
+        for tensor in self.header.tensors:
             name = hf_tensor_name(self.arch, tensor.name)
             assert name is not None  # checked in open()
-            # GGUF lists dims innermost first; numpy (and torch) want them outermost first.
-            shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))
+            shape = tensor.shape  # numpy's order (GGUF lists dims innermost first)
+            data = self.header.tensor_data(tensor)
             if tensor.tensor_type == GGMLQuantizationType.F16:
-                array = np.asarray(tensor.data).view(np.float16).reshape(shape)
+                array = data.view(np.float16).reshape(shape)
             else:
-                array = dequantize(np.asarray(tensor.data), tensor.tensor_type).reshape(shape)
+                array = dequantize(data, tensor.tensor_type).reshape(shape)
             if is_shifted_norm(self.arch, tensor.name):
                 array = array.astype(np.float32) - np.float32(spec.norm_shift)
             if spec.permuted_qk and name.endswith(("q_proj.weight", "q_proj.bias")):
