@@ -362,8 +362,10 @@ class CausalLM(nn.Module):
         # Sliding layers in a window pool of their own (engine/kv_cache.py) read it through
         # the window map: translated once per step, on the device.
         local = meta if self.window_map is None else window_view(meta, self.window_map)
-        for layer, kv_cache, slides in zip(self.model.layers, kv_caches, self._slides, strict=True):
-            x, residual = layer(positions, x, residual, kv_cache, local if slides else meta)
+        for i, (layer, kv_cache) in enumerate(zip(self.model.layers, kv_caches, strict=True)):
+            x, residual = layer(
+                positions, x, residual, kv_cache, local if self._slides[i] else meta
+            )
         assert residual is not None
         return self.model.norm.add_and_norm(x, residual)[0]
 
