@@ -54,6 +54,7 @@ PER_ROLE = frozenset(
         "tensor_parallel_size",
         "gpu_memory_utilization",
         "kv_cache_memory_bytes",
+        "kv_host_cache_gb",
         "num_kv_blocks",
         "max_model_len",
         "max_num_batched_tokens",
@@ -72,7 +73,8 @@ TOPICS: dict[str, tuple[str, ...]] = {
     "model and weights": ("dtype", "quantization", "load_format", "model_name"),
     "device and parallelism": ("device", "tensor_parallel_size", "engine_core", "role_switch"),
     "memory and KV cache": (
-        "gpu_memory_utilization", "kv_cache_memory_bytes", "num_kv_blocks", "block_size",
+        "gpu_memory_utilization", "kv_cache_memory_bytes", "kv_host_cache_gb", "num_kv_blocks",
+        "block_size",
         "kv_cache_dtype", "kv_transport",
     ),
     "batching and scheduling": (

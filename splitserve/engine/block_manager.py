@@ -25,6 +25,7 @@ from splitserve.engine.block_pool import (
     BlockIntegrityError,
     BlockPool,
 )
+from splitserve.engine.host_index import HostIndex
 from splitserve.engine.prefix_hash import chain_hash, prefix_block_hashes
 from splitserve.engine.window_slots import WindowSlots
 
@@ -33,13 +34,26 @@ SeqId = Hashable
 
 @dataclass(frozen=True)
 class PrefixHit:
-    """Cached blocks that already hold a prompt's leading tokens."""
+    """Cached blocks that already hold a prompt's leading tokens: on the GPU (`block_ids`),
+    then in the host tier (`host_blocks`: slot, hash, tokens; copied back into new blocks)."""
 
     block_ids: tuple[int, ...]
     block_hashes: tuple[bytes, ...]
+    host_blocks: tuple[tuple[int, bytes, tuple[int, ...]], ...] = ()
 
     def num_tokens(self, block_size: int) -> int:
-        return len(self.block_ids) * block_size
+        return (len(self.block_ids) + len(self.host_blocks)) * block_size
+
+
+@dataclass(frozen=True)
+class HostWork:
+    """Copies between the GPU pool and the host tier before the next step runs: `saves` (block,
+    host slot) of newly hashed blocks, `loads` (host slot, block) of host hits; `reused`: a
+    block whose save may still be in flight now takes new tokens (the step waits for it)."""
+
+    saves: tuple[tuple[int, int], ...] = ()
+    loads: tuple[tuple[int, int], ...] = ()
+    reused: bool = False
 
 
 @dataclass(frozen=True)
@@ -83,10 +97,17 @@ class BlockManager:
         enable_prefix_caching: bool = True,
         record_prefix_events: bool = False,
         window: WindowSlots | None = None,
+        host: HostIndex | None = None,
     ):
         self.block_size = block_size
         self.pool = BlockPool(num_blocks, enable_prefix_caching, record_prefix_events)
         self.window = window
+        # The host-memory tier (engine/host_index.py), and the copies it owes the pool.
+        self.host = host if enable_prefix_caching else None
+        self._saves: list[tuple[int, int]] = []
+        self._loads: list[tuple[int, int]] = []
+        self._saving: set[int] = set()  # blocks whose save may still be in flight
+        self._reused = False
         # The first block each sequence's window still covers (with `window` only).
         self._live_from: dict[SeqId, int] = {}
         self._tables: dict[SeqId, list[int]] = {}
@@ -120,10 +141,18 @@ class BlockManager:
             ids.append(block_id)
         if self.window is not None:
             del ids[self.window.usable_prefix(ids) :]
-        if not ids:
+        host: list[tuple[int, bytes, tuple[int, ...]]] = []
+        if self.host is not None:  # NOTE: never with a window pool (llm_engine refuses both)
+            for i in range(len(ids), len(hashes)):
+                chunk = tuple(token_ids[i * bs : (i + 1) * bs])
+                slot = self.host.lookup(hashes[i], chunk)
+                if slot is None:
+                    break
+                host.append((slot, hashes[i], chunk))
+        if not ids and not host:
             return None
-        self.prefix_cache_hits += len(ids) * bs
-        return PrefixHit(tuple(ids), tuple(hashes[: len(ids)]))
+        self.prefix_cache_hits += (len(ids) + len(host)) * bs
+        return PrefixHit(tuple(ids), tuple(hashes[: len(ids)]), tuple(host))
 
     def can_allocate(
         self, seq_id: SeqId, num_total_tokens: int, prefix_hit: PrefixHit | None = None
@@ -175,6 +204,12 @@ class BlockManager:
                     self._live_from[seq_id] = live
                     for block_id in table[live:]:
                         self.window.hold(block_id)
+                for slot, block_hash, tokens in prefix_hit.host_blocks:
+                    block_id = self._take()
+                    table.append(block_id)
+                    self._hashes[seq_id].append(block_hash)
+                    self.pool.cache(block_id, block_hash, tokens)
+                    self._loads.append((slot, block_id))
         copies = []
         if self._needs_copy(seq_id, num_total_tokens):
             shared = table[-1]
@@ -253,6 +288,20 @@ class BlockManager:
             chunk = token_ids[i * bs : (i + 1) * bs]
             hashes.append(chain_hash(hashes[-1] if hashes else root, chunk))
             self.pool.cache(table[i], hashes[-1], chunk)
+            if self.host is not None and hashes[-1] not in self.host:
+                # NOTE: written through now, so an eviction later costs no copy
+                self._saves.append((table[i], self.host.place(hashes[-1], chunk)))
+                self._saving.add(table[i])
+
+    def drain_host_work(self) -> HostWork:
+        """The copies the host tier owes before the next step (engine/host_tier.py)."""
+        work = HostWork(tuple(self._saves), tuple(self._loads), self._reused)
+        self._saves, self._loads, self._reused = [], [], False
+        return work
+
+    def host_saves_done(self) -> None:
+        """Every save issued so far has landed: their blocks may take new tokens freely."""
+        self._saving = {block_id for block_id, _ in self._saves}
 
     def trim(self, seq_id: SeqId, num_tokens: int) -> None:
         """Shrink `seq_id` to slots for its first `num_tokens` tokens, releasing the blocks
@@ -350,6 +399,8 @@ class BlockManager:
         """A block for new tokens (and its window slot): evicting a cached block makes its
         old window slot's contents stale."""
         block_id = self.pool.allocate()
+        if block_id in self._saving:
+            self._reused = True
         if self.window is not None:
             self.window.drop(block_id)
             self.window.give(block_id)

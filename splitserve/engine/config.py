@@ -73,6 +73,9 @@ class EngineConfig:
     # sized with the pool (`num_window_slots`, the null slot included; None: no window pool).
     sliding_window_kv: bool = True
     num_window_slots: int | None = None
+    # A host-memory tier of this many bytes (pinned on a GPU host) behind the prefix cache
+    # (engine/host_tier.py); None: none. Not with a window pool or tensor parallelism.
+    kv_host_cache_bytes: int | None = None
     scheduling_policy: str = "fcfs"
     # "auto": Triton kernels on CUDA, the plain-torch backend elsewhere.
     attention_backend: str = "auto"
@@ -129,6 +132,8 @@ class EngineConfig:
             raise ValueError("kv_cache_memory_bytes must be positive")
         if self.num_kv_blocks is not None and self.num_kv_blocks <= 0:
             raise ValueError("num_kv_blocks must be positive")
+        if self.kv_host_cache_bytes is not None and self.kv_host_cache_bytes <= 0:
+            raise ValueError("kv_host_cache_bytes must be positive")
         if self.num_window_slots is not None and self.num_window_slots < 2:
             raise ValueError("num_window_slots must be at least 2 (slot 0 is the null slot)")
         if self.scheduling_policy not in ("fcfs", "priority"):

@@ -51,6 +51,13 @@ class EngineStats:
     spec_decode_num_accepted_tokens_per_pos: tuple[int, ...] = ()
     # The LoRA adapters this engine serves (engine/lora), advertised in the registry.
     lora_adapters: tuple[str, ...] = ()
+    # The host-memory KV tier (engine/host_tier.py): blocks held, blocks found by prefix
+    # lookups, bytes copied each way, seconds spent issuing the copies.
+    host_cache_blocks: int = 0
+    host_cache_hits: int = 0
+    host_cache_bytes_saved: int = 0
+    host_cache_bytes_loaded: int = 0
+    host_cache_copy_seconds: float = 0.0
 
     @property
     def kv_cache_usage_perc(self) -> float:

@@ -26,6 +26,9 @@ def engine_config(
         block_size=worker.block_size,
         num_kv_blocks=worker.num_kv_blocks,
         kv_cache_memory_bytes=worker.kv_cache_memory_bytes,
+        kv_host_cache_bytes=(
+            int(worker.kv_host_cache_gb * 2**30) if worker.kv_host_cache_gb else None
+        ),
         gpu_memory_utilization=worker.gpu_memory_utilization,
         max_model_len=worker.max_model_len,
         # NOTE: only where neither the context nor the pool was asked for: sizes the user set

@@ -27,6 +27,7 @@ GAUGES = (
     ("num_requests_running", "Requests in the running batch."),
     ("num_requests_waiting", "Requests waiting to be scheduled."),
     ("kv_cache_usage_perc", "Fraction of KV blocks in use (1 = full)."),
+    ("host_cache_blocks", "KV blocks held in the host-memory tier."),
 )
 COUNTERS = (
     ("num_preemptions", "Sequences preempted (recomputed later)."),
@@ -39,6 +40,10 @@ COUNTERS = (
     ("num_steps", "Engine steps of the serving loop."),
     ("step_seconds", "Wall seconds of the serving loop's steps (commands, step, outputs)."),
     ("num_step_seqs", "Sequences run, summed over steps (divided by steps: the mean batch)."),
+    ("host_cache_hits", "KV blocks found in the host-memory tier by prefix lookups."),
+    ("host_cache_bytes_saved", "Bytes copied from the GPU pool to the host tier."),
+    ("host_cache_bytes_loaded", "Bytes copied from the host tier back to the GPU pool."),
+    ("host_cache_copy_seconds", "Seconds the engine spent issuing host-tier copies."),
 )
 
 

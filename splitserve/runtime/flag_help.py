@@ -29,6 +29,9 @@ _HELP = {
     "block_size": "tokens per KV cache block (every worker and the gateway must agree)",
     "num_kv_blocks": "KV cache blocks (default: from --kv-cache-memory-bytes or "
     "--gpu-memory-utilization)",
+    "kv_host_cache_gb": "GiB of pinned host memory for a second KV tier behind the prefix "
+    "cache: blocks evicted from the GPU come back from it instead of being recomputed "
+    "(default: none; at most nine tenths of the memory the host has available)",
     "kv_cache_memory_bytes": "the KV pool's bytes (default: GPU by --gpu-memory-utilization, "
     "CPU 512 MiB)",
     "gpu_memory_utilization": "share of the GPU's memory the worker may use, 0 to 1",

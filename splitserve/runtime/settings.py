@@ -73,6 +73,8 @@ class WorkerSettings:
     # The KV pool's bytes; unset: GPU by --gpu-memory-utilization, CPU 512 MiB.
     kv_cache_memory_bytes: int | None = None
     gpu_memory_utilization: float = 0.9
+    # A host-memory KV tier behind the prefix cache, in GiB (pinned; engine/host_tier.py)
+    kv_host_cache_gb: float | None = None
     max_model_len: int | None = None  # unset: the model's own
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 256

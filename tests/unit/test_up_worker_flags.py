@@ -64,7 +64,7 @@ def _sample(action: argparse.Action, k: int = 0) -> tuple[str | None, Any]:
         value = (action.default or 20) + 3 + 2 * k
         return str(value), value
     if action.type is float:
-        value = action.default / (2 + 2 * k)
+        value = (action.default or 1.0) / (2 + 2 * k)
         return str(value), value
     text = STRINGS.get(action.dest, (f"x-{action.dest}", f"y-{action.dest}"))[k]
     return text, text

@@ -1,0 +1,59 @@
+"""The host-memory tier's bookkeeping: which chained block hash sits in which host slot.
+
+Blocks leave the GPU's prefix cache when it needs room; with a host tier they were copied out
+when they were first hashed (write-through, off the step's path: `host_tier.py`), so a later
+prompt with the same prefix finds them here and copies them back instead of recomputing:
+
+    GPU prefix cache  b7 b2 b9 │ evicted ...            host slots  h3 h0 h5 h1 ...
+    lookup: hashes    H0 H1 H2 │ H3 H4 ...  ──miss──▶   H3 -> h5, H4 -> h1  ──load──▶ new blocks
+
+The same chained hashes key both tiers, so they agree on what a prefix is. Eviction is LRU
+over the host slots; a slot being written (a save in flight) is never handed out for a load
+before the save is issued (the engine issues saves before loads, and loads wait for them).
+Pure bookkeeping, no torch: the block manager asks, `host_tier.HostTier` copies.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+
+
+class HostIndex:
+    """An LRU map from block hash to host slot, with the tokens each slot holds."""
+
+    def __init__(self, num_slots: int) -> None:
+        if num_slots < 1:
+            raise ValueError("the host KV tier needs room for at least one block")
+        self.num_slots = num_slots
+        self._slots: OrderedDict[bytes, tuple[int, tuple[int, ...]]] = OrderedDict()
+        self._free = list(range(num_slots - 1, -1, -1))
+        self.num_hits = 0  # blocks found here by prefix lookups
+        self.num_evictions = 0
+
+    def __len__(self) -> int:
+        return len(self._slots)
+
+    def __contains__(self, block_hash: bytes) -> bool:
+        return block_hash in self._slots
+
+    def lookup(self, block_hash: bytes, token_ids: Sequence[int]) -> int | None:
+        """The slot holding exactly these tokens under this hash (most recently used now)."""
+        entry = self._slots.get(block_hash)
+        if entry is None or entry[1] != tuple(token_ids):
+            return None
+        self._slots.move_to_end(block_hash)
+        self.num_hits += 1
+        return entry[0]
+
+    def place(self, block_hash: bytes, token_ids: Sequence[int]) -> int:
+        """A slot for a block about to be saved: free, else the least recently used one's."""
+        if block_hash in self._slots:
+            raise ValueError("that block is in the host tier already")
+        if self._free:
+            slot = self._free.pop()
+        else:
+            _, (slot, _) = self._slots.popitem(last=False)
+            self.num_evictions += 1
+        self._slots[block_hash] = (slot, tuple(token_ids))
+        return slot

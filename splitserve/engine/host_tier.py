@@ -1,0 +1,123 @@
+"""The host-memory KV tier: pinned host memory holding whole blocks of the block-major pool,
+and the copies between it and the GPU (`--kv-host-cache-gb`).
+
+The block manager decides (engine/host_index.py: which hash sits in which slot); this copies,
+once per step, before the step's forward:
+
+    loads   host slot -> new block    on the compute stream: the step that reads them is next,
+                                      after any save still in flight (a slot may be reused)
+    saves   block -> host slot        on a side stream, after what the compute stream has done so
+                                      far (the step that filled them): off the step's path; the
+                                      compute stream waits only when a block still being saved
+                                      takes new tokens
+
+Every block is saved once, when it is first hashed (write-through), so evicting it from the GPU
+costs nothing later and a preempted sequence's full blocks come back as a prefix hit (swap
+instead of recompute). On the CPU the "host" is the same memory and the copies are synchronous.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from splitserve.engine.block_manager import HostWork
+from splitserve.engine.host_index import HostIndex
+
+
+@dataclass(frozen=True)
+class HostTierStats:
+    num_blocks: int  # blocks held
+    num_slots: int
+    hits: int  # blocks found by prefix lookups
+    bytes_saved: int  # GPU -> host
+    bytes_loaded: int  # host -> GPU
+    copy_seconds: float  # host time spent issuing copies (and, on the CPU, doing them)
+
+
+def available_host_bytes() -> int | None:
+    """MemAvailable from /proc/meminfo, or None where there is none."""
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def host_tier_slots(num_bytes: int, block_bytes: int) -> int:
+    """Blocks `num_bytes` of host memory hold; a clear error when the host cannot give them."""
+    slots = num_bytes // block_bytes
+    if slots < 1:
+        raise ValueError(
+            f"--kv-host-cache-gb: {num_bytes} bytes hold no block ({block_bytes} bytes each)"
+        )
+    free = available_host_bytes()
+    if free is not None and num_bytes > 0.9 * free:
+        raise ValueError(
+            f"--kv-host-cache-gb: {num_bytes / 2**30:.1f} GiB of pinned host memory asked, "
+            f"{free / 2**30:.1f} GiB available on this host: ask for at most 90% of it"
+        )
+    return int(slots)
+
+
+class HostTier:
+    """Pinned host blocks shaped like the pool's, and the copies to and from it."""
+
+    def __init__(self, pool: torch.Tensor, index: HostIndex) -> None:
+        self.pool = pool
+        self.index = index
+        pin = pool.is_cuda
+        self.blocks = torch.empty(
+            (index.num_slots, *pool.shape[1:]), dtype=pool.dtype, pin_memory=pin
+        )
+        self._block_bytes = int(pool[0].numel() * pool.element_size())
+        self._stream = torch.cuda.Stream(device=pool.device) if pin else None
+        self._saved: torch.cuda.Event | None = None  # after the last save issued
+        self.bytes_saved = 0
+        self.bytes_loaded = 0
+        self.copy_seconds = 0.0
+
+    def saves_landed(self) -> bool:
+        """Whether every save issued so far is done."""
+        return self._saved is None or self._saved.query()
+
+    def run(self, work: HostWork) -> None:
+        """Issue `work`'s copies: loads first (their slots may be saved into next), then saves."""
+        if not (work.saves or work.loads or work.reused):
+            return
+        start = time.perf_counter()
+        compute = torch.cuda.current_stream() if self._stream is not None else None
+        if compute is not None and self._saved is not None and (work.loads or work.reused):
+            compute.wait_event(self._saved)
+        cuda = compute is not None
+        for slot, block_id in work.loads:  # NOTE: pinned slot to device: asynchronous
+            self.pool[block_id].copy_(self.blocks[slot], non_blocking=cuda)
+        self.bytes_loaded += len(work.loads) * self._block_bytes
+        if work.saves and self._stream is not None and compute is not None:
+            self._stream.wait_stream(compute)  # NOTE: the step that filled them, and the loads
+            with torch.cuda.stream(self._stream):
+                for block_id, slot in work.saves:
+                    self.blocks[slot].copy_(self.pool[block_id], non_blocking=True)
+                self._saved = torch.cuda.Event()
+                self._saved.record()
+        else:
+            for block_id, slot in work.saves:
+                self.blocks[slot].copy_(self.pool[block_id])
+        self.bytes_saved += len(work.saves) * self._block_bytes
+        self.copy_seconds += time.perf_counter() - start
+
+    def stats(self) -> HostTierStats:
+        index = self.index
+        return HostTierStats(
+            num_blocks=len(index),
+            num_slots=index.num_slots,
+            hits=index.num_hits,
+            bytes_saved=self.bytes_saved,
+            bytes_loaded=self.bytes_loaded,
+            copy_seconds=self.copy_seconds,
+        )
