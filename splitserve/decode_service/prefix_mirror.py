@@ -1,10 +1,11 @@
-"""A decode worker's prefix cache, mirrored into the registry's prefix index.
+"""A worker's prefix cache, mirrored into the registry's prefix index.
 
-The gateway routes a prompt to the decode worker that already caches most of its blocks
-(`Registry.prefix_match`). The engine core records each block hash it adds to or evicts from
-its prefix cache; on every housekeeping turn the worker takes those changes and publishes the
-last one of each hash, and every lease it drops the index entries of decode workers that died
-without leaving. After Redis lost its data, everything still held is listed again.
+The gateway routes a prompt to the decode worker, and to the prefill worker, that already
+caches most of its blocks (`Registry.prefix_match`). The engine core records each block hash
+it adds to or evicts from its prefix cache; on every housekeeping turn the worker takes those
+changes and publishes the last one of each hash, and every lease it drops the index entries of
+workers that died without leaving. After Redis lost its data, everything still held is listed
+again.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ log = logging.getLogger(__name__)
 
 
 class PrefixMirror:
-    """The registry's prefix index for one decode worker (used from the heartbeat thread)."""
+    """The registry's prefix index for one worker (used from the heartbeat thread)."""
 
     def __init__(
         self, core: EngineCoreClient, registry: Registry, worker_id: str, sweep_s: float
@@ -51,12 +52,13 @@ class PrefixMirror:
         self._sweep()
 
     def _sweep(self) -> None:
-        """Drop the prefix entries of decode workers that died without leaving (every lease)."""
+        """Drop the prefix entries of workers that died without leaving (every lease)."""
         now = time.monotonic()
         if now < self._next_sweep:
             return
         self._next_sweep = now + self.sweep_s
-        live = [w.worker_id for k in ("decode", "colocated") for w in self.registry.live_workers(k)]
+        kinds = ("decode", "colocated", "prefill")
+        live = [w.worker_id for k in kinds for w in self.registry.live_workers(k)]
         for worker_id in self.registry.drop_stale_prefix_blocks([*live, self.worker_id]):
             log.warning("dropped the prefix index of %s: it is gone", worker_id)
 

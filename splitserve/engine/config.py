@@ -63,7 +63,7 @@ class EngineConfig:
     # context and pool size were both left to their defaults: a 32k context on a CPU's pool).
     fit_max_model_len_to_pool: bool = False
     enable_prefix_caching: bool = True
-    # Record prefix-cache insertions/evictions for a registry's prefix index (decode workers).
+    # Record prefix-cache insertions/evictions for a registry's prefix index (workers).
     record_prefix_events: bool = False
     gpu_memory_utilization: float = 0.9
     kv_cache_memory_bytes: int | None = None

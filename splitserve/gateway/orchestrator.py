@@ -25,7 +25,7 @@ import asyncio
 import logging
 import threading
 import time
-from collections.abc import AsyncGenerator, Callable, Collection
+from collections.abc import AsyncGenerator, Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -174,6 +174,17 @@ class Orchestrator:
         obs.routed("decode", chosen.worker_id, reason or ("prefix_hit" if hit else "least_loaded"))
         return chosen, None, hit
 
+    def _cached_tokens(self, job: Job) -> dict[str, int]:
+        """The prompt's leading tokens each worker caches, by the registry's prefix index (a
+        LoRA request's blocks are keyed by its adapter's weights: none known here)."""
+        if job.adapter is not None:
+            return {}
+        bs = self.settings.block_size
+        hashes = prefix_block_hashes(job.prompt_token_ids, bs)
+        if not hashes:
+            return {}
+        return {w: n * bs for w, n in self.registry.prefix_match(hashes).items()}
+
     async def _reserve(
         self,
         job: Job,
@@ -246,6 +257,7 @@ class Orchestrator:
             return []
         gone: set[str] = set()
         sampling = convert.sampling_to_proto(job.params)
+        cached = await asyncio.to_thread(self._cached_tokens, job)
         for attempt in range(self.settings.prefill_attempts):
 
             async def candidates() -> list[WorkerInfo]:
@@ -256,10 +268,11 @@ class Orchestrator:
                     if w.worker_id not in gone and can_transfer(w, route.decode)
                 ]
 
+            def pick(workers: Sequence[WorkerInfo], queued: Mapping[str, int]) -> WorkerInfo:
+                return self.policy.pick_prefill(workers, queued, cached)
+
             # NOTE: the gateway queue comes first: no reservation (and no lease) while waiting.
-            prefill = await self.budget.acquire(
-                candidates, uncached, deadline, self.policy.pick_prefill
-            )
+            prefill = await self.budget.acquire(candidates, uncached, deadline, pick)
             dest = None
             try:
                 dest = await self._reserve(job, route, deadline, obs)

@@ -26,17 +26,23 @@ class RoutingPolicy(ABC):
 
     @abstractmethod
     def pick_prefill(
-        self, workers: Sequence[WorkerInfo], queued_tokens: Mapping[str, int]
+        self,
+        workers: Sequence[WorkerInfo],
+        queued_tokens: Mapping[str, int],
+        cached_tokens: Mapping[str, int] | None = None,
     ) -> WorkerInfo:
         """The prefill worker for a request; `queued_tokens[w]` is the prompt tokens this
-        gateway has given worker w that it has not finished (its prefill queue)."""
+        gateway has given worker w that it has not finished (its prefill queue),
+        `cached_tokens[w]` how many of the prompt's leading tokens w already caches."""
 
 
 class LeastLoadedPrefixAware(RoutingPolicy):
     """Decode: least loaded wins (running, waiting and reserved requests, or what this gateway
     sent it, whichever is more); each cached prefix block takes `prefix_weight` requests off its
     load, since it saves that much transfer and compute; among equals, the most free KV blocks.
-    Prefill: the fewest queued prompt tokens."""
+    Prefill: the least work before this prompt's first token, in tokens: what is queued on the
+    worker plus what of this prompt it does not cache (a prefix it holds is not computed
+    again), as Dynamo's KV router weighs overlap against load."""
 
     def __init__(self, prefix_weight: float = 0.5) -> None:
         self.prefix_weight = prefix_weight
@@ -59,11 +65,19 @@ class LeastLoadedPrefixAware(RoutingPolicy):
         return min(workers, key=score)
 
     def pick_prefill(
-        self, workers: Sequence[WorkerInfo], queued_tokens: Mapping[str, int]
+        self,
+        workers: Sequence[WorkerInfo],
+        queued_tokens: Mapping[str, int],
+        cached_tokens: Mapping[str, int] | None = None,
     ) -> WorkerInfo:
         if not workers:
             raise NoWorkerError("no prefill worker is alive")
-        return min(workers, key=lambda w: (queued_tokens.get(w.worker_id, 0), w.worker_id))
+        cached = cached_tokens or {}
+
+        def work(w: WorkerInfo) -> tuple[int, str]:
+            return queued_tokens.get(w.worker_id, 0) - cached.get(w.worker_id, 0), w.worker_id
+
+        return min(workers, key=work)
 
 
 POLICIES: dict[str, Callable[[], RoutingPolicy]] = {

@@ -79,7 +79,7 @@ def decode_handler(
 def build_core(spec: CoreSpec, emitter: Emitter) -> tuple[EngineLoop, CoreHandler]:
     tracing = core_tracing(spec)
     failed = report_failure(emitter)
-    engine = build_engine(spec.service, spec.worker, record_prefix_events=spec.role != "prefill")
+    engine = build_engine(spec.service, spec.worker, record_prefix_events=True)
     if spec.role == "prefill":
         loop = EngineLoop(engine, on_failure=failed).start()
         return loop, prefill_handler(loop, emitter, spec, tracing)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from splitserve.decode_service.prefix_mirror import PrefixMirror
 from splitserve.decode_service.servicer import DecodeServicer
 from splitserve.decode_service.worker import DecodeWorker
 from splitserve.kv_transfer.presence import Presence
@@ -88,6 +89,9 @@ def start_prefill(
                 "prefill", service.worker_id, opened.address, loaded.watch, senders.names, limits
             )
 
+        # Its prefix cache in the registry's prefix index: the gateway sends a prompt to the
+        # prefill worker that already holds its start (gateway/router.py).
+        prefix = PrefixMirror(loaded.core, loaded.registry, service.worker_id, worker.lease_s)
         # NOTE: routed only once `start` wrote this record, endpoint first: a decode worker that
         # reads the registry on a sender's first push finds its name.
         presence = Presence(
@@ -95,9 +99,11 @@ def start_prefill(
             info,
             ttl_s=worker.heartbeat_ttl_s,
             interval_s=worker.heartbeat_ttl_s / 6,
+            on_tick=prefix.publish,
             kv_endpoint=senders.endpoint(),
+            on_rejoin=prefix.republish,
         )
-        return Served(prefill, presence, close=(servicer.close,))
+        return Served(prefill, presence, leave=(prefix.leave,), close=(servicer.close,))
 
     add = worker_pb2_grpc.add_PrefillWorkerServicer_to_server
     specs = [ServiceSpec(PREFILL_SERVICE, add, ("Prefill",))]

@@ -63,6 +63,9 @@ class PrefillCoreHandler(CoreHandler):
                 lambda: self.loop.submit(lambda e: dataclasses.asdict(self.loop.stats()))
             ),
             "prefill": Command(self.prefill, waits=True),
+            "take_prefix_events": Command(
+                lambda: self.loop.submit(lambda e: [[a, h] for a, h in e.take_prefix_events()])
+            ),
             "cancel": Command(self.cancel),
             **adapter_commands(self.loop),
             "abort": Command(self.abort),
