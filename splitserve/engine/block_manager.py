@@ -40,16 +40,21 @@ class PrefixHit:
     block_ids: tuple[int, ...]
     block_hashes: tuple[bytes, ...]
     host_blocks: tuple[tuple[int, bytes, tuple[int, ...]], ...] = ()
+    # A preempted sequence's partly filled last block, swapped out: (host slot, its tokens).
+    partial: tuple[int, int] | None = None
 
     def num_tokens(self, block_size: int) -> int:
-        return (len(self.block_ids) + len(self.host_blocks)) * block_size
+        full = (len(self.block_ids) + len(self.host_blocks)) * block_size
+        return full + (self.partial[1] if self.partial else 0)
 
 
 @dataclass(frozen=True)
 class HostWork:
     """Copies between the GPU pool and the host tier before the next step runs: `saves` (block,
-    host slot) of newly hashed blocks, `loads` (host slot, block) of host hits; `reused`: a
-    block whose save may still be in flight now takes new tokens (the step waits for it)."""
+    host slot) of newly hashed (or swapped-out) blocks, `loads` (host slot, block) of host
+    hits; `reused`: a block whose save may still be in flight now takes new tokens. Saves go
+    first (a block saved may be loaded into next), and the step waits for them when it loads
+    or reuses a block."""
 
     saves: tuple[tuple[int, int], ...] = ()
     loads: tuple[tuple[int, int], ...] = ()
@@ -124,10 +129,12 @@ class BlockManager:
         return seq_id in self._tables
 
     def find_prefix_hit(
-        self, token_ids: Sequence[int], root: bytes | None = None
+        self, token_ids: Sequence[int], root: bytes | None = None, swapped: bool = False
     ) -> PrefixHit | None:
         """The longest run of cached full blocks at the start of `token_ids` (never the block
-        holding the last token: its logits are needed); `root` keys them by LoRA adapter."""
+        holding the last token: its logits are needed); `root` keys them by LoRA adapter.
+        `swapped`: a preempted sequence, whose partly filled last block `swap_out` may have
+        kept in the host tier (then every token but the last is a hit)."""
         if not self.pool.enable_caching:
             return None
         bs = self.block_size
@@ -149,10 +156,42 @@ class BlockManager:
                 if slot is None:
                     break
                 host.append((slot, hashes[i], chunk))
-        if not ids and not host:
+        partial = None
+        if swapped and self.host is not None and len(ids) + len(host) == len(hashes):
+            rest = token_ids[len(hashes) * bs : len(token_ids) - 1]
+            parent = hashes[-1] if hashes else root
+            slot = self.host.lookup(_partial_hash(parent, rest), rest) if rest else None
+            partial = None if slot is None else (slot, len(rest))
+        if not ids and not host and partial is None:
             return None
-        self.prefix_cache_hits += (len(ids) + len(host)) * bs
-        return PrefixHit(tuple(ids), tuple(hashes[: len(ids)]), tuple(host))
+        hit = PrefixHit(tuple(ids), tuple(hashes[: len(ids)]), tuple(host), partial)
+        self.prefix_cache_hits += hit.num_tokens(bs)
+        return hit
+
+    def swap_out(
+        self, seq_id: SeqId, token_ids: Sequence[int], num_computed: int, root: bytes | None
+    ) -> None:
+        """Before a preemption frees `seq_id`: keep its partly filled last block in the host
+        tier (its full blocks are there already, written through when hashed), so that it
+        resumes without computing any token again."""
+        bs, table = self.block_size, self._tables.get(seq_id)
+        if self.host is None or table is None or num_computed % bs == 0:
+            return
+        full = num_computed // bs
+        hashes = self._hashes[seq_id]
+        if len(hashes) < full or len(table) <= full:
+            return
+        rest = tuple(token_ids[full * bs : num_computed])
+        key = _partial_hash(hashes[full - 1] if full else root, rest)
+        if key not in self.host:
+            self._save(table[full], self.host.place(key, rest))
+
+    def _save(self, block_id: int, slot: int | None) -> None:
+        """Queue a block's copy to its host slot (written through when hashed: evicting it
+        later costs no copy)."""
+        if slot is not None:
+            self._saves.append((block_id, slot))
+            self._saving.add(block_id)
 
     def can_allocate(
         self, seq_id: SeqId, num_total_tokens: int, prefix_hit: PrefixHit | None = None
@@ -210,6 +249,9 @@ class BlockManager:
                     self._hashes[seq_id].append(block_hash)
                     self.pool.cache(block_id, block_hash, tokens)
                     self._loads.append((slot, block_id))
+                if prefix_hit.partial is not None:  # swapped back in; hashed once full
+                    table.append(self._take())
+                    self._loads.append((prefix_hit.partial[0], table[-1]))
         copies = []
         if self._needs_copy(seq_id, num_total_tokens):
             shared = table[-1]
@@ -289,14 +331,14 @@ class BlockManager:
             hashes.append(chain_hash(hashes[-1] if hashes else root, chunk))
             self.pool.cache(table[i], hashes[-1], chunk)
             if self.host is not None and hashes[-1] not in self.host:
-                # NOTE: written through now, so an eviction later costs no copy
-                self._saves.append((table[i], self.host.place(hashes[-1], chunk)))
-                self._saving.add(table[i])
+                self._save(table[i], self.host.place(hashes[-1], chunk))
 
     def drain_host_work(self) -> HostWork:
         """The copies the host tier owes before the next step (engine/host_tier.py)."""
         work = HostWork(tuple(self._saves), tuple(self._loads), self._reused)
         self._saves, self._loads, self._reused = [], [], False
+        if self.host is not None:
+            self.host.settle()
         return work
 
     def host_saves_done(self) -> None:
@@ -428,3 +470,8 @@ class BlockManager:
         for block_id in table[old:new]:
             self.window.let_go(block_id)
         self._live_from[seq_id] = max(old, new)
+
+
+def _partial_hash(parent: bytes | None, token_ids: Sequence[int]) -> bytes:
+    """The host tier's key of a swapped-out, partly filled block: apart from full blocks'."""
+    return chain_hash(b"partial" + (parent or b""), token_ids)

@@ -8,8 +8,8 @@ prompt with the same prefix finds them here and copies them back instead of reco
     lookup: hashes    H0 H1 H2 │ H3 H4 ...  ──miss──▶   H3 -> h5, H4 -> h1  ──load──▶ new blocks
 
 The same chained hashes key both tiers, so they agree on what a prefix is. Eviction is LRU
-over the host slots; a slot being written (a save in flight) is never handed out for a load
-before the save is issued (the engine issues saves before loads, and loads wait for them).
+over the host slots, never of a slot a lookup found since the last `settle` (its load, issued
+with this step's copies, still has to read it).
 Pure bookkeeping, no torch: the block manager asks, `host_tier.HostTier` copies.
 """
 
@@ -30,6 +30,7 @@ class HostIndex:
         self._free = list(range(num_slots - 1, -1, -1))
         self.num_hits = 0  # blocks found here by prefix lookups
         self.num_evictions = 0
+        self._found: set[int] = set()  # slots looked up since the last settle: kept
 
     def __len__(self) -> int:
         return len(self._slots)
@@ -44,16 +45,25 @@ class HostIndex:
             return None
         self._slots.move_to_end(block_hash)
         self.num_hits += 1
+        self._found.add(entry[0])
         return entry[0]
 
-    def place(self, block_hash: bytes, token_ids: Sequence[int]) -> int:
-        """A slot for a block about to be saved: free, else the least recently used one's."""
+    def place(self, block_hash: bytes, token_ids: Sequence[int]) -> int | None:
+        """A slot for a block about to be saved: free, else the least recently used one's
+        (None: every slot is about to be read)."""
         if block_hash in self._slots:
             raise ValueError("that block is in the host tier already")
         if self._free:
             slot = self._free.pop()
         else:
-            _, (slot, _) = self._slots.popitem(last=False)
+            victim = next((h for h, (s, _) in self._slots.items() if s not in self._found), None)
+            if victim is None:
+                return None
+            slot, _ = self._slots.pop(victim)
             self.num_evictions += 1
         self._slots[block_hash] = (slot, tuple(token_ids))
         return slot
+
+    def settle(self) -> None:
+        """This step's copies are issued: the slots found may be reused."""
+        self._found.clear()

@@ -4,16 +4,18 @@ and the copies between it and the GPU (`--kv-host-cache-gb`).
 The block manager decides (engine/host_index.py: which hash sits in which slot); this copies,
 once per step, before the step's forward:
 
-    loads   host slot -> new block    on the compute stream: the step that reads them is next,
-                                      after any save still in flight (a slot may be reused)
     saves   block -> host slot        on a side stream, after what the compute stream has done so
-                                      far (the step that filled them): off the step's path; the
-                                      compute stream waits only when a block still being saved
-                                      takes new tokens
+                                      far (the step that filled them): off the step's path
+    loads   host slot -> new block    on the compute stream, after every save issued (a block
+                                      just saved may be the one loaded into): the step that
+                                      reads them is next; a step that gives new tokens a block
+                                      still being saved waits for the saves too
 
 Every block is saved once, when it is first hashed (write-through), so evicting it from the GPU
-costs nothing later and a preempted sequence's full blocks come back as a prefix hit (swap
-instead of recompute). On the CPU the "host" is the same memory and the copies are synchronous.
+costs nothing later and a preempted sequence's full blocks come back as a prefix hit; its partly
+filled last block is saved when it is preempted (`BlockManager.swap_out`), so it resumes with
+no token computed again (swap instead of recompute). On the CPU the "host" is the same memory
+and the copies are synchronous.
 """
 
 from __future__ import annotations
@@ -87,19 +89,14 @@ class HostTier:
         return self._saved is None or self._saved.query()
 
     def run(self, work: HostWork) -> None:
-        """Issue `work`'s copies: loads first (their slots may be saved into next), then saves."""
+        """Issue `work`'s copies: saves first (a block saved may be the target of a load),
+        then loads, which wait for every save issued (as does a step that reuses a block)."""
         if not (work.saves or work.loads or work.reused):
             return
         start = time.perf_counter()
         compute = torch.cuda.current_stream() if self._stream is not None else None
-        if compute is not None and self._saved is not None and (work.loads or work.reused):
-            compute.wait_event(self._saved)
-        cuda = compute is not None
-        for slot, block_id in work.loads:  # NOTE: pinned slot to device: asynchronous
-            self.pool[block_id].copy_(self.blocks[slot], non_blocking=cuda)
-        self.bytes_loaded += len(work.loads) * self._block_bytes
         if work.saves and self._stream is not None and compute is not None:
-            self._stream.wait_stream(compute)  # NOTE: the step that filled them, and the loads
+            self._stream.wait_stream(compute)  # NOTE: the step that filled them
             with torch.cuda.stream(self._stream):
                 for block_id, slot in work.saves:
                     self.blocks[slot].copy_(self.pool[block_id], non_blocking=True)
@@ -109,6 +106,11 @@ class HostTier:
             for block_id, slot in work.saves:
                 self.blocks[slot].copy_(self.pool[block_id])
         self.bytes_saved += len(work.saves) * self._block_bytes
+        if compute is not None and self._saved is not None and (work.loads or work.reused):
+            compute.wait_event(self._saved)
+        for slot, block_id in work.loads:  # NOTE: pinned slot to device: asynchronous
+            self.pool[block_id].copy_(self.blocks[slot], non_blocking=compute is not None)
+        self.bytes_loaded += len(work.loads) * self._block_bytes
         self.copy_seconds += time.perf_counter() - start
 
     def stats(self) -> HostTierStats:

@@ -134,7 +134,8 @@ class Scheduler:
             hit = None
             num_computed = seq.num_computed_tokens
             if not bm.has_seq(seq.seq_id):
-                hit = bm.find_prefix_hit(seq.token_ids, seq.prefix_root)
+                swapped = seq.status is SequenceStatus.PREEMPTED
+                hit = bm.find_prefix_hit(seq.token_ids, seq.prefix_root, swapped)
                 num_computed = hit.num_tokens(bm.block_size) if hit else 0
             num_new = min(seq.num_tokens - num_computed, budget)
             alloc = bm.allocate(seq.seq_id, num_computed + num_new, hit, num_computed)
@@ -183,7 +184,9 @@ class Scheduler:
         return ScheduledSequence(seq, num_new + num_spec, samples, num_spec)
 
     def _preempt(self, seq: Sequence) -> None:
-        self.block_manager.free(seq.seq_id)
+        bm = self.block_manager
+        bm.swap_out(seq.seq_id, seq.token_ids, seq.num_computed_tokens, seq.prefix_root)
+        bm.free(seq.seq_id)
         seq.num_computed_tokens = 0
         seq.status = SequenceStatus.PREEMPTED
         self.num_preemptions += 1
