@@ -1,9 +1,9 @@
 """Shared by the deployment tests: the repository's deployment files, loaded and rendered.
 
 Schemas come from installed packages (`check-jsonschema` for the Compose specification,
-`kubernetes-validate` for Kubernetes) or from `schemas/` (see its README); Kubernetes overlays
-are rendered by kustomize (`kubectl kustomize`, or a standalone `kustomize`). Nothing here
-touches the network.
+`kubernetes-validate` for Kubernetes) or from `schemas/` (Prometheus, Grafana: see its README);
+Kubernetes overlays are rendered by kustomize (`kubectl kustomize`, or a standalone
+`kustomize`). Nothing here touches the network.
 """
 
 from __future__ import annotations

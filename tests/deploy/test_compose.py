@@ -36,7 +36,7 @@ PASSWORD = "compose-test-password"
 ENV = {"REDIS_PASSWORD": PASSWORD}
 CPU = {name: f"{name}-cpu" for name in SERVICES}  # splitserve service -> compose service
 GPU = {name: name for name in SERVICES}
-INFRA = ("redis", "otel-collector", "jaeger", "prometheus")
+INFRA = ("redis", "otel-collector", "jaeger", "prometheus", "grafana")
 
 
 @pytest.fixture(scope="module")
