@@ -5,6 +5,7 @@ gateway | prefill | decode   one service (compose and Kubernetes run these)
 role               move a --role-switch worker to another role (prefill, decode, colocated)
 planner            move --role-switch workers between roles to meet a TTFT/TPOT SLO
 generate           stream a reply from a running gateway
+bench serve        load a running server (gRPC or OpenAI HTTP); report latencies, throughput
 make-tiny-model    write a tiny random-weight checkpoint
 offline            generate in-process with the offline engine
 """
@@ -210,6 +211,10 @@ def build_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
     from splitserve.cli.roles import add_role_commands
 
     add_role_commands(sub, env)
+
+    from splitserve.cli.bench import add_bench_commands
+
+    add_bench_commands(sub, env)
 
     gen = sub.add_parser("generate", help="stream a reply from a running gateway")
     gen.add_argument("prompt", help="the prompt text")

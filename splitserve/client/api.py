@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections import namedtuple
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 import grpc
@@ -30,9 +30,11 @@ def stream(
     request_id: str = "",
     timeout_s: float | None = None,
     chat: bool = False,
+    metadata: Sequence[tuple[str, str]] | None = None,
 ) -> Iterator[gateway_pb2.GenerateResponse]:
     """Send one request; `chat` sends a text prompt as one user message, which the gateway
-    renders with the model's chat template (what an instruction-tuned model answers)."""
+    renders with the model's chat template (what an instruction-tuned model answers). With an
+    asyncio stub (`grpc.aio`) it returns the call to iterate with `async for`."""
     request = gateway_pb2.GenerateRequest(
         request_id=request_id, sampling=convert.sampling_to_proto(params or SamplingParams())
     )
@@ -42,7 +44,7 @@ def stream(
         request.text = prompt
     else:
         request.token_ids.ids.extend(prompt)
-    return stub.Generate(request, timeout=timeout_s)
+    return stub.Generate(request, timeout=timeout_s, metadata=metadata)
 
 
 def collect(responses: Iterator[gateway_pb2.GenerateResponse]) -> Completion:

@@ -15,8 +15,19 @@ def _subcommands(parser: argparse.ArgumentParser) -> dict[str, argparse.Argument
     return {}
 
 
+def _all_commands(parser: argparse.ArgumentParser, name: str) -> dict[str, argparse.ArgumentParser]:
+    """Every command, nested ones too (`bench serve`), by its full name."""
+    found = {}
+    for sub_name, sub in _subcommands(parser).items():
+        full = f"{name} {sub_name}".strip()
+        found[full] = sub
+        found.update(_all_commands(sub, full))
+    return found
+
+
 def test_every_flag_of_every_command_has_help():
-    commands = _subcommands(build_parser({}))
+    commands = _all_commands(build_parser({}), "")
+    assert "bench serve" in commands
     assert {"up", "gateway", "prefill", "decode", "generate", "offline"} <= set(commands)
     missing = [
         f"splitserve {name} {'/'.join(action.option_strings) or action.dest}"
