@@ -1,14 +1,16 @@
 """Helpers for end-to-end tests: a real stack (redis-server, worker and gateway processes on
-loopback), its workers' stats, and the leak check every test ends with."""
+loopback), its workers' stats and metrics, and the leak check every test ends with."""
 
 from __future__ import annotations
 
 import time
+import urllib.request
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
 import grpc
+from prometheus_client.parser import text_string_to_metric_families
 
 from splitserve.kv_transfer.cluster import secret_metadata
 from splitserve.kv_transfer.registry import Registry, WorkerInfo
@@ -78,6 +80,20 @@ def stats(worker: WorkerInfo, stack: Stack | None = None) -> worker_pb2.WorkerSt
         return stub.GetStats(
             worker_pb2.GetStatsRequest(), timeout=10, metadata=member_metadata(stack)
         )
+
+
+def metric(stack: Stack, service: str, name: str, **labels: str) -> float:
+    """The sum of a metric's samples (with these labels) on one service's /metrics (a stack
+    started with `metrics=True`)."""
+    url = f"http://127.0.0.1:{stack.metrics_ports[service]}/metrics"
+    with urllib.request.urlopen(url, timeout=10) as reply:
+        text = reply.read().decode()
+    return sum(
+        s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+        if s.name == name and labels.items() <= s.labels.items()
+    )
 
 
 def member_metadata(stack: Stack | None) -> tuple[tuple[str, str], ...]:

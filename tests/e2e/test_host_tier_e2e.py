@@ -4,30 +4,16 @@ the bytes copied back), with HF transformers' greedy tokens."""
 
 from __future__ import annotations
 
-import urllib.request
-
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from splitserve.client import collect, stream
 from splitserve.engine import SamplingParams
-from tests.e2e.harness import assert_nothing_leaks, gateway, running_stack
+from tests.e2e.harness import assert_nothing_leaks, gateway, metric, running_stack
 from tests.engine.hf_oracle import hf_greedy, random_prompts
 
 pytestmark = pytest.mark.slow
 
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
-
-
-def _metric(port: int, name: str) -> float:
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as reply:
-        text = reply.read().decode()
-    return sum(
-        s.value
-        for family in text_string_to_metric_families(text)
-        for s in family.samples
-        if s.name == name
-    )
 
 
 def test_an_evicted_prefix_comes_back_from_the_prefill_workers_host_tier(tiny_models):
@@ -41,11 +27,10 @@ def test_an_evicted_prefix_comes_back_from_the_prefill_workers_host_tier(tiny_mo
         stub = gateway(stack)
         for prompt in [first, *others]:  # the others take the 24-block pool: shared is evicted
             collect(stream(stub, prompt, GREEDY, timeout_s=60))
-        port = stack.metrics_ports["prefill-0"]
-        before = _metric(port, "splitserve:host_cache_hits_total")
+        before = metric(stack, "prefill-0", "splitserve:host_cache_hits_total")
         got = collect(stream(stub, again, GREEDY, timeout_s=60)).token_ids[0]
         assert got == hf_greedy(tiny_models["llama"], tuple(again), GREEDY.max_tokens)
-        assert _metric(port, "splitserve:host_cache_hits_total") - before >= 10
-        assert _metric(port, "splitserve:host_cache_bytes_loaded_total") > 0
-        assert _metric(port, "splitserve:host_cache_blocks") > 0
+        assert metric(stack, "prefill-0", "splitserve:host_cache_hits_total") - before >= 10
+        assert metric(stack, "prefill-0", "splitserve:host_cache_bytes_loaded_total") > 0
+        assert metric(stack, "prefill-0", "splitserve:host_cache_blocks") > 0
         assert_nothing_leaks(stack)
