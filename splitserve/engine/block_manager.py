@@ -25,7 +25,7 @@ from splitserve.engine.block_pool import (
     BlockIntegrityError,
     BlockPool,
 )
-from splitserve.engine.host_index import HostIndex
+from splitserve.engine.host_index import HostIndex, partial_key
 from splitserve.engine.prefix_hash import chain_hash, prefix_block_hashes
 from splitserve.engine.window_slots import WindowSlots
 
@@ -46,19 +46,6 @@ class PrefixHit:
     def num_tokens(self, block_size: int) -> int:
         full = (len(self.block_ids) + len(self.host_blocks)) * block_size
         return full + (self.partial[1] if self.partial else 0)
-
-
-@dataclass(frozen=True)
-class HostWork:
-    """Copies between the GPU pool and the host tier before the next step runs: `saves` (block,
-    host slot) of newly hashed (or swapped-out) blocks, `loads` (host slot, block) of host
-    hits; `reused`: a block whose save may still be in flight now takes new tokens. Saves go
-    first (a block saved may be loaded into next), and the step waits for them when it loads
-    or reuses a block."""
-
-    saves: tuple[tuple[int, int], ...] = ()
-    loads: tuple[tuple[int, int], ...] = ()
-    reused: bool = False
 
 
 @dataclass(frozen=True)
@@ -109,10 +96,6 @@ class BlockManager:
         self.window = window
         # The host-memory tier (engine/host_index.py), and the copies it owes the pool.
         self.host = host if enable_prefix_caching else None
-        self._saves: list[tuple[int, int]] = []
-        self._loads: list[tuple[int, int]] = []
-        self._saving: set[int] = set()  # blocks whose save may still be in flight
-        self._reused = False
         # The first block each sequence's window still covers (with `window` only).
         self._live_from: dict[SeqId, int] = {}
         self._tables: dict[SeqId, list[int]] = {}
@@ -160,7 +143,7 @@ class BlockManager:
         if swapped and self.host is not None and len(ids) + len(host) == len(hashes):
             rest = token_ids[len(hashes) * bs : len(token_ids) - 1]
             parent = hashes[-1] if hashes else root
-            slot = self.host.lookup(_partial_hash(parent, rest), rest) if rest else None
+            slot = self.host.lookup(partial_key(parent, rest), rest) if rest else None
             partial = None if slot is None else (slot, len(rest))
         if not ids and not host and partial is None:
             return None
@@ -182,16 +165,9 @@ class BlockManager:
         if len(hashes) < full or len(table) <= full:
             return
         rest = tuple(token_ids[full * bs : num_computed])
-        key = _partial_hash(hashes[full - 1] if full else root, rest)
+        key = partial_key(hashes[full - 1] if full else root, rest)
         if key not in self.host:
-            self._save(table[full], self.host.place(key, rest))
-
-    def _save(self, block_id: int, slot: int | None) -> None:
-        """Queue a block's copy to its host slot (written through when hashed: evicting it
-        later costs no copy)."""
-        if slot is not None:
-            self._saves.append((block_id, slot))
-            self._saving.add(block_id)
+            self.host.save(table[full], self.host.place(key, rest))
 
     def can_allocate(
         self, seq_id: SeqId, num_total_tokens: int, prefix_hit: PrefixHit | None = None
@@ -243,15 +219,15 @@ class BlockManager:
                     self._live_from[seq_id] = live
                     for block_id in table[live:]:
                         self.window.hold(block_id)
-                for slot, block_hash, tokens in prefix_hit.host_blocks:
-                    block_id = self._take()
-                    table.append(block_id)
-                    self._hashes[seq_id].append(block_hash)
-                    self.pool.cache(block_id, block_hash, tokens)
-                    self._loads.append((slot, block_id))
-                if prefix_hit.partial is not None:  # swapped back in; hashed once full
-                    table.append(self._take())
-                    self._loads.append((prefix_hit.partial[0], table[-1]))
+                if self.host is not None:  # a hit's host blocks come back into new ones
+                    for slot, block_hash, tokens in prefix_hit.host_blocks:
+                        table.append(self._take())
+                        self._hashes[seq_id].append(block_hash)
+                        self.pool.cache(table[-1], block_hash, tokens)
+                        self.host.load(slot, table[-1])
+                    if prefix_hit.partial is not None:  # swapped back in; hashed once full
+                        table.append(self._take())
+                        self.host.load(prefix_hit.partial[0], table[-1])
         copies = []
         if self._needs_copy(seq_id, num_total_tokens):
             shared = table[-1]
@@ -331,19 +307,8 @@ class BlockManager:
             hashes.append(chain_hash(hashes[-1] if hashes else root, chunk))
             self.pool.cache(table[i], hashes[-1], chunk)
             if self.host is not None and hashes[-1] not in self.host:
-                self._save(table[i], self.host.place(hashes[-1], chunk))
-
-    def drain_host_work(self) -> HostWork:
-        """The copies the host tier owes before the next step (engine/host_tier.py)."""
-        work = HostWork(tuple(self._saves), tuple(self._loads), self._reused)
-        self._saves, self._loads, self._reused = [], [], False
-        if self.host is not None:
-            self.host.settle()
-        return work
-
-    def host_saves_done(self) -> None:
-        """Every save issued so far has landed: their blocks may take new tokens freely."""
-        self._saving = {block_id for block_id, _ in self._saves}
+                # NOTE: written through now, so evicting it later costs no copy
+                self.host.save(table[i], self.host.place(hashes[-1], chunk))
 
     def trim(self, seq_id: SeqId, num_tokens: int) -> None:
         """Shrink `seq_id` to slots for its first `num_tokens` tokens, releasing the blocks
@@ -441,8 +406,8 @@ class BlockManager:
         """A block for new tokens (and its window slot): evicting a cached block makes its
         old window slot's contents stale."""
         block_id = self.pool.allocate()
-        if block_id in self._saving:
-            self._reused = True
+        if self.host is not None:
+            self.host.taken(block_id)
         if self.window is not None:
             self.window.drop(block_id)
             self.window.give(block_id)
@@ -470,8 +435,3 @@ class BlockManager:
         for block_id in table[old:new]:
             self.window.let_go(block_id)
         self._live_from[seq_id] = max(old, new)
-
-
-def _partial_hash(parent: bytes | None, token_ids: Sequence[int]) -> bytes:
-    """The host tier's key of a swapped-out, partly filled block: apart from full blocks'."""
-    return chain_hash(b"partial" + (parent or b""), token_ids)

@@ -8,7 +8,7 @@ prompt with the same prefix finds them here and copies them back instead of reco
     lookup: hashes    H0 H1 H2 │ H3 H4 ...  ──miss──▶   H3 -> h5, H4 -> h1  ──load──▶ new blocks
 
 The same chained hashes key both tiers, so they agree on what a prefix is. Eviction is LRU
-over the host slots, never of a slot a lookup found since the last `settle` (its load, issued
+over the host slots, never of a slot a lookup found since the last `drain` (its load, issued
 with this step's copies, still has to read it).
 Pure bookkeeping, no torch: the block manager asks, `host_tier.HostTier` copies.
 """
@@ -17,10 +17,33 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Sequence
+from dataclasses import dataclass
+
+from splitserve.engine.prefix_hash import chain_hash
+
+
+@dataclass(frozen=True)
+class HostWork:
+    """Copies between the GPU pool and the host tier before the next step runs: `saves` (block,
+    host slot) of newly hashed (or swapped-out) blocks, `loads` (host slot, block) of host
+    hits; `reused`: a block whose save may still be in flight now takes new tokens. Saves go
+    first (a block saved may be loaded into next), and the step waits for them when it loads
+    or reuses a block."""
+
+    saves: tuple[tuple[int, int], ...] = ()
+    loads: tuple[tuple[int, int], ...] = ()
+    reused: bool = False
+
+
+def partial_key(parent: bytes | None, token_ids: Sequence[int]) -> bytes:
+    """The key of a swapped-out, partly filled block (`BlockManager.swap_out`): apart from
+    full blocks' chained hashes."""
+    return chain_hash(b"partial" + (parent or b""), token_ids)
 
 
 class HostIndex:
-    """An LRU map from block hash to host slot, with the tokens each slot holds."""
+    """An LRU map from block hash to host slot, with the tokens each slot holds, and the
+    copies it owes the pool before the next step (`drain`)."""
 
     def __init__(self, num_slots: int) -> None:
         if num_slots < 1:
@@ -30,7 +53,11 @@ class HostIndex:
         self._free = list(range(num_slots - 1, -1, -1))
         self.num_hits = 0  # blocks found here by prefix lookups
         self.num_evictions = 0
-        self._found: set[int] = set()  # slots looked up since the last settle: kept
+        self._found: set[int] = set()  # slots looked up since the last drain: kept
+        self._saves: list[tuple[int, int]] = []
+        self._loads: list[tuple[int, int]] = []
+        self._saving: set[int] = set()  # blocks whose save may still be in flight
+        self._reused = False
 
     def __len__(self) -> int:
         return len(self._slots)
@@ -64,6 +91,29 @@ class HostIndex:
         self._slots[block_hash] = (slot, tuple(token_ids))
         return slot
 
-    def settle(self) -> None:
-        """This step's copies are issued: the slots found may be reused."""
+    def save(self, block_id: int, slot: int | None) -> None:
+        """Queue a block's copy to the slot `place` gave it (None: no room, no copy)."""
+        if slot is not None:
+            self._saves.append((block_id, slot))
+            self._saving.add(block_id)
+
+    def load(self, slot: int, block_id: int) -> None:
+        """Queue a host hit's copy back into the new block it was given."""
+        self._loads.append((slot, block_id))
+
+    def taken(self, block_id: int) -> None:
+        """`block_id` takes new tokens: the step must wait if its save may be in flight."""
+        if block_id in self._saving:
+            self._reused = True
+
+    def drain(self) -> HostWork:
+        """The copies owed before the next step (engine/host_tier.py issues them); the slots
+        found since the last drain may be reused again."""
+        work = HostWork(tuple(self._saves), tuple(self._loads), self._reused)
+        self._saves, self._loads, self._reused = [], [], False
         self._found.clear()
+        return work
+
+    def saves_done(self) -> None:
+        """Every save issued so far has landed: their blocks may take new tokens freely."""
+        self._saving = {block_id for block_id, _ in self._saves}

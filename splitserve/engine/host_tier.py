@@ -21,22 +21,12 @@ and the copies are synchronous.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from typing import Any
 
 import torch
 
-from splitserve.engine.block_manager import HostWork
-from splitserve.engine.host_index import HostIndex
-
-
-@dataclass(frozen=True)
-class HostTierStats:
-    num_blocks: int  # blocks held
-    num_slots: int
-    hits: int  # blocks found by prefix lookups
-    bytes_saved: int  # GPU -> host
-    bytes_loaded: int  # host -> GPU
-    copy_seconds: float  # host time spent issuing copies (and, on the CPU, doing them)
+from splitserve.engine.host_index import HostIndex, HostWork
+from splitserve.engine.kv_cache import KVCache
 
 
 def available_host_bytes() -> int | None:
@@ -49,6 +39,18 @@ def available_host_bytes() -> int | None:
     except OSError:
         return None
     return None
+
+
+def host_index(num_bytes: int | None, cache: KVCache, tensor_parallel: bool) -> HostIndex | None:
+    """The host tier's slots, when `num_bytes` (`kv_host_cache_bytes`) asks for one."""
+    if num_bytes is None:
+        return None
+    if cache.window_pool is not None or tensor_parallel:
+        raise ValueError(
+            "--kv-host-cache-gb: not yet with sliding layers' window pool "
+            "(sliding_window_kv=False) or tensor parallelism"
+        )
+    return HostIndex(host_tier_slots(num_bytes, cache.block_bytes))
 
 
 def host_tier_slots(num_bytes: int, block_bytes: int) -> int:
@@ -113,13 +115,12 @@ class HostTier:
         self.bytes_loaded += len(work.loads) * self._block_bytes
         self.copy_seconds += time.perf_counter() - start
 
-    def stats(self) -> HostTierStats:
-        index = self.index
-        return HostTierStats(
-            num_blocks=len(index),
-            num_slots=index.num_slots,
-            hits=index.num_hits,
-            bytes_saved=self.bytes_saved,
-            bytes_loaded=self.bytes_loaded,
-            copy_seconds=self.copy_seconds,
-        )
+    def stats(self) -> dict[str, Any]:
+        """Its figures, under `EngineStats`' names (engine/stats.py)."""
+        return {
+            "host_cache_blocks": len(self.index),
+            "host_cache_hits": self.index.num_hits,
+            "host_cache_bytes_saved": self.bytes_saved,
+            "host_cache_bytes_loaded": self.bytes_loaded,
+            "host_cache_copy_seconds": self.copy_seconds,
+        }

@@ -11,7 +11,6 @@ import dataclasses
 import itertools
 import time
 from pathlib import Path
-from typing import Any
 
 from splitserve.engine.block_manager import BlockManager, KVUsage
 from splitserve.engine.config import EngineConfig
@@ -20,8 +19,7 @@ from splitserve.engine.disaggregation import DisaggregationMixin
 from splitserve.engine.disaggregation import Reservation as Reservation
 from splitserve.engine.errors import AlreadyExists, Cancelled
 from splitserve.engine.grammar import Grammars
-from splitserve.engine.host_index import HostIndex
-from splitserve.engine.host_tier import HostTier, host_tier_slots
+from splitserve.engine.host_tier import HostTier, host_index
 from splitserve.engine.kv_cache import KVCache, fit_context_to_pool, size_kv_pool
 from splitserve.engine.kv_connector import KVConnector
 from splitserve.engine.lora.engine_mixin import LoRAEngineMixin
@@ -90,7 +88,9 @@ class LLMEngine(LoRAEngineMixin, DisaggregationMixin, ParkingMixin):
             self.config.enable_prefix_caching,
             self.config.record_prefix_events,
             window=self._window_slots(),
-            host=self._host_index(),
+            host=host_index(
+                self.config.kv_host_cache_bytes, self.kv_cache, self.followers is not None
+            ),
         )
         self.host_tier = (
             HostTier(self.kv_cache.pool, self.block_manager.host)
@@ -149,18 +149,6 @@ class LLMEngine(LoRAEngineMixin, DisaggregationMixin, ParkingMixin):
         window = self.model_config.sliding_window
         assert window is not None and self.config.num_window_slots is not None
         return WindowSlots(self.config.num_window_slots, window, self.config.block_size)
-
-    def _host_index(self) -> HostIndex | None:
-        """The host tier's slots, when `kv_host_cache_bytes` asks for one."""
-        config = self.config
-        if config.kv_host_cache_bytes is None:
-            return None
-        if self.kv_cache.window_pool is not None or self.followers is not None:
-            raise ValueError(
-                "--kv-host-cache-gb: not yet with sliding layers' window pool "
-                "(sliding_window_kv=False) or tensor parallelism"
-            )
-        return HostIndex(host_tier_slots(config.kv_host_cache_bytes, self.kv_cache.block_bytes))
 
     def shutdown(self) -> None:
         """Stop this engine's other tensor-parallel ranks (idempotent; nothing at TP=1)."""
@@ -326,10 +314,10 @@ class LLMEngine(LoRAEngineMixin, DisaggregationMixin, ParkingMixin):
             tables = {s.seq.seq_id: bm.block_table(s.seq.seq_id) for s in out.scheduled}
             if bm.window is not None:  # NOTE: stream-ordered after any step in flight
                 self.kv_cache.apply_window_changes(bm.window.drain_changes())
-            if self.host_tier is not None:
+            if self.host_tier is not None and bm.host is not None:
                 if self.host_tier.saves_landed():
-                    bm.host_saves_done()
-                self.host_tier.run(bm.drain_host_work())
+                    bm.host.saves_done()
+                self.host_tier.run(bm.host.drain())
             if overlap:
                 launched = self.runner.launch(out, tables, prev)
                 if prev is not None:
@@ -427,20 +415,8 @@ class LLMEngine(LoRAEngineMixin, DisaggregationMixin, ParkingMixin):
             block_size=self.config.block_size,
             lora_adapters=tuple(self.list_loras()),
             **(self.speculator.stats() if self.speculator is not None else {}),
-            **self._host_stats(),
+            **(self.host_tier.stats() if self.host_tier is not None else {}),
         )
-
-    def _host_stats(self) -> dict[str, Any]:
-        if self.host_tier is None:
-            return {}
-        tier = self.host_tier.stats()
-        return {
-            "host_cache_blocks": tier.num_blocks,
-            "host_cache_hits": tier.hits,
-            "host_cache_bytes_saved": tier.bytes_saved,
-            "host_cache_bytes_loaded": tier.bytes_loaded,
-            "host_cache_copy_seconds": tier.copy_seconds,
-        }
 
     def check_integrity(self) -> None:
         self.block_manager.check_integrity()

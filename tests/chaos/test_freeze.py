@@ -19,18 +19,23 @@ import os
 import signal
 import threading
 import time
-import urllib.request
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from splitserve.client import stream
 from splitserve.engine import LLM, SamplingParams
 from splitserve.launch.up import Stack
 from tests.chaos.test_worker_death import _engine_core_pid, _wait_busy
-from tests.e2e.harness import assert_nothing_leaks, gateway, running_stack, stats, workers
+from tests.e2e.harness import (
+    assert_nothing_leaks,
+    gateway,
+    metric,
+    running_stack,
+    stats,
+    workers,
+)
 from tests.engine.hf_oracle import random_prompts
 
 pytestmark = pytest.mark.slow
@@ -77,15 +82,7 @@ def _offline(llm: LLM, prompts: list[list[int]], params: SamplingParams) -> list
 
 
 def _counter(stack: Stack, name: str, **labels: str) -> float:
-    port = stack.metrics_ports["gateway"]
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as reply:
-        text = reply.read().decode()
-    return sum(
-        s.value
-        for family in text_string_to_metric_families(text)
-        for s in family.samples
-        if s.name == name and labels.items() <= s.labels.items()
-    )
+    return metric(stack, "gateway", name, **labels)
 
 
 def _until(what, timeout_s: float) -> float:

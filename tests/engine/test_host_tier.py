@@ -86,14 +86,14 @@ def test_a_small_tier_evicts_least_recently_used_first_but_never_a_slot_about_to
     index = HostIndex(2)
     a = index.place(b"a", [1])
     index.place(b"b", [2])
-    index.settle()
+    index.drain()
     assert index.lookup(b"a", [1]) == a  # "a" now the most recently used
     index.place(b"c", [3])  # evicts "b"
     assert b"b" not in index and b"a" in index and b"c" in index
     assert index.lookup(b"c", [4]) is None  # same hash, other tokens: no hit
     assert index.lookup(b"c", [3]) is not None
     assert index.place(b"d", [5]) is None  # "a" and "c" are about to be read: no room
-    index.settle()
+    index.drain()
     assert index.place(b"d", [5]) is not None
 
 
