@@ -97,4 +97,5 @@ class TritonPagedAttention(AttentionBackend):
             self.scale,
             self.sliding_window,
             sinks=sinks,
+            max_seq_len=meta.max_seq_len,
         )

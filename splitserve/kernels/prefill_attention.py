@@ -10,6 +10,11 @@ writes them first), so chunked prefill and prefix-cache hits are the same case a
                   lo = 0, or (first query's position - window + 1) rounded down to BLOCK_N
                   hi = one past the tile's last query position (causal)
 
+Few programs over long contexts (a short question after a long cached prefix: one query tile
+per head leaves most SMs idle while each walks every key) split each tile's keys NUM_SPLITS
+ways, as split-K decode does: each split leaves its normalised output and log-sum-exp, and
+kernels/decode_merge.py combines them per (token, head).
+
 Key tiles are aligned to BLOCK_N from position 0, so with power-of-two pages a tile lies inside
 one page (BLOCK_N <= block_size) or covers BLOCK_N / block_size whole pages; keys are gathered
 per token through the block table, which is correct for any page size. Softmax runs online in
@@ -30,13 +35,27 @@ from splitserve.kernels._validate import (
     check_devices,
     check_tensor,
     dot_precision,
+    is_interpreted,
 )
 from splitserve.kernels.attention_ref import prefill_attention_ref
 from splitserve.kernels.attention_sinks import check_sinks, sink_state
+from splitserve.kernels.decode_merge import merge_splits_kernel
 
 __all__ = ["prefill_attention", "prefill_attention_ref"]
 
 LOG2E = math.log2(math.e)
+# Splitting: up to this many programs per SM, each split at least MIN_SPLIT_KEYS keys.
+PROGRAMS_PER_SM = 2
+MIN_SPLIT_KEYS = 1024
+MAX_SPLITS = 16
+INTERPRETER_NUM_SMS = 4
+
+
+def choose_num_splits(num_programs: int, max_keys: int, num_sms: int) -> int:
+    """How many ways each query tile's keys split: enough to give about PROGRAMS_PER_SM
+    programs to each SM, never below MIN_SPLIT_KEYS keys a split nor above MAX_SPLITS."""
+    wanted = PROGRAMS_PER_SM * num_sms // max(num_programs, 1)
+    return max(1, min(wanted, max_keys // MIN_SPLIT_KEYS, MAX_SPLITS))
 
 
 @triton.jit
@@ -45,6 +64,8 @@ def _prefill_kernel(
     k_cache_ptr,
     v_cache_ptr,
     out_ptr,
+    part_out_ptr,
+    part_lse_ptr,
     block_tables_ptr,
     cu_seqlens_q_ptr,
     seq_lens_ptr,
@@ -67,9 +88,11 @@ def _prefill_kernel(
     USE_WINDOW: tl.constexpr,
     HAS_SINKS: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
 ):
     # The last query tiles see the most keys: launching them first shortens the grid's tail.
-    tile = tl.num_programs(0) - 1 - tl.program_id(0)
+    tile = tl.num_programs(0) // NUM_SPLITS - 1 - tl.program_id(0) // NUM_SPLITS
+    split = tl.program_id(0) % NUM_SPLITS
     seq = tl.program_id(1).to(tl.int64)
     head = tl.program_id(2)
     q_start = tl.load(cu_seqlens_q_ptr + seq)
@@ -97,8 +120,13 @@ def _prefill_kernel(
     else:
         lo = hi * 0
 
-    if HAS_SINKS:
-        m_i, l_i = sink_state(sinks_ptr, head + offs_m * 0, row_mask)
+    if NUM_SPLITS > 1:  # this split's share of the key tiles
+        per_split = tl.cdiv(tl.cdiv(hi - lo, BLOCK_N), NUM_SPLITS) * BLOCK_N
+        lo = lo + split * per_split
+        hi = tl.minimum(hi, lo + per_split)
+
+    if HAS_SINKS:  # NOTE: in split 0's sum only, so the merge counts it once
+        m_i, l_i = sink_state(sinks_ptr, head + offs_m * 0, row_mask & (offs_m * 0 + split == 0))
     else:
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -132,9 +160,16 @@ def _prefill_kernel(
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
 
-    acc = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-    out_ptrs = out_ptr + tokens[:, None] * stride_ot + head * stride_oh + dims[None, :]
-    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=row_mask[:, None])
+    has_keys = l_i > 0
+    acc = acc / tl.where(has_keys, l_i, 1.0)[:, None]
+    if NUM_SPLITS == 1:
+        out_ptrs = out_ptr + tokens[:, None] * stride_ot + head * stride_oh + dims[None, :]
+        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=row_mask[:, None])
+    else:  # partials [token, head, split]: float32, merged by merge_splits_kernel
+        part = (tokens * tl.num_programs(2) + head) * NUM_SPLITS + split
+        tl.store(part_out_ptr + part[:, None] * HEAD_DIM + dims[None, :], acc, row_mask[:, None])
+        lse = tl.where(has_keys, m_i + tl.log2(tl.where(has_keys, l_i, 1.0)), float("-inf"))
+        tl.store(part_lse_ptr + part, lse, mask=row_mask)
 
 
 def _launch_config(
@@ -167,6 +202,8 @@ def prefill_attention(
     out: torch.Tensor | None = None,
     *,
     sinks: torch.Tensor | None = None,
+    max_seq_len: int | None = None,
+    num_splits: int | None = None,
 ) -> torch.Tensor:
     """Causal attention of every query token to its sequence's paged context; returns out.
 
@@ -176,7 +213,8 @@ def prefill_attention(
     [num_seqs, max_blocks] int32; seq_lens: [num_seqs] int32, context length after this step
     (>= the sequence's query length); max_query_len: the longest query (sizes the grid).
     `sinks` (float32 [num_heads], gpt-oss): one more logit per head in each softmax's
-    denominator (kernels/attention_sinks.py).
+    denominator (kernels/attention_sinks.py). `max_seq_len` (the longest context, known on the
+    host) lets a small grid split its keys (`choose_num_splits`); `num_splits` forces a count.
     """
     block_size, num_kv_heads = check_attention(q, kv_cache, sliding_window)
     num_tokens, num_heads, head_dim = q.shape
@@ -204,17 +242,35 @@ def prefill_attention(
         out=out,
         sinks=sinks,
     )
+    if num_splits is not None and num_splits < 1:
+        raise ValueError(f"num_splits must be >= 1, got {num_splits}")
     if num_seqs == 0 or num_tokens == 0 or max_query_len == 0:
         return out
 
     block_m, block_n, num_warps, num_stages = _launch_config(q.dtype, head_dim, max_query_len)
+    num_tiles = triton.cdiv(max_query_len, block_m)
+    if num_splits is None and max_seq_len is not None:
+        keys = max_seq_len if sliding_window is None else sliding_window + max_query_len
+        num_sms = (
+            INTERPRETER_NUM_SMS
+            if is_interpreted(_prefill_kernel)
+            else torch.cuda.get_device_properties(q.device).multi_processor_count
+        )
+        num_splits = choose_num_splits(num_tiles * num_seqs * num_heads, keys, num_sms)
+    num_splits = num_splits or 1
+    part_out = part_lse = out
+    if num_splits > 1:  # float32 partials, summed again in the merge
+        part_out = q.new_empty((num_tokens, num_heads, num_splits, head_dim), dtype=torch.float32)
+        part_lse = q.new_empty((num_tokens, num_heads, num_splits), dtype=torch.float32)
     k_cache, v_cache = kv_cache[0], kv_cache[1]
-    grid = (triton.cdiv(max_query_len, block_m), num_seqs, num_heads)
+    grid = (num_tiles * num_splits, num_seqs, num_heads)
     _prefill_kernel[grid](
         q,
         k_cache,
         v_cache,
         out,
+        part_out,
+        part_lse,
         block_tables,
         cu_seqlens_q,
         seq_lens,
@@ -237,7 +293,23 @@ def prefill_attention(
         USE_WINDOW=sliding_window is not None,
         HAS_SINKS=sinks is not None,
         DOT_PRECISION=dot_precision(q.dtype),
+        NUM_SPLITS=num_splits,
         num_warps=num_warps,
         num_stages=num_stages,
     )
+    if num_splits > 1:
+        merge_splits_kernel[(num_tokens, num_heads)](
+            out,
+            part_out,
+            part_lse,
+            num_splits,
+            out.stride(0),
+            out.stride(1),
+            num_heads * num_splits,
+            num_splits,
+            HEAD_DIM=head_dim,
+            BLOCK_S=triton.next_power_of_2(num_splits),
+            USE_PDL=False,
+            num_warps=4 if head_dim >= 128 else 2,
+        )
     return out

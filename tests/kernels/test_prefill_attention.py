@@ -9,7 +9,11 @@ import torch
 
 from splitserve.engine.attention import AttentionMetadata
 from splitserve.engine.torch_attention import TorchPagedAttention
-from splitserve.kernels.prefill_attention import prefill_attention, prefill_attention_ref
+from splitserve.kernels.prefill_attention import (
+    choose_num_splits,
+    prefill_attention,
+    prefill_attention_ref,
+)
 from tests.kernels.paged_inputs import DTYPES, GPU_DTYPES, random_paged_kv, tolerance
 
 needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -41,6 +45,7 @@ def _check(
     device: torch.device,
     seed: int,
     kv_dtype: torch.dtype | None = None,
+    **split: int,
 ) -> None:
     paged = random_paged_kv(
         seq_lens, num_kv_heads, head_dim, block_size, dtype, device, seed, kv_dtype
@@ -51,7 +56,7 @@ def _check(
     args = (q, paged.kv_cache, paged.block_tables, cu, paged.seq_lens, max(query_lens))
     scale = head_dim**-0.5
     out = torch.full_like(q, float("nan"))
-    got = prefill_attention(*args, scale, window, out=out)
+    got = prefill_attention(*args, scale, window, out=out, **split)
     assert got is out
     want = prefill_attention_ref(*args, scale, window)
     atol, rtol = tolerance(dtype)
@@ -62,6 +67,22 @@ def _check(
 @pytest.mark.parametrize("index", range(len(CPU_CASES)))
 def test_prefill_matches_reference(index, dtype, device):
     _check(*CPU_CASES[index], dtype, device, seed=index)
+
+
+@pytest.mark.parametrize("splits", [2, 3])
+@pytest.mark.parametrize("index", [2, 3, 4, 6, 7, 8])
+def test_keys_split_across_programs_match_the_reference(index, splits, device):
+    """Each tile's keys split `splits` ways (some splits empty: short contexts, windows,
+    an empty sequence), the partials merged per (token, head)."""
+    _check(*CPU_CASES[index], torch.float32, device, seed=index, num_splits=splits)
+
+
+def test_a_small_grid_over_a_long_context_splits_its_keys():
+    # one query tile of 32 heads over 32k keys on 132 SMs: 8 splits of 4k keys
+    assert choose_num_splits(32, 32768, 132) == 8
+    assert choose_num_splits(32, 1500, 132) == 1  # too few keys to split
+    assert choose_num_splits(32 * 64, 32768, 132) == 1  # the grid fills the GPU already
+    assert choose_num_splits(1, 1 << 20, 132) == 16  # at most 16
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -133,3 +154,17 @@ def test_bad_arguments_raise_before_launch(device):
 )
 def test_prefill_real_shapes_on_gpu(dtype, query_lens, seq_lens, window):
     _check(query_lens, seq_lens, 32, 8, 128, 16, window, dtype, torch.device("cuda"), seed=1)
+
+
+@needs_gpu
+@pytest.mark.parametrize("dtype", GPU_DTYPES)
+@pytest.mark.parametrize(
+    ("query_lens", "seq_lens", "window"),
+    [([64], [32832], None), ([16, 1, 64], [20000, 9000, 64], None), ([64], [32832], 4096)],
+)
+def test_a_short_question_after_a_long_prefix_splits_its_keys_on_gpu(
+    dtype, query_lens, seq_lens, window
+):
+    cuda = torch.device("cuda")
+    _check(query_lens, seq_lens, 32, 8, 128, 16, window, dtype, cuda, seed=2,
+           max_seq_len=max(seq_lens))  # fmt: skip
