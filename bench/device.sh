@@ -52,6 +52,9 @@
 #                   its GPU tests (GPU 3), TP=2 parity (GPUs 2-3), then a P/D pair at TP=2
 #   moe             the fused MoE kernel's GPU tests, bench/moe_layer.py, the decode step of
 #                   the Qwen3-30B-A3B shape at batch 1 and 64, bench/moe_offline.py
+#   host-tier       the host-memory KV tier: its GPU tests, then bench/host_tier.py (a 32k-token
+#                   host hit, the tier's cost, swap)
+#   host-tier-working  bench/host_tier.py's working set twice the GPU cache, under load
 #   lora            multi-LoRA: the kernels' GPU tests, their cost per decode step (PDL on/off),
 #                   then bench/lora.py (decode/prefill with 1, 8, 32 adapters against the base)
 set -uo pipefail
@@ -237,6 +240,13 @@ for step in "$@"; do
         --batches 1 64 --context 1024 --pdl on --async-scheduling on \
         --out "$OUT/moe_roofline.json"
       run moe_offline 8 timeout 150 python3 -m bench.moe_offline --out "$OUT/moe_offline.json" ;;
+    host-tier)
+      run host_tier_tests 6 pytest_q tests/engine/test_gpu_host_tier.py
+      run host_tier 40 timeout 420 python3 -m bench.host_tier --sections hit tpot swap \
+        --out "$OUT/host_tier.json" ;;
+    host-tier-working)
+      run host_tier_working 40 timeout 540 python3 -m bench.host_tier --sections working \
+        --out "$OUT/host_tier_working.json" ;;
     lora)
       run lora_tests 4 pytest_q tests/kernels/test_lora.py
       run lora_kernels 8 python3 -m bench.lora_kernels --out "$OUT/lora_kernels.json"

@@ -169,4 +169,4 @@ class DecodeCoreHandler(CoreHandler):
         return [aborted, res is not None]
 
     def take_prefix_events(self) -> Any:
-        return self.loop.submit(lambda e: [[a, h] for a, h in e.take_prefix_events()])
+        return self.loop.submit(lambda e: [list(ev) for ev in e.take_prefix_events()])

@@ -220,11 +220,15 @@ class BlockManager:
                     for block_id in table[live:]:
                         self.window.hold(block_id)
                 if self.host is not None:  # a hit's host blocks come back into new ones
-                    for slot, block_hash, tokens in prefix_hit.host_blocks:
-                        table.append(self._take())
+                    # NOTE: ascending, so that the loads run as few long copies
+                    new = sorted(self._take() for _ in prefix_hit.host_blocks)
+                    for block_id, (slot, block_hash, tokens) in zip(
+                        new, prefix_hit.host_blocks, strict=True
+                    ):
+                        table.append(block_id)
                         self._hashes[seq_id].append(block_hash)
-                        self.pool.cache(table[-1], block_hash, tokens)
-                        self.host.load(slot, table[-1])
+                        self.pool.cache(block_id, block_hash, tokens)
+                        self.host.load(slot, block_id)
                     if prefix_hit.partial is not None:  # swapped back in; hashed once full
                         table.append(self._take())
                         self.host.load(prefix_hit.partial[0], table[-1])

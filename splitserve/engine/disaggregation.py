@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from splitserve.engine.errors import InvalidRequest, NotFound, Overloaded
+from splitserve.engine.host_index import GPU_TIER, HOST_TIER
 from splitserve.engine.output_processor import RequestState
 from splitserve.engine.outputs import RequestOutput, Resume, SampledToken
 from splitserve.engine.sampling_params import SamplingParams
@@ -166,7 +167,14 @@ class DisaggregationMixin:
         progress = self._prompt_progress(request_id)
         return None if progress is None else progress[0]
 
-    def take_prefix_events(self) -> list[tuple[bool, bytes]]:
+    def take_prefix_events(self) -> list[tuple[bool, bytes, str]]:
         """Prefix-cache insertions (True) and evictions (False) of block hashes since the last
-        call, in order (recorded only with `record_prefix_events`)."""
-        return self.block_manager.pool.drain_events()
+        call, in order within each tier: (added, hash, GPU_TIER) of the GPU pool's, then
+        (added, hash, HOST_TIER) of the host tier's (recorded only with
+        `record_prefix_events`). NOTE: a block is often in both (the host tier is written
+        through): the tiers are indexed apart, so their relative order does not matter."""
+        events = [(a, h, GPU_TIER) for a, h in self.block_manager.pool.drain_events()]
+        host = self.block_manager.host
+        if host is not None:
+            events += [(a, h, HOST_TIER) for a, h in host.drain_events()]
+        return events

@@ -11,6 +11,10 @@ The same chained hashes key both tiers, so they agree on what a prefix is. Evict
 over the host slots, never of a slot a lookup found since the last `drain` (its load, issued
 with this step's copies, still has to read it).
 Pure bookkeeping, no torch: the block manager asks, `host_tier.HostTier` copies.
+
+With `record_events()` it also records which chained hashes it gained and lost, as the GPU
+pool does, so the worker can publish its host tier into the registry's prefix index too (the
+gateway's router counts a host block as worth a little less than a GPU block).
 """
 
 from __future__ import annotations
@@ -35,10 +39,38 @@ class HostWork:
     reused: bool = False
 
 
+def contiguous_runs(pairs: Sequence[tuple[int, int]]) -> list[tuple[int, int, int]]:
+    """(first source, first destination, length) of each run of (source, destination) pairs
+    in which both step up by one: a run is one copy of consecutive blocks."""
+    runs: list[tuple[int, int, int]] = []
+    for src, dst in pairs:
+        if runs and runs[-1][0] + runs[-1][2] == src and runs[-1][1] + runs[-1][2] == dst:
+            first_src, first_dst, length = runs[-1]
+            runs[-1] = (first_src, first_dst, length + 1)
+        else:
+            runs.append((src, dst, 1))
+    return runs
+
+
+# The tiers a prefix event names (`take_prefix_events`): the GPU pool's, this one's.
+GPU_TIER = "gpu"
+HOST_TIER = "host"
+
+# NOTE: a partial key is this tag and a chained hash, so it can never equal a full block's
+# (16-byte) chained hash, and `place` can tell it apart without being told: a partly filled
+# block is no prefix another prompt can match, and is never published.
+_PARTIAL_TAG = b"partial\0"
+
+
 def partial_key(parent: bytes | None, token_ids: Sequence[int]) -> bytes:
     """The key of a swapped-out, partly filled block (`BlockManager.swap_out`): apart from
     full blocks' chained hashes."""
-    return chain_hash(b"partial" + (parent or b""), token_ids)
+    return _PARTIAL_TAG + chain_hash(b"partial" + (parent or b""), token_ids)
+
+
+def is_partial_key(key: bytes) -> bool:
+    """Whether `key` is a `partial_key` (not a full block's chained hash)."""
+    return key.startswith(_PARTIAL_TAG) and len(key) > len(_PARTIAL_TAG)
 
 
 class HostIndex:
@@ -58,6 +90,22 @@ class HostIndex:
         self._loads: list[tuple[int, int]] = []
         self._saving: set[int] = set()  # blocks whose save may still be in flight
         self._reused = False
+        # (added, chained hash) of full blocks placed and evicted since the last drain_events,
+        # while recording (None: not)
+        self._events: list[tuple[bool, bytes]] | None = None
+
+    def record_events(self) -> None:
+        """From now on, record full blocks placed and evicted (`drain_events`)."""
+        if self._events is None:
+            self._events = []
+
+    def drain_events(self) -> list[tuple[bool, bytes]]:
+        """(True, hash) for each full block placed, (False, hash) for each evicted, in order,
+        since the last call. NOTE: drained every housekeeping turn, as the pool's, so bounded."""
+        if not self._events:
+            return []
+        events, self._events = self._events, []
+        return events
 
     def __len__(self) -> int:
         return len(self._slots)
@@ -88,8 +136,14 @@ class HostIndex:
                 return None
             slot, _ = self._slots.pop(victim)
             self.num_evictions += 1
+            self._record(False, victim)
         self._slots[block_hash] = (slot, tuple(token_ids))
+        self._record(True, block_hash)
         return slot
+
+    def _record(self, added: bool, block_hash: bytes) -> None:
+        if self._events is not None and not is_partial_key(block_hash):
+            self._events.append((added, block_hash))
 
     def save(self, block_id: int, slot: int | None) -> None:
         """Queue a block's copy to the slot `place` gave it (None: no room, no copy)."""

@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from splitserve.engine.host_index import HostIndex, HostWork
+from splitserve.engine.host_index import HostIndex, HostWork, contiguous_runs
 from splitserve.engine.kv_cache import KVCache
 
 
@@ -100,18 +100,22 @@ class HostTier:
         if work.saves and self._stream is not None and compute is not None:
             self._stream.wait_stream(compute)  # NOTE: the step that filled them
             with torch.cuda.stream(self._stream):
-                for block_id, slot in work.saves:
-                    self.blocks[slot].copy_(self.pool[block_id], non_blocking=True)
+                for block_id, slot, n in contiguous_runs(work.saves):
+                    self.blocks[slot : slot + n].copy_(
+                        self.pool[block_id : block_id + n], non_blocking=True
+                    )
                 self._saved = torch.cuda.Event()
                 self._saved.record()
         else:
-            for block_id, slot in work.saves:
-                self.blocks[slot].copy_(self.pool[block_id])
+            for block_id, slot, n in contiguous_runs(work.saves):
+                self.blocks[slot : slot + n].copy_(self.pool[block_id : block_id + n])
         self.bytes_saved += len(work.saves) * self._block_bytes
         if compute is not None and self._saved is not None and (work.loads or work.reused):
             compute.wait_event(self._saved)
-        for slot, block_id in work.loads:  # NOTE: pinned slot to device: asynchronous
-            self.pool[block_id].copy_(self.blocks[slot], non_blocking=compute is not None)
+        for slot, block_id, n in contiguous_runs(work.loads):  # NOTE: pinned: asynchronous
+            self.pool[block_id : block_id + n].copy_(
+                self.blocks[slot : slot + n], non_blocking=compute is not None
+            )
         self.bytes_loaded += len(work.loads) * self._block_bytes
         self.copy_seconds += time.perf_counter() - start
 

@@ -185,9 +185,7 @@ class KVConnector:
                     self._bm.unpin(block_id)
                 outbox.pinned.clear()
 
-    def after_step(
-        self, progress: Callable[[str], tuple[int, int, list[int]] | None]
-    ) -> list[str]:
+    def after_step(self, progress: Callable[[str], tuple[int, int, list[int]] | None]) -> list[str]:
         """Engine thread, after a step: pin and report newly complete blocks of every watched
         request; returns the requests whose last batch went out this step.
 
@@ -238,8 +236,9 @@ class KVConnector:
 
     # -- copies out of and into the pool (any thread) -----------------------------------------
 
-    def read_blocks(self, block_ids: Sequence[int], out: torch.Tensor, ready: ReadyBlocks | None
-                    = None) -> torch.Tensor:
+    def read_blocks(
+        self, block_ids: Sequence[int], out: torch.Tensor, ready: ReadyBlocks | None = None
+    ) -> torch.Tensor:
         """Gather whole blocks into `out` ([n, *block shape], host memory, pinned on a GPU
         host) on a side stream, after `ready`'s event; returns `out` once the copy is done."""
         pool = self._cache.pool

@@ -82,15 +82,17 @@ class LLMEngine(LoRAEngineMixin, DisaggregationMixin, ParkingMixin):
             self.config = fit_context_to_pool(self.config)
             max_len = self.max_model_len
         assert self.config.num_kv_blocks is not None
+        tp = self.followers is not None
+        host = host_index(self.config.kv_host_cache_bytes, self.kv_cache, tp)
+        if host is not None and self.config.record_prefix_events:
+            host.record_events()  # the host tier is published beside the GPU prefix cache
         self.block_manager = BlockManager(
             self.config.num_kv_blocks,
             self.config.block_size,
             self.config.enable_prefix_caching,
             self.config.record_prefix_events,
             window=self._window_slots(),
-            host=host_index(
-                self.config.kv_host_cache_bytes, self.kv_cache, self.followers is not None
-            ),
+            host=host,
         )
         self.host_tier = (
             HostTier(self.kv_cache.pool, self.block_manager.host)

@@ -5,6 +5,7 @@ it without loading the engine."""
 from __future__ import annotations
 
 import hashlib
+import struct
 from collections.abc import Sequence
 
 
@@ -13,9 +14,18 @@ def chain_hash(parent: bytes | None, token_ids: Sequence[int]) -> bytes:
 
     Stable across processes (no Python `hash`), so a prefix index can be shared between workers.
     """
+    return _chained(parent, _pack(token_ids))
+
+
+def _pack(token_ids: Sequence[int]) -> bytes:
+    """Token ids as 4-byte little-endian words."""
+    return struct.pack(f"<{len(token_ids)}I", *token_ids)
+
+
+def _chained(parent: bytes | None, packed: bytes) -> bytes:
     h = hashlib.blake2b(digest_size=16)
     h.update(parent or b"")
-    h.update(b"".join(t.to_bytes(4, "little") for t in token_ids))
+    h.update(packed)
     return h.digest()
 
 
@@ -36,8 +46,12 @@ def prefix_block_hashes(
     NOTE: the last token is never served from cache (its logits are needed), so only
     (len - 1) // block_size blocks count. Decode workers and the gateway's router both use this.
     """
+    num_blocks = (len(token_ids) - 1) // block_size
+    packed = _pack(token_ids[: num_blocks * block_size])  # NOTE: once, not per block
+    width = 4 * block_size
     hashes: list[bytes] = []
-    for i in range((len(token_ids) - 1) // block_size):
-        block = token_ids[i * block_size : (i + 1) * block_size]
-        hashes.append(chain_hash(hashes[-1] if hashes else root, block))
+    parent = root
+    for start in range(0, num_blocks * width, width):
+        parent = _chained(parent, packed[start : start + width])
+        hashes.append(parent)
     return hashes

@@ -22,7 +22,10 @@ def prompt_token_ids(tokenizer: Any, prompt: Prompt) -> tuple[str | None, list[i
         # as HF's `tokenizer(prompt)` and vLLM do.
         return prompt, list(tokenizer.encode(prompt, add_special_tokens=True))
     token_ids = list(prompt)
-    if any(isinstance(t, bool) or not isinstance(t, int) for t in token_ids):
+    # NOTE: the set of types first: one C-level pass over a long prompt
+    if set(map(type, token_ids)) - {int} and any(
+        isinstance(t, bool) or not isinstance(t, int) for t in token_ids
+    ):
         raise InvalidRequest("a token-id prompt must be a list of ints")
     return None, token_ids
 
@@ -41,8 +44,8 @@ def check_request(
     """Raise InvalidRequest unless `token_ids` with `params` can run on this engine."""
     if not token_ids:
         raise InvalidRequest("prompt is empty (no tokens)")
-    bad = [t for t in token_ids if not 0 <= t < vocab_size]
-    if bad:
+    if min(token_ids) < 0 or max(token_ids) >= vocab_size:
+        bad = [t for t in token_ids if not 0 <= t < vocab_size]
         raise InvalidRequest(
             f"prompt has token ids outside the vocabulary [0, {vocab_size}): {bad[:5]}"
         )

@@ -40,7 +40,7 @@ from splitserve.gateway.migration import StreamMover
 from splitserve.gateway.observability import PREFILL, RequestObservation
 from splitserve.gateway.prefill_ledger import PrefillLedger
 from splitserve.gateway.route import Route, remaining
-from splitserve.gateway.router import NoWorkerError, RoutingPolicy
+from splitserve.gateway.router import NoWorkerError, RoutingPolicy, prefix_scores
 from splitserve.gateway.stubs import Stubs
 from splitserve.gateway.validation import Job
 from splitserve.kv_transfer.registry import Registry, WorkerInfo
@@ -63,6 +63,8 @@ RETRYABLE = {
 @dataclass(frozen=True)
 class OrchestratorSettings:
     block_size: int
+    # What a block in a worker's host-memory KV tier counts for in routing, a GPU block's 1
+    host_block_weight: float = 0.9
     # Prompts with at most this many tokens not cached on D are prefilled on D itself.
     local_prefill_tokens: int = 0
     prefill_attempts: int = 2
@@ -166,24 +168,28 @@ class Orchestrator:
             if job.adapter is None
             else []
         )
-        prefix = self.registry.prefix_match(hashes) if hashes else {}
+        tiers = self.registry.prefix_match_tiers(hashes) if hashes else {}
         with self._lock:
             inflight = dict(self._inflight)
+        prefix = prefix_scores(tiers, self.settings.host_block_weight)
         chosen = self.policy.pick_decode(workers, inflight, prefix)
-        hit = prefix.get(chosen.worker_id, 0)
+        # NOTE: blocks in either tier: D computes none of them again (host ones are copied back)
+        hit = tiers.get(chosen.worker_id, (0, 0))[1]
         obs.routed("decode", chosen.worker_id, reason or ("prefix_hit" if hit else "least_loaded"))
         return chosen, None, hit
 
-    def _cached_tokens(self, job: Job) -> dict[str, int]:
-        """The prompt's leading tokens each worker caches, by the registry's prefix index (a
-        LoRA request's blocks are keyed by its adapter's weights: none known here)."""
+    def _cached_tokens(self, job: Job) -> dict[str, float]:
+        """The prompt's leading tokens each worker caches, by the registry's prefix index, a
+        host-tier block's weighted as in `prefix_scores` (a LoRA request's blocks are keyed by
+        its adapter's weights: none known here)."""
         if job.adapter is not None:
             return {}
         bs = self.settings.block_size
         hashes = prefix_block_hashes(job.prompt_token_ids, bs)
         if not hashes:
             return {}
-        return {w: n * bs for w, n in self.registry.prefix_match(hashes).items()}
+        tiers = self.registry.prefix_match_tiers(hashes)
+        return {w: n * bs for w, n in prefix_scores(tiers, self.settings.host_block_weight).items()}
 
     async def _reserve(
         self,

@@ -11,6 +11,7 @@ Key layout, everything under `{ns}:` (the namespace)::
     {ns}:req:{request_id}           hash    state, owner, writer, fence, blocks; PEXPIRE = lease
     {ns}:prefix:{hash_hex}          set     ids of workers holding that block in their prefix cache
     {ns}:prefix_worker:{worker_id}  set     hash_hex of every block that worker holds
+    (a worker's host-memory KV tier is indexed under the id "{worker_id}@host": registry_prefix)
 
 A request's record goes through::
 
@@ -83,7 +84,7 @@ __all__ = [
 PATIENT = ("register_worker", "kv_endpoint", "live_workers", "reserve", "begin_write", "handoff")
 
 
-@retrying(patient=(*PATIENT, "get_record", "prefix_match"), own=("reserve",))
+@retrying(patient=(*PATIENT, "get_record", "prefix_match", "prefix_match_tiers"), own=("reserve",))
 class Registry(PrefixIndex, KVEndpoints, OwnRecords):
     """Who owns which KV blocks, which workers are alive, and which prefixes they hold.
 

@@ -104,13 +104,20 @@ for i = 2, #KEYS do
 end
 return out
 """
-# NOTE: builds the per-hash keys from ARGV[2] (their common prefix), so it needs a single
-# Redis (or every key in one cluster slot); the registry does not support Redis Cluster.
+# Clears the prefix entries of index ids at once (a worker's GPU and host tiers): KEYS[i] is
+# id i's list of hashes, ARGV[i + 1] id i, ARGV[1] the per-hash keys' common prefix. Returns
+# how many entries it removed.
+# NOTE: builds the per-hash keys from ARGV[1], so it needs a single Redis (or every key in one
+# cluster slot); the registry does not support Redis Cluster.
 CLEAR_PREFIX = """
-local members = redis.call('SMEMBERS', KEYS[1])
-for _, h in ipairs(members) do redis.call('SREM', ARGV[2] .. h, ARGV[1]) end
-redis.call('DEL', KEYS[1])
-return #members
+local removed = 0
+for i = 1, #KEYS do
+  local members = redis.call('SMEMBERS', KEYS[i])
+  for _, h in ipairs(members) do redis.call('SREM', ARGV[1] .. h, ARGV[i + 1]) end
+  redis.call('DEL', KEYS[i])
+  removed = removed + #members
+end
+return removed
 """
 # Re-publishes records a worker still holds that Redis lost (never one released or lapsed),
 # once per "since": ARGV[2] is the "since" the worker's last call returned, and records restored

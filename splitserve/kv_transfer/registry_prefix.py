@@ -1,6 +1,12 @@
 """The registry's prefix index: which workers hold which KV blocks in their prefix caches (by
 the blocks' chained hashes), so the gateway can route a prompt to a worker that holds its start.
-Part of `Registry` (see registry.py for the key layout)."""
+Part of `Registry` (see registry.py for the key layout).
+
+A worker's host-memory KV tier is indexed apart, under the id `host_tier_id(worker)`
+("<worker>@host"), since a block there is worth less than one on the GPU (it must be copied
+back first): `prefix_match_tiers` tells the two apart. That id belongs to its worker: cleared
+with it, never swept while it is live.
+"""
 
 from __future__ import annotations
 
@@ -8,6 +14,20 @@ from collections.abc import Collection, Iterable, Sequence
 from typing import Any
 
 import redis
+
+# The suffix of a worker's host-tier id in the prefix index.
+# NOTE: defined here only; a worker id ending in it would be taken for a host tier.
+HOST_TIER_SUFFIX = "@host"
+
+
+def host_tier_id(worker_id: str) -> str:
+    """The prefix-index id under which `worker_id`'s host-memory tier is listed."""
+    return worker_id + HOST_TIER_SUFFIX
+
+
+def index_owner(index_id: str) -> str:
+    """The worker a prefix-index id belongs to (itself, or the worker of a host-tier id)."""
+    return index_id.removesuffix(HOST_TIER_SUFFIX)
 
 
 class PrefixIndex:
@@ -46,46 +66,74 @@ class PrefixIndex:
         pipe.execute()
 
     def clear_prefix_blocks(self, worker_id: str) -> int:
-        """Remove every prefix entry of `worker_id` (it restarted or died); returns how many."""
+        """Remove every prefix entry of `worker_id`, its host tier's too (it restarted, left or
+        died); returns how many. One script: both go at once."""
+        ids = [worker_id, host_tier_id(worker_id)]
         removed = self._clear_prefix(
-            keys=[self._prefix_worker_key(worker_id)], args=[worker_id, self._prefix_key("")]
+            keys=[self._prefix_worker_key(i) for i in ids], args=[self._prefix_key(""), *ids]
         )
         return int(removed)
 
     def prefix_index_workers(self) -> set[str]:
-        """Ids of the workers that have entries in the prefix index."""
+        """Ids of the workers that have entries in the prefix index (of either tier)."""
         head = self._prefix_worker_key("")
         pattern = "".join("\\" + c if c in "*?[]\\" else c for c in head) + "*"
         keys = self._client.scan_iter(match=pattern, count=1000)
-        return {(k.decode() if isinstance(k, bytes) else str(k))[len(head) :] for k in keys}
+        return {
+            index_owner((k.decode() if isinstance(k, bytes) else str(k))[len(head) :]) for k in keys
+        }
 
     def drop_stale_prefix_blocks(self, live_worker_ids: Collection[str]) -> list[str]:
-        """Clear the prefix entries of every worker not in `live_worker_ids` (it died, or
-        stopped answering, without leaving): routing must not prefer it. Returns their ids."""
+        """Clear the prefix entries (both tiers') of every worker not in `live_worker_ids` (it
+        died, or stopped answering, without leaving): routing must not prefer it. Returns
+        their ids."""
         stale = sorted(self.prefix_index_workers() - set(live_worker_ids))
         for worker_id in stale:
             self.clear_prefix_blocks(worker_id)
         return stale
 
     def prefix_match(self, hashes: Sequence[bytes]) -> dict[str, int]:
-        """For each worker, how many leading blocks of the hash chain it holds consecutively.
+        """For each worker, how many leading blocks of the hash chain it holds consecutively in
+        its GPU prefix cache (host tiers not counted: `prefix_match_tiers`).
 
         Workers holding none of the leading block are left out. One round trip.
         """
+        return {w: gpu for w, (gpu, _) in self._match_tiers(hashes).items() if gpu}
+
+    def prefix_match_tiers(self, hashes: Sequence[bytes]) -> dict[str, tuple[int, int]]:
+        """For each worker, (how many leading blocks of the hash chain it holds consecutively
+        on its GPU, how many it can reuse in all: those, then the ones right after them that
+        its host tier holds consecutively), as the engine's prefix lookup takes them.
+
+        Workers holding the leading block in neither tier are left out. One round trip.
+        """
+        return self._match_tiers(hashes)
+
+    def _match_tiers(self, hashes: Sequence[bytes]) -> dict[str, tuple[int, int]]:
         hexes = [_hex(h) for h in hashes]
         if not hexes:
             return {}
         pipe = self._client.pipeline(transaction=True)
         for h in hexes:
             pipe.smembers(self._prefix_key(h))
-        matched: dict[str, int] = {}
-        for i, members in enumerate(pipe.execute()):
-            # NOTE: a worker counts block i only if it held blocks 0..i-1, since a chained hash
-            # is only useful after its whole prefix.
-            for m in members:
-                worker = m.decode() if isinstance(m, bytes) else str(m)
-                if matched.get(worker, 0) == i:
-                    matched[worker] = i + 1
+        holders = [{m.decode() if isinstance(m, bytes) else str(m) for m in members}
+                   for members in pipe.execute()]  # fmt: skip
+        # NOTE: a worker counts block i only if it held blocks 0..i-1, since a chained hash
+        # is only useful after its whole prefix; and the engine's lookup takes the GPU's run,
+        # then the host tier's from where that ended (never back to the GPU).
+        gpu: dict[str, int] = {}
+        for i, ids in enumerate(holders):
+            for index_id in ids:
+                if index_owner(index_id) == index_id and gpu.get(index_id, 0) == i:
+                    gpu[index_id] = i + 1
+        matched: dict[str, tuple[int, int]] = {}
+        for worker in {index_owner(i) for ids in holders for i in ids}:
+            g = n = gpu.get(worker, 0)
+            host = host_tier_id(worker)
+            while n < len(holders) and host in holders[n]:
+                n += 1
+            if n:
+                matched[worker] = (g, n)
         return matched
 
 

@@ -85,6 +85,7 @@ def start_gateway(
             make_policy(gateway.routing_policy),
             OrchestratorSettings(
                 block_size=gateway.block_size,
+                host_block_weight=gateway.host_block_weight,
                 local_prefill_tokens=gateway.local_prefill_tokens,
                 default_timeout_s=gateway.request_timeout_s,
                 max_prefill_tokens_per_worker=gateway.max_prefill_tokens_per_worker,

@@ -64,7 +64,7 @@ class PrefillCoreHandler(CoreHandler):
             ),
             "prefill": Command(self.prefill, waits=True),
             "take_prefix_events": Command(
-                lambda: self.loop.submit(lambda e: [[a, h] for a, h in e.take_prefix_events()])
+                lambda: self.loop.submit(lambda e: [list(ev) for ev in e.take_prefix_events()])
             ),
             "cancel": Command(self.cancel),
             **adapter_commands(self.loop),

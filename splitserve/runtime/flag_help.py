@@ -77,6 +77,8 @@ _HELP = {
     "local_prefill_tokens": "prompts up to this many tokens prefill on the decode worker",
     "routing_policy": "how workers are picked: least-loaded-prefix (the least loaded, by cached "
     "prefix)",
+    "host_block_weight": "what a cached prompt block in a worker's host-memory KV tier counts "
+    "for in routing, 0 to 1 (one on its GPU: 1)",
     "tool_call_parser": "how tool calls are read from the model's text (HTTP API): auto "
     "(from the chat template), hermes, json",
     "request_timeout_s": "seconds a request may take before it fails DEADLINE_EXCEEDED",

@@ -148,6 +148,9 @@ class GatewaySettings:
     max_tokens_per_minute_per_key: int = 0
     local_prefill_tokens: int = 0
     routing_policy: str = "least-loaded-prefix"
+    # What a prompt block in a worker's host-memory KV tier counts for in routing, 0 to 1 (a
+    # GPU-cached block: 1); it is copied back, not recomputed (gateway/router.py)
+    host_block_weight: float = 0.9
     # How tool calls are read out of the model's text on the HTTP API (docs/http.md): auto
     # (picked from the chat template), hermes (<tool_call> tags) or json (Llama 3's)
     tool_call_parser: str = "auto"
@@ -199,6 +202,11 @@ class GatewaySettings:
         if not 0 <= self.processes <= 256:
             raise ValueError(
                 f"--processes must be 0 (sized to the host) to 256, got {self.processes}"
+            )
+        if not (math.isfinite(self.host_block_weight) and 0 <= self.host_block_weight <= 1):
+            raise ValueError(
+                f"--host-block-weight must be 0 to 1 (what a host-tier block counts for, a GPU "
+                f"block's 1), got {self.host_block_weight}"
             )
         if not (math.isfinite(self.reserve_hedge_s) and self.reserve_hedge_s >= 0):
             raise ValueError(

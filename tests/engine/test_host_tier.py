@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from splitserve.engine import LLM, SamplingParams
-from splitserve.engine.host_index import HostIndex
+from splitserve.engine.host_index import HostIndex, contiguous_runs
 from splitserve.engine.host_tier import host_tier_slots
 from tests.engine.hf_oracle import hf_greedy, random_prompts
 
@@ -39,7 +39,12 @@ def test_an_evicted_prefix_comes_back_from_host_memory(tiny_models):
     assert hit is not None and not hit.block_ids and len(hit.host_blocks) == 10
     again = shared + [6]
     before = engine.stats()
+    works = []
+    run = engine.host_tier.run
+    engine.host_tier.run = lambda work: (works.append(work), run(work))[1]
     out = llm.generate([again], GREEDY, use_tqdm=False)[0]
+    loads = [pair for work in works for pair in work.loads]
+    assert len(loads) == 10 and len(contiguous_runs(loads)) <= 2  # new blocks in order
     assert out.outputs[0].token_ids == hf_greedy(model, tuple(again), STEPS)
     assert out.num_cached_tokens == 160
     after = engine.stats()
@@ -112,3 +117,13 @@ def test_the_tier_and_a_window_pool_are_refused_together(tiny_families):
         sliding_window_kv=False,
     )  # fmt: skip
     assert llm.engine.host_tier is not None
+
+
+def test_consecutive_blocks_copy_as_one_run():
+    assert contiguous_runs([]) == []
+    assert contiguous_runs([(4, 10), (5, 11), (6, 12), (9, 13), (10, 14), (3, 2)]) == [
+        (4, 10, 3),
+        (9, 13, 2),
+        (3, 2, 1),
+    ]
+    assert contiguous_runs([(5, 1), (4, 2)]) == [(5, 1, 1), (4, 2, 1)]  # one steps down
