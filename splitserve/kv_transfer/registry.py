@@ -132,6 +132,7 @@ class Registry(PrefixIndex, KVEndpoints, OwnRecords):
         self._release = client.register_script(lua.RELEASE)
         self._live_workers = client.register_script(lua.LIVE_WORKERS)
         self._clear_prefix = client.register_script(lua.CLEAR_PREFIX)
+        self._match_tiers_script = client.register_script(lua.MATCH_TIERS)
         self._restore = client.register_script(lua.RESTORE)
 
     @property

@@ -143,3 +143,46 @@ end
 return {since, restored}
 """
 )
+# Walks a prompt's chained block hashes (ARGV[3]: their hex digests end to end, each ARGV[4]
+# characters long; one argument, not thousands) through the prefix index server-side
+# and stops at the first block no worker can still use, so a miss costs one SMEMBERS and a hit
+# only its own length (not a reply of every block's holders). ARGV[1]: the per-hash keys'
+# common prefix; ARGV[2]: the host-tier id suffix. Returns a flat list: index id, its GPU run
+# (leading blocks held on the GPU), its reusable run (that GPU run, then the blocks right after
+# it held in its host tier), for every real worker id that holds the first block in a tier.
+# NOTE: as the engine's lookup takes them: the GPU's run first, then the host tier's from where
+# it ended, never back to the GPU.
+MATCH_TIERS = """
+local suffix, chain, width = ARGV[2], ARGV[3], tonumber(ARGV[4])
+local gpu, reusable = {}, {}
+for pos = 0, #chain / width - 1 do
+  local key = ARGV[1] .. string.sub(chain, pos * width + 1, (pos + 1) * width)
+  local held = {}
+  for _, id in ipairs(redis.call('SMEMBERS', key)) do held[id] = true end
+  if pos == 0 then
+    for id, _ in pairs(held) do
+      local owner = id
+      if string.sub(id, -#suffix) == suffix then owner = string.sub(id, 1, #id - #suffix) end
+      gpu[owner], reusable[owner] = 0, 0
+    end
+  end
+  local alive = false
+  for owner, g in pairs(gpu) do
+    if g == pos and held[owner] then gpu[owner] = pos + 1 end
+    if reusable[owner] == pos and (gpu[owner] > pos or held[owner .. suffix]) then
+      reusable[owner] = pos + 1
+      alive = true
+    end
+  end
+  if not alive then break end
+end
+local out = {}
+for owner, n in pairs(reusable) do
+  if n > 0 then
+    out[#out + 1] = owner
+    out[#out + 1] = gpu[owner]
+    out[#out + 1] = n
+  end
+end
+return out
+"""

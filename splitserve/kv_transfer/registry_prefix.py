@@ -36,6 +36,7 @@ class PrefixIndex:
     _client: redis.Redis
     _ns: str
     _clear_prefix: Any  # the CLEAR_PREFIX script
+    _match_tiers_script: Any  # the MATCH_TIERS script
 
     def _prefix_key(self, hash_hex: str) -> str:
         return f"{self._ns}:prefix:{hash_hex}"
@@ -113,27 +114,17 @@ class PrefixIndex:
         hexes = [_hex(h) for h in hashes]
         if not hexes:
             return {}
-        pipe = self._client.pipeline(transaction=True)
-        for h in hexes:
-            pipe.smembers(self._prefix_key(h))
-        holders = [{m.decode() if isinstance(m, bytes) else str(m) for m in members}
-                   for members in pipe.execute()]  # fmt: skip
-        # NOTE: a worker counts block i only if it held blocks 0..i-1, since a chained hash
-        # is only useful after its whole prefix; and the engine's lookup takes the GPU's run,
-        # then the host tier's from where that ended (never back to the GPU).
-        gpu: dict[str, int] = {}
-        for i, ids in enumerate(holders):
-            for index_id in ids:
-                if index_owner(index_id) == index_id and gpu.get(index_id, 0) == i:
-                    gpu[index_id] = i + 1
+        # NOTE: walked server-side (registry_lua.MATCH_TIERS): it stops where no worker's run
+        # can go on, so a 32k-token miss is one set read, not 2,048.
+        width = len(hexes[0])
+        if any(len(h) != width for h in hexes):
+            raise ValueError("the block hashes of one chain must all be the same length")
+        chain = "".join(hexes)
+        flat = self._match_tiers_script(args=[self._prefix_key(""), HOST_TIER_SUFFIX, chain, width])
         matched: dict[str, tuple[int, int]] = {}
-        for worker in {index_owner(i) for ids in holders for i in ids}:
-            g = n = gpu.get(worker, 0)
-            host = host_tier_id(worker)
-            while n < len(holders) and host in holders[n]:
-                n += 1
-            if n:
-                matched[worker] = (g, n)
+        for i in range(0, len(flat), 3):
+            worker = flat[i].decode() if isinstance(flat[i], bytes) else str(flat[i])
+            matched[worker] = (int(flat[i + 1]), int(flat[i + 2]))
         return matched
 
 

@@ -196,8 +196,7 @@ def verify_payload(header: kv_transfer_pb2.KVTransferHeader, payload: Any) -> No
     size = memoryview(payload).nbytes
     if size != header.payload_bytes:
         raise PayloadSizeError(
-            f"{header.request_id}: payload is {size} bytes, header declares "
-            f"{header.payload_bytes}"
+            f"{header.request_id}: payload is {size} bytes, header declares {header.payload_bytes}"
         )
     actual = crc32c(payload)
     if actual != header.crc32c:
