@@ -42,7 +42,7 @@ from splitserve.kernels._validate import (
 )
 from splitserve.kernels.attention_ref import decode_attention_ref
 from splitserve.kernels.attention_sinks import check_sinks, sink_state
-from splitserve.kernels.decode_merge import merge_splits_kernel
+from splitserve.kernels.decode_merge import merge_splits
 from splitserve.kernels.decode_tiles import attend_tile, cache_offsets, load_kv
 from splitserve.kernels.pdl import launch_options, pdl_launch_dependents, pdl_wait, use_pdl
 
@@ -354,19 +354,5 @@ def decode_attention(
         **launch_options(pdl),
     )
     if not single:
-        merge_splits_kernel[(batch, num_heads)](
-            out,
-            part_out,
-            part_lse,
-            num_splits,
-            out.stride(0),
-            out.stride(1),
-            num_heads * num_splits,
-            num_splits,
-            HEAD_DIM=head_dim,
-            BLOCK_S=triton.next_power_of_2(num_splits),
-            USE_PDL=pdl,
-            num_warps=4 if head_dim >= 128 else 2,
-            **launch_options(pdl),
-        )
+        merge_splits(out, part_out, part_lse, pdl)
     return out

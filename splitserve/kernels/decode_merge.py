@@ -8,10 +8,11 @@ attention sink is already inside split 0's sum (see that kernel), so it is count
 
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
 
-from splitserve.kernels.pdl import pdl_start
+from splitserve.kernels.pdl import launch_options, pdl_start
 
 
 @triton.jit
@@ -50,4 +51,27 @@ def merge_splits_kernel(
     tl.store(
         out_ptr + seq * stride_ob + head * stride_oh + dims,
         merged.to(out_ptr.dtype.element_ty),
+    )
+
+
+def merge_splits(
+    out: torch.Tensor, part_out: torch.Tensor, part_lse: torch.Tensor, pdl: bool = False
+) -> None:
+    """Launch the merge: `part_out` [rows, heads, splits, head_dim] and `part_lse` [rows, heads,
+    splits] (float32, contiguous) into `out` [rows, heads, head_dim]."""
+    rows, num_heads, num_splits, head_dim = part_out.shape
+    merge_splits_kernel[(rows, num_heads)](
+        out,
+        part_out,
+        part_lse,
+        num_splits,
+        out.stride(0),
+        out.stride(1),
+        num_heads * num_splits,
+        num_splits,
+        HEAD_DIM=head_dim,
+        BLOCK_S=triton.next_power_of_2(num_splits),
+        USE_PDL=pdl,
+        num_warps=4 if head_dim >= 128 else 2,
+        **launch_options(pdl),
     )

@@ -39,7 +39,7 @@ from splitserve.kernels._validate import (
 )
 from splitserve.kernels.attention_ref import prefill_attention_ref
 from splitserve.kernels.attention_sinks import check_sinks, sink_state
-from splitserve.kernels.decode_merge import merge_splits_kernel
+from splitserve.kernels.decode_merge import merge_splits
 
 __all__ = ["prefill_attention", "prefill_attention_ref"]
 
@@ -298,18 +298,5 @@ def prefill_attention(
         num_stages=num_stages,
     )
     if num_splits > 1:
-        merge_splits_kernel[(num_tokens, num_heads)](
-            out,
-            part_out,
-            part_lse,
-            num_splits,
-            out.stride(0),
-            out.stride(1),
-            num_heads * num_splits,
-            num_splits,
-            HEAD_DIM=head_dim,
-            BLOCK_S=triton.next_power_of_2(num_splits),
-            USE_PDL=False,
-            num_warps=4 if head_dim >= 128 else 2,
-        )
+        merge_splits(out, part_out, part_lse)
     return out
