@@ -132,6 +132,9 @@ async def hedged_reserve(
             if a is not winner and not a.timed_out and not a.failed:
                 a.task.cancel()
                 _release(orch, a)
+        for a in attempts[1:]:
+            if a is not winner:
+                orch._count(a.worker.worker_id, -1)  # NOTE: a hedge's worker came counted
     answered_s = winner.answered - winner.sent
     orch.suspects.clear(winner.worker.worker_id)
     orch.paces.observe(winner.worker.worker_id, answered_s)
@@ -141,7 +144,6 @@ async def hedged_reserve(
         route.decode, route.prefix_blocks = winner.worker, winner.prefix_blocks
         route.worker_request_id = winner.request_id
         orch._count(previous.worker_id, -1)
-        orch._count(winner.worker.worker_id, +1)
         log.info(
             "Reserve of %s: %s answered the hedge before %s",
             winner.request_id, winner.worker.worker_id, previous.worker_id,
@@ -200,7 +202,7 @@ async def _hedge(
     than waiting on one that does not answer); None if there is none."""
     tried = refused | {a.worker.worker_id for a in attempts}
     try:
-        worker, _, hit = await orch._pick_decode(job, obs, tried, "hedge")
+        worker, hit, _ = await orch._pick_decode(job, obs, tried, "hedge")
     except NoWorkerError:
         return None
     except Exception:  # noqa: BLE001 - Redis unreachable: no hedge, the first attempt goes on

@@ -255,9 +255,8 @@ class StreamMover:
         try:
             exclude = set() if lapsed else {lost.worker_id}
             picked = await orch._pick_decode(resumed, obs, exclude=exclude)
-            route.decode, _, route.prefix_blocks = picked
+            route.move_to(picked)
             orch._count(lost.worker_id, -1)
-            orch._count(route.decode.worker_id, +1)
             dest = await orch._reserve(resumed, route, deadline, obs, resume=resume)
             handed_off = kept and await hand_off(
                 orch.stubs, lost, lost_id, dest, route.worker_request_id, need,

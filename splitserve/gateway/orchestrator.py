@@ -39,7 +39,7 @@ from splitserve.gateway.hedge import hedged_reserve
 from splitserve.gateway.migration import StreamMover
 from splitserve.gateway.observability import PREFILL, RequestObservation
 from splitserve.gateway.prefill_ledger import PrefillLedger
-from splitserve.gateway.route import Route, remaining
+from splitserve.gateway.route import Pick, Route, remaining
 from splitserve.gateway.router import NoWorkerError, RoutingPolicy, prefix_scores
 from splitserve.gateway.stubs import Stubs
 from splitserve.gateway.validation import Job
@@ -111,8 +111,7 @@ class Orchestrator:
         If the caller goes away (its task is cancelled, or it closes this early), the request is
         aborted on every worker it reached before this returns."""
         deadline = time.monotonic() + (timeout_s or self.settings.default_timeout_s)
-        route = Route(*await self._pick_decode(job, obs, exclude=()))
-        self._count(route.decode.worker_id, +1)
+        route = Route.picked(await self._pick_decode(job, obs, exclude=()))
         try:
             first = await self._prefill(job, route, deadline, is_active, obs)
             async for msg in self.mover.stream(job, route, first, deadline, obs):
@@ -136,9 +135,9 @@ class Orchestrator:
         obs: RequestObservation,
         exclude: Collection[str],
         reason: str | None = None,
-    ) -> tuple[WorkerInfo, None, int]:
-        """(decode worker, no prefill worker yet, prompt blocks it already holds); a suspect
-        worker only if no other is live."""
+    ) -> Pick:
+        """The decode worker for `job`, a suspect one only if no other is live. It comes
+        counted in flight: the caller releases it with `_count(worker_id, -1)`."""
         # NOTE: in a thread: the registry is a blocking Redis client.
         avoid = self.suspects.current() | set(exclude)
         try:
@@ -154,7 +153,7 @@ class Orchestrator:
         obs: RequestObservation,
         exclude: Collection[str],
         reason: str | None = None,
-    ) -> tuple[WorkerInfo, None, int]:
+    ) -> Pick:
         workers = [
             w
             for kind in ("decode", "colocated")
@@ -169,27 +168,16 @@ class Orchestrator:
             else []
         )
         tiers = self.registry.prefix_match_tiers(hashes) if hashes else {}
-        with self._lock:
-            inflight = dict(self._inflight)
         prefix = prefix_scores(tiers, self.settings.host_block_weight)
-        chosen = self.policy.pick_decode(workers, inflight, prefix)
+        # NOTE: picked and counted under one lock: a burst of picks running in threads at once
+        # must each see the ones before it, or they all pick the same least-loaded worker.
+        with self._lock:
+            chosen = self.policy.pick_decode(workers, self._inflight, prefix)
+            self._inflight[chosen.worker_id] = self._inflight.get(chosen.worker_id, 0) + 1
         # NOTE: blocks in either tier: D computes none of them again (host ones are copied back)
         hit = tiers.get(chosen.worker_id, (0, 0))[1]
         obs.routed("decode", chosen.worker_id, reason or ("prefix_hit" if hit else "least_loaded"))
-        return chosen, None, hit
-
-    def _cached_tokens(self, job: Job) -> dict[str, float]:
-        """The prompt's leading tokens each worker caches, by the registry's prefix index, a
-        host-tier block's weighted as in `prefix_scores` (a LoRA request's blocks are keyed by
-        its adapter's weights: none known here)."""
-        if job.adapter is not None:
-            return {}
-        bs = self.settings.block_size
-        hashes = prefix_block_hashes(job.prompt_token_ids, bs)
-        if not hashes:
-            return {}
-        tiers = self.registry.prefix_match_tiers(hashes)
-        return {w: n * bs for w, n in prefix_scores(tiers, self.settings.host_block_weight).items()}
+        return Pick(chosen, hit, prefix)
 
     async def _reserve(
         self,
@@ -243,9 +231,8 @@ class Orchestrator:
                     # NOTE: slow, not gone (it is still live): with no other to ask, ask it again
                     refused.discard(previous.worker_id)
                     picked = await self._pick_decode(job, obs, exclude=refused)
-                route.decode, _, route.prefix_blocks = picked
+                route.move_to(picked)
                 self._count(previous.worker_id, -1)
-                self._count(route.decode.worker_id, +1)
 
     async def _prefill(
         self,
@@ -263,7 +250,10 @@ class Orchestrator:
             return []
         gone: set[str] = set()
         sampling = convert.sampling_to_proto(job.params)
-        cached = await asyncio.to_thread(self._cached_tokens, job)
+        # NOTE: the registry's view from when D was picked: the prompt is hashed and looked up
+        # once per request, not once per role.
+        bs = self.settings.block_size
+        cached = {w: n * bs for w, n in route.cached_blocks.items()}
         for attempt in range(self.settings.prefill_attempts):
 
             async def candidates() -> list[WorkerInfo]:

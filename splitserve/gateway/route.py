@@ -6,11 +6,22 @@ them."""
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 from splitserve.engine.errors import DeadlineExceeded
 from splitserve.kv_transfer.registry import WorkerInfo
+
+
+class Pick(NamedTuple):
+    """A decode worker picked for a request (counted in flight for it), the prompt's leading
+    blocks it holds, and every worker's cached leading blocks as the registry saw them then
+    (a host-tier block weighted below a GPU one: `router.prefix_scores`)."""
+
+    worker: WorkerInfo
+    prefix_blocks: int
+    cached_blocks: Mapping[str, float]
 
 
 @dataclass
@@ -25,6 +36,16 @@ class Route:
     cancelled: bool = False
     reserving: bool = False  # a Reserve was sent: D may hold blocks for the request
     hedges: int = 0  # Reserves sent under an id of their own (gateway/hedge.py)
+    # each worker's cached leading prompt blocks when `decode` was picked (`Pick.cached_blocks`)
+    cached_blocks: Mapping[str, float] = field(default_factory=dict)
+
+    @classmethod
+    def picked(cls, pick: Pick) -> Route:
+        return cls(pick.worker, prefix_blocks=pick.prefix_blocks, cached_blocks=pick.cached_blocks)
+
+    def move_to(self, pick: Pick) -> None:
+        """Point at another decode worker (the caller releases the old one's count)."""
+        self.decode, self.prefix_blocks, self.cached_blocks = pick
 
     def new_attempt_id(self, request_id: str) -> str:
         """An id of its own for another Reserve of `request_id`: what a worker grants under an
