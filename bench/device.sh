@@ -55,6 +55,8 @@
 #   host-tier       the host-memory KV tier: its GPU tests, then bench/host_tier.py (a 32k-token
 #                   host hit, the tier's cost, swap)
 #   host-tier-working  bench/host_tier.py's working set twice the GPU cache, under load
+#   prefix-reuse    bench/prefix_reuse.py on one GPU (Llama-3.2-1B shape): shared system prompts
+#                   over two workers sharing it, then P/D multi-turn TTFT
 #   lora            multi-LoRA: the kernels' GPU tests, their cost per decode step (PDL on/off),
 #                   then bench/lora.py (decode/prefill with 1, 8, 32 adapters against the base)
 set -uo pipefail
@@ -247,6 +249,9 @@ for step in "$@"; do
     host-tier-working)
       run host_tier_working 40 timeout 540 python3 -m bench.host_tier --sections working \
         --out "$OUT/host_tier_working.json" ;;
+    prefix-reuse)
+      run prefix_reuse 30 timeout 580 python3 -m bench.prefix_reuse --device cuda:0 \
+        --concurrency 64 --out "$OUT/prefix_reuse.json" ;;
     lora)
       run lora_tests 4 pytest_q tests/kernels/test_lora.py
       run lora_kernels 8 python3 -m bench.lora_kernels --out "$OUT/lora_kernels.json"
