@@ -6,6 +6,7 @@ role               move a --role-switch worker to another role (prefill, decode,
 planner            move --role-switch workers between roles to meet a TTFT/TPOT SLO
 generate           stream a reply from a running gateway
 bench serve        load a running server (gRPC or OpenAI HTTP); report latencies, throughput
+profile            measure prefill/decode curves; recommend a P/D split for a TTFT/TPOT target
 make-tiny-model    write a tiny random-weight checkpoint
 offline            generate in-process with the offline engine
 """
@@ -215,6 +216,10 @@ def build_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
     from splitserve.cli.bench import add_bench_commands
 
     add_bench_commands(sub, env)
+
+    from splitserve.cli.profile import add_profile_command
+
+    add_profile_command(sub, env)
 
     gen = sub.add_parser("generate", help="stream a reply from a running gateway")
     gen.add_argument("prompt", help="the prompt text")
