@@ -2,14 +2,16 @@
 
 A family is a set of traits read from config.json (`family_fields`), which `ModelConfig` carries
 and the model switches on: q/k/v biases, QK-norm, per-layer sliding windows with their own RoPE,
-Gemma's sandwich norms and scaled embeddings, gpt-oss's attention sinks, and the
-Mixture-of-Experts block (`MoEConfig`) where the family has one.
+Gemma's sandwich norms and scaled embeddings, gpt-oss's attention sinks, the
+Mixture-of-Experts block (`MoEConfig`) where the family has one, and DeepSeek's Multi-head Latent
+Attention (`MLAConfig`).
 
 Nothing here imports torch: the gateway reads configs without loading the engine.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,7 +25,26 @@ _FAMILIES: dict[str, dict[str, Any]] = {
     "MixtralForCausalLM": {"qkv_bias": False, "qk_norm": False, "moe": "mixtral"},
     "GptOssForCausalLM": {"qkv_bias": True, "qk_norm": False, "moe": "gpt_oss"},
     "Gemma3ForCausalLM": {"qkv_bias": False, "qk_norm": True, "gemma": True},
+    "DeepseekV2ForCausalLM": {
+        "qkv_bias": False,
+        "qk_norm": False,
+        "moe": "deepseek_v2",
+        "mla": True,
+    },
+    "DeepseekV3ForCausalLM": {
+        "qkv_bias": False,
+        "qk_norm": False,
+        "moe": "deepseek_v3",
+        "mla": True,
+    },
 }
+
+# DeepSeek's routers (engine/deepseek_moe.py): group-limited top-k over softmax (V2) or sigmoid
+# scores with a selection-only bias (V3).
+DEEPSEEK_ROUTERS = ("deepseek_softmax", "deepseek_sigmoid")
+# Rotary layouts of MLA's rope dims: DeepSeek-V2's complex pairs (interleaved in and out),
+# DeepSeek-V3's interleaved pairs written out as halves, or the usual halves.
+MLA_ROPE_LAYOUTS = ("complex", "interleave", "half")
 
 # config.json activation names -> ours.
 _ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
@@ -54,6 +75,10 @@ class MoEConfig:
     a softmax over those alone (gpt-oss). `bias`: the router and every expert projection have
     biases (gpt-oss). `activation`: "silu" (SwiGLU) or "swiglu_oai" (gpt-oss's clamped one).
     Layers in `dense_layers` have a plain MLP of the config's `intermediate_size` instead.
+
+    DeepSeek (`DEEPSEEK_ROUTERS`): experts in `num_groups` groups of which the best
+    `topk_groups` compete, weights times `routed_scaling_factor`, and a shared MLP of
+    `shared_intermediate_size` (0: none) added to every token's routed output.
     """
 
     num_experts: int
@@ -64,8 +89,22 @@ class MoEConfig:
     bias: bool = False
     activation: str = "silu"
     dense_layers: tuple[int, ...] = ()
+    num_groups: int = 1
+    topk_groups: int = 1
+    routed_scaling_factor: float = 1.0
+    shared_intermediate_size: int = 0
 
     def __post_init__(self) -> None:
+        if self.num_groups <= 0 or self.num_experts % self.num_groups:
+            raise ValueError(
+                f"config.json: n_group ({self.num_groups}) must divide the number of experts "
+                f"({self.num_experts})"
+            )
+        if not 0 < self.topk_groups <= self.num_groups:
+            raise ValueError(
+                f"config.json: topk_group ({self.topk_groups}) must be between 1 and n_group "
+                f"({self.num_groups})"
+            )
         if self.num_experts <= 0 or not 0 < self.top_k <= self.num_experts:
             raise ValueError(
                 f"config.json: num_experts_per_tok ({self.top_k}) must be between 1 and the "
@@ -73,6 +112,40 @@ class MoEConfig:
             )
         if self.intermediate_size <= 0:
             raise ValueError("config.json: the experts' intermediate size must be positive")
+
+
+@dataclass(frozen=True)
+class MLAConfig:
+    """DeepSeek's Multi-head Latent Attention (engine/mla.py): queries straight from the hidden
+    state (`q_lora_rank` None) or through a rank-`q_lora_rank` bottleneck; keys and values from
+    a per-token latent of `kv_lora_rank` values plus one shared RoPE key of `qk_rope_head_dim`,
+    which is all the KV cache holds. `softmax_scale` is HF's (YaRN's mscale folded in)."""
+
+    q_lora_rank: int | None
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    rope_layout: str
+    softmax_scale: float
+
+    def __post_init__(self) -> None:
+        dims = (self.kv_lora_rank, self.qk_nope_head_dim, self.qk_rope_head_dim, self.v_head_dim)
+        if min(dims) <= 0 or (self.q_lora_rank is not None and self.q_lora_rank <= 0):
+            raise ValueError("config.json: MLA ranks and head dims must be positive")
+        if self.qk_rope_head_dim % 2:
+            raise ValueError("config.json: qk_rope_head_dim must be even")
+        if self.rope_layout not in MLA_ROPE_LAYOUTS:
+            raise ValueError(f"MLA rope layout must be one of {MLA_ROPE_LAYOUTS}")
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def latent_dim(self) -> int:
+        """Values one token keeps per layer in the KV cache."""
+        return self.kv_lora_rank + self.qk_rope_head_dim
 
 
 def family_fields(arch: str, raw: dict[str, Any], source: str) -> dict[str, Any]:
@@ -93,6 +166,11 @@ def family_fields(arch: str, raw: dict[str, Any], source: str) -> dict[str, Any]
     moe = traits.get("moe")
     if moe is not None:
         fields["moe"] = _moe_config(moe, raw, num_layers)
+    if traits.get("mla"):
+        fields["mla"] = _mla_config(arch, raw)
+        fields["o_bias"] = bool(raw.get("attention_bias", False))
+        if raw.get("mlp_bias"):
+            raise ValueError(f"{source}: mlp_bias is not supported for {arch}")
     if moe == "gpt_oss":
         fields["o_bias"] = True
         fields["attn_sinks"] = True
@@ -159,6 +237,8 @@ def _moe_config(family: str, raw: dict[str, Any], num_layers: int) -> MoEConfig:
         )
     if family == "mixtral":
         return MoEConfig(experts, top_k, int(raw["intermediate_size"]))
+    if family in ("deepseek_v2", "deepseek_v3"):
+        return _deepseek_moe_config(family, raw, num_layers)
     return MoEConfig(
         experts,
         top_k,
@@ -166,4 +246,64 @@ def _moe_config(family: str, raw: dict[str, Any], num_layers: int) -> MoEConfig:
         router="topk_softmax",
         bias=True,
         activation="swiglu_oai",
+    )
+
+
+def _deepseek_moe_config(family: str, raw: dict[str, Any], num_layers: int) -> MoEConfig:
+    """DeepSeek's MoE as transformers runs it: V2 a softmax, its top k over every expert
+    ("greedy") or over the best groups ("group_limited_greedy"), never renormalised; V3 a
+    sigmoid, groups ranked with the correction bias, renormalised when `norm_topk_prob`."""
+    experts = int(raw.get("n_routed_experts") or raw.get("num_local_experts") or 0)
+    first_dense = int(raw.get("first_k_dense_replace") or 0)
+    if family == "deepseek_v2":
+        method = raw.get("topk_method", "greedy")
+        if method not in ("greedy", "group_limited_greedy"):
+            raise ValueError(f"config.json: topk_method {method!r} is not supported")
+        grouped = method == "group_limited_greedy"
+    else:
+        grouped = True
+    groups = int(raw.get("n_group") or 1) if grouped else 1
+    return MoEConfig(
+        experts,
+        int(raw.get("num_experts_per_tok") or 0),
+        int(raw["moe_intermediate_size"]),
+        router="deepseek_softmax" if family == "deepseek_v2" else "deepseek_sigmoid",
+        renormalize=family == "deepseek_v3" and bool(raw.get("norm_topk_prob", True)),
+        dense_layers=tuple(range(min(first_dense, num_layers))),
+        num_groups=groups,
+        topk_groups=int(raw.get("topk_group") or 1) if grouped else 1,
+        routed_scaling_factor=float(raw.get("routed_scaling_factor", 1.0)),
+        shared_intermediate_size=int(raw["moe_intermediate_size"])
+        * int(raw.get("n_shared_experts") or 0),
+    )
+
+
+def _mla_config(arch: str, raw: dict[str, Any]) -> MLAConfig:
+    """MLA's shapes, rotary layout and softmax scale (transformers' `yarn_apply_mscale`: with
+    YaRN and a `mscale_all_dim`, the scale is multiplied by mscale(factor, mscale_all_dim)^2)."""
+    q_lora = raw.get("q_lora_rank")
+    nope, rope = int(raw["qk_nope_head_dim"]), int(raw["qk_rope_head_dim"])
+    if arch == "DeepseekV2ForCausalLM":
+        layout = "complex"
+    else:
+        layout = "interleave" if raw.get("rope_interleave", True) else "half"
+    scale = float((nope + rope) ** -0.5)
+    params = raw.get("rope_scaling") or raw.get("rope_parameters") or {}
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    mscale_all_dim = params.get("mscale_all_dim") or 0
+    if rope_type != "default" and mscale_all_dim:
+        factor = params.get("factor")
+        if factor is None:
+            original = params.get("original_max_position_embeddings")
+            factor = raw["max_position_embeddings"] / original if original else 1.0
+        m = 1.0 if factor <= 1 else 0.1 * mscale_all_dim * math.log(factor) + 1.0
+        scale = scale * m * m
+    return MLAConfig(
+        q_lora_rank=int(q_lora) if q_lora else None,
+        kv_lora_rank=int(raw["kv_lora_rank"]),
+        qk_nope_head_dim=nope,
+        qk_rope_head_dim=rope,
+        v_head_dim=int(raw["v_head_dim"]),
+        rope_layout=layout,
+        softmax_scale=scale,
     )

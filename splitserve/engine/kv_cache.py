@@ -21,6 +21,11 @@ in a second, smaller block-major pool of slots, and the pool above holds the ful
 
 The model reads a sliding layer's pages through the window map (`window_view`), on the device,
 so CUDA graphs replay it; the block manager decides the map, the engine copies its changes in.
+
+DeepSeek's latent attention (engine/mla.py) keeps one latent per token and layer, no per-head
+keys and values: its pool has one plane of one "head" as wide as the latent (`kv_page`),
+
+    pool   [num_blocks, num_layers, 1, block_size, 1, kv_lora_rank + qk_rope_head_dim]
 """
 
 from __future__ import annotations
@@ -36,10 +41,19 @@ from splitserve.engine.model_config import ModelConfig
 from splitserve.engine.window_slots import slots_needed
 
 
+def kv_page(model: ModelConfig, block_size: int) -> tuple[int, int, int, int]:
+    """One layer's page of one block: (planes, block_size, heads, dim). Keys and values
+    (2 planes of the KV heads), or MLA's latent (1 plane of one latent-wide row)."""
+    if model.mla is not None:
+        return (1, block_size, 1, model.mla.latent_dim)
+    return (2, block_size, model.num_kv_heads, model.head_dim)
+
+
 def bytes_per_block(model: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
-    """Keys and values of `block_size` tokens across all layers."""
+    """Keys and values (or MLA latents) of `block_size` tokens across all layers."""
     elem = torch.empty((), dtype=dtype).element_size()
-    return 2 * model.num_layers * block_size * model.num_kv_heads * model.head_dim * elem
+    planes, _, heads, dim = kv_page(model, block_size)
+    return planes * model.num_layers * block_size * heads * dim * elem
 
 
 def window_layers(model: ModelConfig, config: EngineConfig) -> tuple[int, ...]:
@@ -132,7 +146,7 @@ class KVCache:
     """The pool tensor and the per-layer views the model attends over (sliding layers' in the
     window pool, when there is one)."""
 
-    pool: torch.Tensor  # [num_blocks, full layers, 2, block_size, num_kv_heads, head_dim]
+    pool: torch.Tensor  # [num_blocks, full layers, 2 (MLA: 1), block_size, num_kv_heads, head_dim]
     layers: tuple[torch.Tensor, ...]  # per layer: [2, num_blocks or slots, block_size, heads, dim]
     window_pool: torch.Tensor | None = None  # [num_slots, sliding layers, 2, block_size, …]
     window_map: torch.Tensor | None = None  # [num_blocks] int32: block -> window slot
@@ -141,7 +155,7 @@ class KVCache:
     def allocate(cls, model: ModelConfig, config: EngineConfig) -> KVCache:
         assert config.num_kv_blocks is not None, "size the pool first"
         local = window_layers(model, config) if config.num_window_slots else ()
-        page = (2, config.block_size, model.num_kv_heads, model.head_dim)
+        page = kv_page(model, config.block_size)
         full = model.num_layers - len(local)
         dtype, device = config.cache_dtype, config.device
         pool = torch.zeros((config.num_kv_blocks, full, *page), dtype=dtype, device=device)
@@ -165,13 +179,19 @@ class KVCache:
     @classmethod
     def over(cls, pool: torch.Tensor) -> KVCache:
         """Views of an existing block-major pool."""
-        if pool.dim() != 6 or pool.shape[2] != 2 or not pool.is_contiguous():
+        if pool.dim() != 6 or pool.shape[2] not in (1, 2) or not pool.is_contiguous():
             raise ValueError(
-                "a KV pool is a contiguous [blocks, layers, 2, block_size, heads, dim] tensor, "
+                "a KV pool is a contiguous [blocks, layers, 2, block_size, heads, dim] tensor "
+                "(1 plane: MLA latents), "
                 f"got shape {tuple(pool.shape)}"
             )
         layers = tuple(pool[:, layer].transpose(0, 1) for layer in range(pool.shape[1]))
         return cls(pool, layers)
+
+    @property
+    def latent(self) -> bool:
+        """The pool holds MLA latents (DeepSeek-V2/V3), not keys and values."""
+        return int(self.pool.shape[2]) == 1
 
     @property
     def num_blocks(self) -> int:

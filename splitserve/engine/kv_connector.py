@@ -137,6 +137,11 @@ class KVConnector:
                 "a KV pool whose sliding layers have a window pool of their own cannot be "
                 "transferred: build the engine with sliding_window_kv=False"
             )
+        if self._cache.latent:
+            raise ValueError(
+                "the MLA latent KV pool of DeepseekV2ForCausalLM / DeepseekV3ForCausalLM cannot "
+                "be transferred yet (the wire layout is keys and values)"
+            )
         pool = self._cache.pool
         _, num_layers, _, block_size, num_kv_heads, head_dim = pool.shape
         return KVRegion(

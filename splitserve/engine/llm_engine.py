@@ -24,6 +24,7 @@ from splitserve.engine.kv_cache import KVCache, fit_context_to_pool, size_kv_poo
 from splitserve.engine.kv_connector import KVConnector
 from splitserve.engine.lora.engine_mixin import LoRAEngineMixin
 from splitserve.engine.lora.request import LoRARequest
+from splitserve.engine.mla import check_engine as check_mla_engine
 from splitserve.engine.model_config import ModelConfig
 from splitserve.engine.model_runner import ModelRunner
 from splitserve.engine.output_processor import OutputProcessor, RequestState
@@ -64,6 +65,7 @@ class LLMEngine(LoRAEngineMixin, DisaggregationMixin, ParkingMixin):
         self.platform = Platform.resolve(config)
         self.platform.activate()
         config = self.platform.apply(dataclasses.replace(config, max_model_len=max_len))
+        check_mla_engine(self.model_config, config)  # what DeepSeek's MLA cannot run with yet
         self.tokenizer = load_tokenizer(model_dir)
         mc = self.model_config
         self.grammars = Grammars(self.tokenizer, mc.vocab_size, mc.eos_token_ids)

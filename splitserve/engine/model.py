@@ -1,7 +1,8 @@
 """The decoder every family shares (Llama 2/3, Mistral, Qwen2, Qwen3, Qwen3-MoE, Mixtral, gpt-oss,
-Gemma 3) over a paged KV cache; what differs between them is read from config.json
-(engine/families.py): a layer's MLP is dense or Mixture-of-Experts (engine/moe.py), its attention
-full or sliding-window with its own RoPE, and Gemma wraps both sub-layers in norms.
+Gemma 3, DeepSeek-V2/V3) over a paged KV cache; what differs between them is read from config.json
+(engine/families.py): a layer's MLP is dense or Mixture-of-Experts (engine/moe.py,
+engine/deepseek_moe.py), its attention full or sliding-window with its own RoPE, or DeepSeek's
+latent attention (engine/mla.py), and Gemma wraps both sub-layers in norms.
 
 Module and parameter names follow HF checkpoints so weights load by name. Tokens arrive
 flattened ([num_tokens]) across all scheduled sequences; the attention backend uses
@@ -9,6 +10,8 @@ flattened ([num_tokens]) across all scheduled sequences; the attention backend u
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import torch
 import torch.nn.functional as F
@@ -20,7 +23,10 @@ from splitserve.engine.attention import (
     get_attention_backend,
     window_view,
 )
+from splitserve.engine.deepseek_moe import DeepseekMoE
+from splitserve.engine.families import DEEPSEEK_ROUTERS
 from splitserve.engine.lora.batch import LoRALayer
+from splitserve.engine.mla import MLAttention
 from splitserve.engine.model_config import ModelConfig
 from splitserve.engine.moe import MoE
 from splitserve.engine.ops import NO_SCALES, Activation, Scales, TorchOps
@@ -225,10 +231,12 @@ class DecoderLayer(nn.Module):
         # Tensor parallelism: o_proj and down_proj are row-parallel, so each rank holds a
         # partial sum of the sub-layer's output until this all-reduce (identity at TP=1).
         self.group = group
-        self.self_attn = Attention(cfg, rotary, backend, ops)
-        self.mlp: MLP | MoE = (
-            MoE(cfg, ops) if moe else MLP(cfg, ops, gelu=cfg.hidden_act == "gelu_tanh")
+        self.self_attn: Attention | MLAttention = (
+            MLAttention(cfg, rotary, ops)
+            if cfg.mla is not None
+            else Attention(cfg, rotary, backend, ops)
         )
+        self.mlp = _mlp(cfg, ops, moe)
         eps = cfg.rms_norm_eps
         self.input_layernorm = RMSNorm(cfg.hidden_size, eps, ops)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, eps, ops)
@@ -262,6 +270,17 @@ class DecoderLayer(nn.Module):
         return self.group.all_reduce(mlp(h)), residual
 
 
+def _mlp(cfg: ModelConfig, ops: TorchOps, moe: bool) -> MLP | MoE | DeepseekMoE:
+    if not moe:
+        return MLP(cfg, ops, gelu=cfg.hidden_act == "gelu_tanh")
+    assert cfg.moe is not None
+    if cfg.moe.router not in DEEPSEEK_ROUTERS:
+        return MoE(cfg, ops)
+    width = cfg.moe.shared_intermediate_size
+    shared = MLP(dataclasses.replace(cfg, intermediate_size=width), ops) if width else None
+    return DeepseekMoE(cfg, ops, shared)
+
+
 class DecoderModel(nn.Module):
     def __init__(
         self, cfg: ModelConfig, max_len: int, backend_name: str, ops: TorchOps, group: ParallelGroup
@@ -281,6 +300,10 @@ class DecoderModel(nn.Module):
             if cfg.rope_local is not None
             else None
         )
+        if cfg.mla is not None and backend_name != "torch":
+            raise ValueError(
+                f"{cfg.architecture} (DeepSeek MLA) runs only on the 'torch' attention backend yet"
+            )
         backend_cls = get_attention_backend(backend_name)
         scale = cfg.attn_scale if cfg.attn_scale is not None else cfg.head_dim**-0.5
         backends: dict[int | None, AttentionBackend] = {}

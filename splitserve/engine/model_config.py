@@ -15,6 +15,7 @@ from typing import Any
 
 from splitserve.engine.families import (
     FULL,
+    MLAConfig,
     MoEConfig,
     family_fields,
     is_supported,
@@ -23,7 +24,7 @@ from splitserve.engine.families import (
 )
 from splitserve.engine.gguf_cache import resolve_checkpoint
 
-__all__ = ["ModelConfig", "MoEConfig", "RopeConfig", "supported_architectures"]
+__all__ = ["MLAConfig", "ModelConfig", "MoEConfig", "RopeConfig", "supported_architectures"]
 
 # generation_config.json fields that are default sampling settings, and their SamplingParams name.
 _GENERATION_DEFAULTS = {
@@ -119,6 +120,8 @@ class ModelConfig:
     rope_local: RopeConfig | None = None
     hidden_act: str = "silu"  # the MLP's gate: "silu" (SwiGLU) or "gelu_tanh" (GeGLU)
     moe: MoEConfig | None = None
+    # DeepSeek's latent attention (engine/mla.py); `head_dim` is then its RoPE dims.
+    mla: MLAConfig | None = None
     attn_scale: float | None = None  # None: head_dim ** -0.5
     o_bias: bool = False
     attn_sinks: bool = False  # a learned per-head softmax sink in every layer (gpt-oss)
@@ -214,6 +217,8 @@ class ModelConfig:
         num_heads = int(raw.get("num_attention_heads", 0))
         head_dim = raw.get("head_dim") or (raw["hidden_size"] // max(num_heads, 1))
         family = family_fields(arch, raw, source)
+        if "mla" in family:  # the rotary's width: MLA turns only the RoPE part of each head
+            head_dim = family["mla"].qk_rope_head_dim
         full_rope, local_rope = rope_parameters(raw)
         # Qwen2/3 configs carry a sliding_window value even when use_sliding_window is false.
         window = raw.get("sliding_window")

@@ -4,8 +4,9 @@ kernels/moe_route.py on a GPU), the experts run as one fused grouped computation
 
 Parameters are kept stacked, the way transformers holds them in memory: `experts.gate_up_proj`
 [E, 2I, H] (each expert's gate rows, then its up rows), `experts.down_proj` [E, H, I], the router
-`gate` [E, H]. Checkpoints that store one tensor per expert (Qwen3-MoE, Mixtral) or gpt-oss's
-stacked, interleaved layout are put into that form as they load (`checkpoint_targets`). Under
+`gate` [E, H]. Checkpoints that store one tensor per expert (Qwen3-MoE, Mixtral, DeepSeek) or
+gpt-oss's stacked, interleaved layout are put into that form as they load (`checkpoint_targets`);
+DeepSeek's block (engine/deepseek_moe.py) reuses `Experts`. Under
 `--quantization fp8` the two expert weights become float8_e4m3fn with `gate_up_proj_scale`
 [E, 2I] and `down_proj_scale` [E, H] (engine/quantization.py); the router stays 16-bit.
 """
@@ -18,6 +19,7 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
+from splitserve.engine.families import DEEPSEEK_ROUTERS
 from splitserve.engine.model_config import ModelConfig, MoEConfig
 from splitserve.engine.ops import TorchOps
 
@@ -138,6 +140,8 @@ def checkpoint_targets(name: str, tensor: torch.Tensor, cfg: ModelConfig) -> Ite
             yield f"{prefix}mlp.experts.gate_up_proj", (expert, half), tensor
     elif m := _ROUTER.match(name):
         yield f"{m.group(1)}mlp.gate.{m.group(2)}", (), tensor
+    elif (m := _STACKED.match(name)) and cfg.moe.router in DEEPSEEK_ROUTERS:
+        yield name, (), tensor  # stacked as transformers holds them in memory
     elif m := _STACKED.match(name):
         # gpt-oss stores x @ W ([E, H, 2I] / [E, I, H]) with gate and up columns interleaved.
         target = f"{m.group(1)}mlp.experts.{m.group(2)}{m.group(3) or ''}"

@@ -128,7 +128,10 @@ def load_weights(
 def _targets(
     name: str, tensor: torch.Tensor, cfg: ModelConfig | None, experts: moe.CheckpointReader | None
 ) -> list[moe.Target]:
-    """(parameter, index within it, tensor) for the checkpoint tensor `name`."""
+    """(parameter, index within it, tensor) for the checkpoint tensor `name`; none for a
+    DeepSeek multi-token-prediction layer (an index past the decoder's layers)."""
+    if cfg is not None and cfg.mla is not None and _layer_index(name) >= cfg.num_layers:
+        return []
     if experts is not None:
         found = experts.targets(name, tensor)
         if found is not None:
@@ -136,6 +139,14 @@ def _targets(
     if cfg is not None and cfg.norm_offset and name.endswith("norm.weight"):
         tensor = tensor.float() + cfg.norm_offset  # Gemma stores norm weights as w - 1
     return [(name, (), tensor)]
+
+
+def _layer_index(name: str) -> int:
+    """The decoder layer `name` belongs to; -1 if none."""
+    parts = name.split(".")
+    if len(parts) > 2 and parts[:2] == ["model", "layers"] and parts[2].isdigit():
+        return int(parts[2])
+    return -1
 
 
 @torch.no_grad()
@@ -178,6 +189,10 @@ def load_model(
         )
         model = model.to(dtype=config.dtype)
         quant = quantization.resolve(model_dir, config.quantization)
+        if quant is not None and model_cfg.mla is not None:
+            raise ValueError(
+                f"{model_cfg.architecture} (DeepSeek MLA) is not supported with FP8 weights yet"
+            )
         if quant is not None and shard.size > 1:
             raise ValueError("FP8 weights are not supported with tensor parallelism yet")
         if shard.size > 1 and (model_cfg.moe is not None or model_cfg.attn_sinks):

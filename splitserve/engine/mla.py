@@ -1,0 +1,213 @@
+"""DeepSeek's Multi-head Latent Attention (MLA), DeepSeek-V2 and -V3, in plain torch.
+
+Each token's keys and values come from one latent: `kv_a_proj_with_mqa` gives `kv_lora_rank`
+values (normed by `kv_a_layernorm`) and one RoPE key of `qk_rope_head_dim` shared by every head.
+The paged KV cache holds only that latent, the normed part and the roped key side by side
+(engine/kv_cache.py `kv_page`: one plane, one row of `kv_lora_rank + qk_rope_head_dim` per
+token and layer). Attention decompresses a sequence's cached latents each step, as transformers
+does: `kv_b_proj` gives every head's key without position (`qk_nope_head_dim`) and its value
+(`v_head_dim`); the key is that and the shared RoPE key, the query its own two parts, and SDPA
+runs with a causal mask shifted by the cached prefix (engine/torch_attention.py), scaled by
+`MLAConfig.softmax_scale`.
+
+RoPE turns only the `qk_rope_head_dim` dims, laid out as each HF class does (`rope_layout`):
+DeepSeek-V2 multiplies complex pairs (x0, x1), (x2, x3)… and keeps them interleaved; V3 with
+`rope_interleave` turns the same pairs but writes them out as halves; without it, the usual halves.
+
+NOTE: the weight-absorbed decode (queries into the latent space, no decompression) and a Triton
+kernel are not built: only the torch attention backend runs this family (`check_engine`).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from splitserve.engine.attention import AttentionMetadata
+from splitserve.engine.model_config import ModelConfig
+from splitserve.engine.ops import NO_SCALES, Scales, TorchOps
+from splitserve.engine.rotary import RotaryEmbedding
+
+if TYPE_CHECKING:
+    from splitserve.engine.config import EngineConfig
+
+# HF's q_a_layernorm and kv_a_layernorm are built without the config's eps: their default.
+LATENT_NORM_EPS = 1e-6
+
+
+def check_engine(model: ModelConfig, config: EngineConfig) -> None:
+    """Refuse, naming the family, what would run an MLA model wrong or not at all yet."""
+    if model.mla is None:
+        return
+    refused = [
+        (config.tensor_parallel_size > 1, "tensor parallelism"),
+        (config.speculative is not None, "speculative decoding"),
+        (config.kv_cache_dtype != "auto", f"kv_cache_dtype {config.kv_cache_dtype!r}"),
+        (config.lora_enabled, "LoRA adapters"),
+        (config.quantization is not None, f"quantization {config.quantization!r}"),
+        (model.sliding_window is not None, "a sliding window"),
+        (
+            config.attention_backend not in ("torch", "auto"),
+            f"the {config.attention_backend!r} attention backend (use attention_backend='torch')",
+        ),
+    ]
+    for refuse, what in refused:
+        if refuse:
+            raise ValueError(
+                f"{model.architecture} (DeepSeek MLA) is not supported with {what} yet"
+            )
+
+
+class _Norm(nn.Module):
+    def __init__(self, dim: int, ops: TorchOps) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.ops = ops
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.ops.rms_norm(x, self.weight, LATENT_NORM_EPS)
+
+
+class MLAttention(nn.Module):
+    """One layer's latent attention; parameter names follow HF checkpoints."""
+
+    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, ops: TorchOps) -> None:
+        super().__init__()
+        assert cfg.mla is not None
+        self.mla = mla = cfg.mla
+        self.num_heads = heads = cfg.num_heads
+        self.ops = ops
+        hidden, qk = cfg.hidden_size, mla.qk_head_dim
+        if mla.q_lora_rank is None:
+            self.q_proj = nn.Linear(hidden, heads * qk, bias=False)
+        else:
+            self.q_a_proj = nn.Linear(hidden, mla.q_lora_rank, bias=cfg.qkv_bias)
+            self.q_a_layernorm = _Norm(mla.q_lora_rank, ops)
+            self.q_b_proj = nn.Linear(mla.q_lora_rank, heads * qk, bias=False)
+        self.kv_a_proj_with_mqa = nn.Linear(hidden, mla.latent_dim, bias=cfg.qkv_bias)
+        self.kv_a_layernorm = _Norm(mla.kv_lora_rank, ops)
+        self.kv_b_proj = nn.Linear(
+            mla.kv_lora_rank, heads * (mla.qk_nope_head_dim + mla.v_head_dim), bias=False
+        )
+        self.o_proj = nn.Linear(heads * mla.v_head_dim, hidden, bias=cfg.o_bias)
+        self._rotary = (rotary,)  # shared across layers: kept out of the module tree
+        self.qkv_scales: Scales = NO_SCALES  # what the input norm feeds (no FP8 here)
+        self.lora = None  # LoRA hooks look for it; MLA takes no adapters
+
+    def merge_projections(self) -> None:
+        """Nothing to merge: the projections have different inputs."""
+
+    def forward(
+        self,
+        positions: torch.Tensor,
+        x: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        mla, ops = self.mla, self.ops
+        if mla.q_lora_rank is None:
+            q = ops.linear(x, self.q_proj.weight)
+        else:
+            q_a = ops.linear(x, self.q_a_proj.weight, self.q_a_proj.bias)
+            q = ops.linear(self.q_a_layernorm(q_a), self.q_b_proj.weight)
+        q = q.reshape(-1, self.num_heads, mla.qk_head_dim)
+        q_nope, q_pe = q.split([mla.qk_nope_head_dim, mla.qk_rope_head_dim], dim=-1)
+        kv_a = ops.linear(x, self.kv_a_proj_with_mqa.weight, self.kv_a_proj_with_mqa.bias)
+        kv_c, k_pe = kv_a.split([mla.kv_lora_rank, mla.qk_rope_head_dim], dim=-1)
+        kv_c = self.kv_a_layernorm(kv_c.contiguous())
+        q_pe, k_pe = rotate(positions, q_pe, k_pe[:, None], self._rotary[0], mla.rope_layout)
+        write_latents(torch.cat([kv_c, k_pe[:, 0]], dim=-1), kv_cache, meta.slot_mapping)
+        out = self._attend(torch.cat([q_nope, q_pe], dim=-1), kv_cache, meta)
+        return ops.linear(out.reshape(-1, self.num_heads * mla.v_head_dim), self.o_proj.weight,
+                          self.o_proj.bias)  # fmt: skip
+
+    def _attend(
+        self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        """q [T, heads, qk_head_dim] over each sequence's cached latents, decompressed."""
+        mla = self.mla
+        out = q.new_zeros(q.shape[0], self.num_heads, mla.v_head_dim)
+        start = 0
+        for i, (query_len, seq_len) in enumerate(
+            zip(meta.query_lens_cpu, meta.seq_lens_cpu, strict=True)
+        ):
+            end = start + query_len
+            latents = gather_latents(kv_cache, meta.block_tables[i], seq_len, meta.block_size)
+            latents = latents.to(q.dtype)
+            kv_c, k_pe = latents.split([mla.kv_lora_rank, mla.qk_rope_head_dim], dim=-1)
+            kv = self.ops.linear(kv_c, self.kv_b_proj.weight)
+            kv = kv.reshape(seq_len, self.num_heads, mla.qk_nope_head_dim + mla.v_head_dim)
+            k_nope, values = kv.split([mla.qk_nope_head_dim, mla.v_head_dim], dim=-1)
+            k_rot = k_pe[:, None].expand(seq_len, self.num_heads, mla.qk_rope_head_dim)
+            keys = torch.cat([k_nope, k_rot], dim=-1)
+            mask = causal_mask(query_len, seq_len, q.device)
+            attn = F.scaled_dot_product_attention(
+                q[start:end].transpose(0, 1),
+                keys.transpose(0, 1),
+                values.transpose(0, 1),
+                attn_mask=mask,
+                scale=mla.softmax_scale,
+            )
+            out[start:end] = attn.transpose(0, 1)
+            start = end
+        return out
+
+
+def causal_mask(query_len: int, seq_len: int, device: torch.device) -> torch.Tensor:
+    """[query_len, seq_len] bool: query j (at seq_len - query_len + j) sees keys up to itself."""
+    q_pos = torch.arange(seq_len - query_len, seq_len, device=device).unsqueeze(1)
+    return torch.arange(seq_len, device=device).unsqueeze(0) <= q_pos
+
+
+def write_latents(latents: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tensor) -> None:
+    """Store each token's latent [T, latent_dim] at its flat slot of the layer's view
+    kv_cache [1, blocks, block_size, 1, latent_dim]; slot -1 (padding) is skipped."""
+    if bool((slots < 0).any()):
+        keep = slots >= 0
+        latents, slots = latents[keep], slots[keep]
+    block_size = kv_cache.shape[2]
+    kv_cache[0][slots // block_size, slots % block_size, 0] = latents.to(kv_cache.dtype)
+
+
+def gather_latents(
+    kv_cache: torch.Tensor, block_table: torch.Tensor, seq_len: int, block_size: int
+) -> torch.Tensor:
+    """The latents of one sequence's first `seq_len` tokens: [seq_len, latent_dim]."""
+    blocks = block_table[: -(-seq_len // block_size)].long()
+    return kv_cache[0][blocks].reshape(-1, kv_cache.shape[-1])[:seq_len]
+
+
+def rotate(
+    positions: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    rotary: RotaryEmbedding,
+    layout: str,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """RoPE on q [T, heads, rope_dim] and k [T, 1, rope_dim] in the HF class's `layout`."""
+    if layout == "half":
+        return rotary(positions, q, k)
+    half = q.shape[-1] // 2
+    # The tables are cat(freqs, freqs) (times YaRN's attention factor): the first half is
+    # each pair's angle.
+    cos = rotary.cos[positions, :half].unsqueeze(1)
+    sin = rotary.sin[positions, :half].unsqueeze(1)
+    if layout == "interleave":  # transformers' apply_rotary_pos_emb_interleave
+        cos, sin = cos.to(q.dtype), sin.to(q.dtype)
+
+        def turn(x: torch.Tensor) -> torch.Tensor:
+            x1, x2 = x[..., 0::2], x[..., 1::2]
+            return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+
+        return turn(q), turn(k)
+    # DeepSeek-V2's apply_rotary_emb: complex products in float32, pairs kept interleaved.
+    freqs = torch.complex(cos.float(), sin.float())
+
+    def turn_complex(x: torch.Tensor) -> torch.Tensor:
+        pairs = torch.view_as_complex(x.float().reshape(*x.shape[:-1], -1, 2))
+        return torch.view_as_real(pairs * freqs).flatten(-2).to(x.dtype)
+
+    return turn_complex(q), turn_complex(k)

@@ -1,0 +1,198 @@
+"""DeepSeek-V2 and -V3 (Multi-head Latent Attention, DeepSeek MoE): greedy float32 outputs are
+token-identical to HF transformers over 64 steps (plain batches, chunked prefill, prefix-cache
+hits, preemption), the KV cache holds one latent per token and layer, and what the family cannot
+run with yet is refused by name."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from splitserve.engine import LLM, SamplingParams
+from splitserve.engine.kv_cache import bytes_per_block
+from splitserve.engine.model_config import ModelConfig
+from splitserve.engine.spec_decode.config import SpeculativeConfig
+from splitserve.engine.weights import iter_tensors
+from splitserve.testing.tiny_model import TINY_DEEPSEEK, make_tiny_deepseek_model
+from tests.engine.hf_oracle import hf_greedy, hf_model, random_prompts
+
+STEPS = 64
+GREEDY = SamplingParams(temperature=0.0, max_tokens=STEPS, ignore_eos=True)
+# Across block edges (16 tokens) and past YaRN's original context (64 positions).
+LENGTHS = [1, 7, 17, 50, 130]
+
+
+@pytest.fixture(scope="module")
+def deepseek_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("deepseek")
+    return {v: make_tiny_deepseek_model(root / v, v) for v in TINY_DEEPSEEK}
+
+
+def _assert_matches_hf(model_dir: Path, prompts, outputs) -> None:
+    for prompt, out in zip(prompts, outputs, strict=True):
+        assert out.outputs[0].token_ids == hf_greedy(model_dir, tuple(prompt), STEPS), (
+            f"prompt of {len(prompt)} tokens diverged from HF"
+        )
+
+
+def _assert_clean(llm: LLM) -> None:
+    llm.engine.check_integrity()
+    usage = llm.engine.kv_usage()
+    assert usage.num_used_blocks == 0 and usage.num_sequences == 0
+
+
+@pytest.mark.parametrize("variant", TINY_DEEPSEEK)
+def test_greedy_batch_and_chunked_prefill_match_hf(deepseek_models, variant):
+    model_dir = deepseek_models[variant]
+    whole, chunked = LLM(model_dir), LLM(model_dir, max_num_batched_tokens=24)
+    prompts = random_prompts(LENGTHS, whole.engine.model_config.vocab_size)
+    _assert_matches_hf(model_dir, prompts, whole.generate(prompts, GREEDY, use_tqdm=False))
+    _assert_matches_hf(model_dir, prompts, chunked.generate(prompts, GREEDY, use_tqdm=False))
+    _assert_clean(whole)
+    _assert_clean(chunked)
+
+
+@pytest.mark.parametrize("variant", TINY_DEEPSEEK)
+def test_prefix_hits_and_preemption_match_hf(deepseek_models, variant):
+    model_dir = deepseek_models[variant]
+    llm = LLM(model_dir, num_kv_blocks=24)
+    vocab = llm.engine.model_config.vocab_size
+    shared = random_prompts([40], vocab, seed=7)[0]
+    prompts = [shared + s for s in random_prompts([3, 21, 60, 9, 33], vocab, seed=8)]
+    first = llm.generate(prompts[:1], GREEDY, use_tqdm=False)
+    rest = llm.generate(prompts[1:], GREEDY, use_tqdm=False)
+    _assert_matches_hf(model_dir, prompts, first + rest)
+    assert all(out.num_cached_tokens == 32 for out in rest)
+    assert llm.engine.scheduler.num_preemptions > 0
+    _assert_clean(llm)
+
+
+def test_config_matches_hf(deepseek_models):
+    """The softmax scale (YaRN's mscale folded in), routing and shapes as transformers reads
+    them; the checkpoint's multi-token-prediction layer is there (and ignored at load)."""
+    for variant, model_dir in deepseek_models.items():
+        cfg = ModelConfig.from_pretrained(model_dir)
+        hf = hf_model(model_dir)
+        assert cfg.mla is not None and cfg.moe is not None
+        assert cfg.mla.softmax_scale == hf.model.layers[0].self_attn.scaling
+        assert cfg.head_dim == hf.config.qk_rope_head_dim
+        assert cfg.moe.dense_layers == (0,)
+        assert cfg.moe.num_groups == 4 and cfg.moe.topk_groups == 2
+        v3 = variant == "deepseek_v3"
+        assert cfg.moe.router == ("deepseek_sigmoid" if v3 else "deepseek_softmax")
+        assert cfg.mla.rope_layout == ("interleave" if v3 else "complex")
+        assert cfg.mla.q_lora_rank == (48 if v3 else None)
+        names = {name for name, _ in iter_tensors(model_dir)}
+        assert any(name.startswith(f"model.layers.{cfg.num_layers}.") for name in names)
+
+
+def test_kv_cache_holds_one_latent_per_token_and_layer(deepseek_models):
+    llm = LLM(deepseek_models["deepseek_v3"], num_kv_blocks=8)
+    cfg, cache = llm.engine.model_config, llm.engine.kv_cache
+    assert cfg.mla is not None
+    latent = cfg.mla.kv_lora_rank + cfg.mla.qk_rope_head_dim
+    assert tuple(cache.pool.shape) == (8, cfg.num_layers, 1, 16, 1, latent)
+    per_token = latent * cache.pool.element_size() * cfg.num_layers
+    assert cache.block_bytes == per_token * 16
+    assert bytes_per_block(cfg, 1, torch.float32) == per_token == (32 + 8) * 4 * 3
+
+
+def test_deepseek_v2_lite_bytes_per_token():
+    """DeepSeek-V2-Lite's shape: (512 + 64) values x 2 bytes x 27 layers a token in bf16, where
+    per-head keys and values would take 16 heads x (192 + 128) x 2 x 27 = 276,480."""
+    raw = {
+        "architectures": ["DeepseekV2ForCausalLM"],
+        "vocab_size": 102400,
+        "hidden_size": 2048,
+        "intermediate_size": 10944,
+        "moe_intermediate_size": 1408,
+        "num_hidden_layers": 27,
+        "num_attention_heads": 16,
+        "num_key_value_heads": 16,
+        "kv_lora_rank": 512,
+        "q_lora_rank": None,
+        "qk_nope_head_dim": 128,
+        "qk_rope_head_dim": 64,
+        "v_head_dim": 128,
+        "n_routed_experts": 64,
+        "n_shared_experts": 2,
+        "num_experts_per_tok": 6,
+        "first_k_dense_replace": 1,
+        "topk_method": "greedy",
+        "max_position_embeddings": 163840,
+        "rope_scaling": {
+            "type": "yarn",
+            "factor": 40,
+            "original_max_position_embeddings": 4096,
+            "beta_fast": 32,
+            "beta_slow": 1,
+            "mscale": 0.707,
+            "mscale_all_dim": 0.707,
+        },
+        "rope_theta": 10000,
+    }
+    cfg = ModelConfig.from_hf_dict(raw)
+    assert bytes_per_block(cfg, 1, torch.bfloat16) == 31_104
+    assert cfg.moe is not None and cfg.moe.num_groups == 1  # "greedy": no groups
+    mscale = 0.1 * 0.707 * torch.log(torch.tensor(40.0)).item() + 1.0
+    assert cfg.mla is not None
+    assert cfg.mla.softmax_scale == pytest.approx(192**-0.5 * mscale * mscale)
+
+
+@pytest.mark.parametrize(
+    "options, what",
+    [
+        ({"speculative": SpeculativeConfig("ngram", num_speculative_tokens=2)}, "speculative"),
+        ({"kv_cache_dtype": "fp8"}, "kv_cache_dtype"),
+        ({"enable_lora": True}, "LoRA"),
+        ({"quantization": "fp8"}, "quantization"),
+        ({"attention_backend": "triton"}, "attention backend"),
+        ({"tensor_parallel_size": 2}, "tensor parallelism"),
+    ],
+)
+def test_unsupported_paths_are_refused(deepseek_models, options, what):
+    with pytest.raises(ValueError, match=f"DeepseekV3ForCausalLM.*{what}"):
+        LLM(deepseek_models["deepseek_v3"], **options)
+
+
+def test_kv_transfer_region_is_refused(deepseek_models):
+    llm = LLM(deepseek_models["deepseek_v2"], num_kv_blocks=4)
+    with pytest.raises(ValueError, match="DeepseekV2ForCausalLM"):
+        llm.engine.kv_connector.region()
+
+
+def test_stacked_expert_checkpoint_loads_as_per_expert_one(deepseek_models, tmp_path):
+    """Experts stored stacked ([E, 2I, H] gate|up, [E, H, I]), as transformers holds them in
+    memory, load into the same parameters as the per-expert tensors transformers saves."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    source = deepseek_models["deepseek_v3"]
+    stacked_dir = tmp_path / "stacked"
+    shutil.copytree(source, stacked_dir)
+    tensors = load_file(str(stacked_dir / "model.safetensors"))
+    cfg = ModelConfig.from_pretrained(source)
+    assert cfg.moe is not None
+    for layer in range(cfg.moe.dense_layers[-1] + 1, cfg.num_layers):
+        p = f"model.layers.{layer}.mlp.experts."
+        experts = range(cfg.moe.num_experts)
+        tensors[f"{p}gate_up_proj"] = torch.stack([
+            torch.cat([tensors.pop(f"{p}{e}.gate_proj.weight"),
+                       tensors.pop(f"{p}{e}.up_proj.weight")])
+            for e in experts
+        ])  # fmt: skip
+        tensors[f"{p}down_proj"] = torch.stack(
+            [tensors.pop(f"{p}{e}.down_proj.weight") for e in experts]
+        )
+    save_file(tensors, str(stacked_dir / "model.safetensors"), metadata={"format": "pt"})
+    prompt = random_prompts([20], cfg.vocab_size, seed=5)
+    few = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    llms = [LLM(d) for d in (source, stacked_dir)]
+    outputs = [llm.generate(prompt, few, use_tqdm=False)[0].outputs[0] for llm in llms]
+    assert outputs[0].token_ids == outputs[1].token_ids
+    a, b = (llm.engine.model.model.layers[1].mlp for llm in llms)
+    assert torch.equal(a.experts.gate_up_proj, b.experts.gate_up_proj)
+    assert torch.equal(a.experts.down_proj, b.experts.down_proj)
