@@ -38,7 +38,11 @@ from splitserve.engine.kv_cache import KVCache
 @dataclass(frozen=True)
 class KVRegion:
     """The block-major pool, as a transport registers it: block b is the `block_bytes` bytes
-    at `base_address + b * block_bytes`."""
+    at `base_address + b * block_bytes`, every layer's page (`kv_cache.kv_page`) in turn.
+
+    A page is `num_planes` planes of `block_size` tokens x `num_kv_heads` rows x `head_dim`:
+    keys then values (2 planes of the KV heads), or MLA's latents (1 plane of one row as wide
+    as the latent: `num_kv_heads` 1, `head_dim` kv_lora_rank + qk_rope_head_dim)."""
 
     tensor: torch.Tensor
     num_blocks: int
@@ -47,9 +51,15 @@ class KVRegion:
     block_size: int
     num_kv_heads: int
     head_dim: int
+    num_planes: int = 2
     # False when the pool's bytes are not the wire's (a tensor-parallel rank holds some heads;
     # engine/parallel/kv_shards.py): only transports that copy through the connector serve it.
     addressable: bool = True
+
+    @property
+    def page(self) -> tuple[int, int, int, int]:
+        """One layer's page of one block: (planes, block_size, heads, dim)."""
+        return (self.num_planes, self.block_size, self.num_kv_heads, self.head_dim)
 
     @property
     def base_address(self) -> int:
@@ -137,16 +147,11 @@ class KVConnector:
                 "a KV pool whose sliding layers have a window pool of their own cannot be "
                 "transferred: build the engine with sliding_window_kv=False"
             )
-        if self._cache.latent:
-            raise ValueError(
-                "the MLA latent KV pool of DeepseekV2ForCausalLM / DeepseekV3ForCausalLM cannot "
-                "be transferred yet (the wire layout is keys and values)"
-            )
         pool = self._cache.pool
-        _, num_layers, _, block_size, num_kv_heads, head_dim = pool.shape
+        _, num_layers, num_planes, block_size, num_kv_heads, head_dim = pool.shape
         return KVRegion(
             pool, self._cache.num_blocks, self._cache.block_bytes, num_layers, block_size,
-            num_kv_heads, head_dim,
+            num_kv_heads, head_dim, num_planes,
         )  # fmt: skip
 
     def is_watching(self, request_id: str) -> bool:

@@ -12,7 +12,7 @@ from opentelemetry.trace import Span, SpanKind, Status, StatusCode
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 from splitserve.engine.kv_connector import KVConnector
-from splitserve.kv_transfer.nixl_transport import SENDER_FIELD, NixlAgent
+from splitserve.kv_transfer.nixl_transport import SENDER_FIELD, NixlAgent, page_text
 from splitserve.kv_transfer.nixl_vetting import VouchedSenders, label
 from splitserve.kv_transfer.registry_conceal import Concealed
 from splitserve.kv_transfer.transport import (
@@ -75,6 +75,7 @@ class NixlReceiver(KVReceiver):
             "num_blocks": region.num_blocks, "device": nixl.device_id, "mem_type": nixl.mem_type,
         }  # fmt: skip
         out = {f"nixl.{k}": str(v).encode("ascii") for k, v in fields.items()}
+        out["nixl.page"] = page_text(region).encode("ascii")  # what a block holds
         # NOTE: concealed at rest: whoever loads the metadata can write into the pool.
         out["nixl.metadata"] = Concealed(self._metadata)
         return out

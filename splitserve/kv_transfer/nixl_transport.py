@@ -3,8 +3,8 @@
     prefill worker (NixlSender)                        decode worker (NixlReceiver)
     pool ─ registered once, one prepped                pool ─ registered once; endpoint():
            descriptor per block;                              agent name, metadata, base,
-           endpoint(): its agent name                         block_bytes, num_blocks, device
-           (published in the registry)                        (published in the registry)
+           endpoint(): its agent name                         block_bytes, page, num_blocks,
+           (published in the registry)                        device (in the registry)
                 │                                             │
     push: make_prepped_xfer(WRITE,                            │
           src ids ──────── bytes (UCX) ─────────────▶  dst blocks (no receiver CPU involved)
@@ -54,6 +54,15 @@ def _blocks(
 ) -> list[tuple[int, int, int]]:
     """One (address, length, device) descriptor per block."""
     return [(base + b * block_bytes, block_bytes, device) for b in range(num_blocks)]
+
+
+def page_text(region: KVRegion) -> str:
+    """What a block holds, as a receiver publishes it (`nixl.page`) and a sender compares it:
+    blocks of equal size may still hold another layout (latents, or other heads or widths)."""
+    what = "MLA latents" if region.num_planes == 1 else "keys and values"
+    planes, block_size, heads, dim = region.page
+    dtype = str(region.dtype).removeprefix("torch.")
+    return f"{what}: {region.num_layers} layers x {planes} x {block_size} x {heads} x {dim} {dtype}"
 
 
 class NixlAgent:
@@ -114,6 +123,7 @@ class NixlSender(KVSender):
         self._nixl = NixlAgent(connector, worker_id)
         region = self._nixl.region
         self._block_bytes = region.block_bytes
+        self._page = page_text(region)
         self._num_blocks = region.num_blocks
         self._lock = threading.Lock()
         self._peers: dict[str, _RemotePeer] = {}
@@ -222,6 +232,13 @@ class NixlSender(KVSender):
             raise TransferError(
                 f"peer {peer.worker_id} has {block_bytes}-byte KV blocks, this worker "
                 f"{self._block_bytes}-byte ones (different model, dtype or block size)",
+                "FAILED_PRECONDITION",
+            )
+        page = ep.get("nixl.page", b"").decode()
+        if page and page != self._page:
+            raise TransferError(
+                f"peer {peer.worker_id}'s KV blocks hold {page}, this worker's {self._page} "
+                "(prefill and decode workers must serve the same model)",
                 "FAILED_PRECONDITION",
             )
         agent = self._nixl.agent

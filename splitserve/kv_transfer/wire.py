@@ -1,11 +1,20 @@
 """The KV wire format of the gRPC transport: whole blocks as they sit in the pool, and a header.
 
-A payload holds the pushed blocks in the order of `dst_block_ids`, each block every layer's keys
-then values:
+A payload holds the pushed blocks in the order of `dst_block_ids`, each block every layer's page
+(`kv_cache.kv_page`: planes, block_size, heads, dim) in turn. Keys then values (`LAYOUT`):
 
     payload = [block 0: layer 0 K V, layer 1 K V, …] [block 1: …] …
     = the tensor [num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim] in C order,
       element bytes as they sit in memory (bf16 travels as its raw 16 bits), little-endian.
+
+DeepSeek's MLA latents (`LATENT_LAYOUT`): one plane of one row per token and layer, the header's
+`num_kv_heads` 1 and `head_dim` kv_lora_rank + qk_rope_head_dim:
+
+    payload = [block 0: layer 0 latents, layer 1 latents, …] [block 1: …] …
+    = the tensor [num_blocks, num_layers, 1, block_size, 1, latent_dim] in C order.
+
+The header's layout string names the planes, so a receiver whose pool holds the other kind
+refuses the payload (as it refuses another dtype, block size, head count or width).
 
 No pickle, no numpy dtypes on the wire. The checksum is CRC-32C from a C library (`crc32c`, with
 the CPU's CRC instruction).
@@ -26,6 +35,10 @@ from splitserve.engine.kv_connector import KVRegion
 from splitserve.protos.v1 import kv_transfer_pb2
 
 LAYOUT = "block,layer,kv,slot,head,dim"
+LATENT_LAYOUT = "block,layer,latent,slot,head,dim"
+LAYOUTS = MappingProxyType({2: LAYOUT, 1: LATENT_LAYOUT})
+"""The layout string of a pool by its planes per layer: keys and values, or MLA latents."""
+_WHAT = MappingProxyType({LAYOUT: "keys and values", LATENT_LAYOUT: "MLA latents"})
 MAX_CHUNK_BYTES = 4 << 20
 """Largest `data` message of a PushBlocks stream (the proto's contract)."""
 
@@ -75,6 +88,7 @@ class CacheLayout:
     num_kv_heads: int
     head_dim: int
     dtype: torch.dtype
+    num_planes: int = 2  # keys and values; 1: MLA latents
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "block_size", "num_kv_heads", "head_dim"):
@@ -82,13 +96,20 @@ class CacheLayout:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         if self.dtype not in _DTYPE_NAMES:
             raise ValueError(f"unsupported KV dtype {self.dtype}; supported: {list(DTYPES)}")
+        if self.num_planes not in LAYOUTS:
+            raise ValueError(f"num_planes must be one of {sorted(LAYOUTS)}, got {self.num_planes}")
 
     @classmethod
     def of(cls, region: KVRegion) -> CacheLayout:
         return cls(
             region.num_layers, region.block_size, region.num_kv_heads, region.head_dim,
-            region.dtype,
+            region.dtype, region.num_planes,
         )  # fmt: skip
+
+    @property
+    def layout(self) -> str:
+        """The header's layout string for this pool."""
+        return LAYOUTS[self.num_planes]
 
     @property
     def dtype_name(self) -> str:
@@ -96,13 +117,15 @@ class CacheLayout:
 
     @property
     def block_shape(self) -> tuple[int, ...]:
-        return (self.num_layers, 2, self.block_size, self.num_kv_heads, self.head_dim)
+        page = (self.num_planes, self.block_size, self.num_kv_heads, self.head_dim)
+        return (self.num_layers, *page)
 
     @property
     def block_bytes(self) -> int:
-        """Bytes of one block: every layer's keys and values."""
+        """Bytes of one block: every layer's page (keys and values, or latents)."""
         elem = torch.empty((), dtype=self.dtype).element_size()
-        return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * elem
+        page = self.num_planes * self.block_size * self.num_kv_heads * self.head_dim
+        return self.num_layers * page * elem
 
     def payload_bytes(self, num_blocks: int) -> int:
         return num_blocks * self.block_bytes
@@ -127,7 +150,7 @@ def make_header(
     return kv_transfer_pb2.KVTransferHeader(
         request_id=request_id,
         fence=fence,
-        layout=LAYOUT,
+        layout=layout.layout,
         dtype=layout.dtype_name,
         block_size=layout.block_size,
         num_kv_heads=layout.num_kv_heads,
@@ -151,9 +174,15 @@ def validate_header(
     """Raise a `KVTransferError` unless a payload described by `header` fits this pool (and,
     when given, the request's reservation)."""
     rid = header.request_id
-    if header.layout != LAYOUT:
+    if header.layout not in _WHAT:
         raise LayoutMismatchError(
-            f"{rid}: unknown payload layout {header.layout!r}; expected {LAYOUT!r}"
+            f"{rid}: unknown payload layout {header.layout!r}; expected {layout.layout!r}"
+        )
+    if header.layout != layout.layout:
+        raise LayoutMismatchError(
+            f"{rid}: the payload holds {_WHAT[header.layout]} ({header.layout!r}) but the "
+            f"receiver's pool holds {_WHAT[layout.layout]} ({layout.layout!r}): prefill and "
+            "decode workers must serve the same model"
         )
     if header.dtype != layout.dtype_name:
         raise LayoutMismatchError(
@@ -161,8 +190,11 @@ def validate_header(
         )
     for name in ("block_size", "num_kv_heads", "head_dim"):
         if getattr(header, name) != getattr(layout, name):
+            latent = (
+                " (the latent's width)" if name == "head_dim" and layout.num_planes == 1 else ""
+            )
             raise LayoutMismatchError(
-                f"{rid}: {name} {getattr(header, name)} does not match "
+                f"{rid}: {name}{latent} {getattr(header, name)} does not match "
                 f"the receiver's {getattr(layout, name)}"
             )
     if (header.layer_start, header.layer_end) != (0, layout.num_layers):
