@@ -14,8 +14,14 @@ RoPE turns only the `qk_rope_head_dim` dims, laid out as each HF class does (`ro
 DeepSeek-V2 multiplies complex pairs (x0, x1), (x2, x3)… and keeps them interleaved; V3 with
 `rope_interleave` turns the same pairs but writes them out as halves; without it, the usual halves.
 
-NOTE: the weight-absorbed decode (queries into the latent space, no decompression) and a Triton
-kernel are not built: only the torch attention backend runs this family (`check_engine`).
+A decode-only step (every sequence's query_len == 1) absorbs the weights instead
+(`MLAttention.absorb_decode`, on by default): `kv_b_proj` splits into W_UK [heads,
+qk_nope_head_dim, kv_lora_rank] and W_UV [heads, v_head_dim, kv_lora_rank]; each head's query
+becomes [q_nope @ W_UK | q_pe], attends over the cached rows themselves (the value is a row's
+first kv_lora_rank entries) and its latent output goes out through W_UV^T. No latent is
+decompressed: on CUDA kernels/mla_decode.py `mla_decode` runs it, elsewhere its torch reference.
+Prefill and mixed steps decompress as above. Only the torch attention backend runs this family
+(`check_engine`).
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ from splitserve.engine.attention import AttentionMetadata
 from splitserve.engine.model_config import ModelConfig
 from splitserve.engine.ops import NO_SCALES, Scales, TorchOps
 from splitserve.engine.rotary import RotaryEmbedding
+from splitserve.kernels.mla_decode import mla_decode, mla_decode_ref
 
 if TYPE_CHECKING:
     from splitserve.engine.config import EngineConfig
@@ -74,6 +81,9 @@ class _Norm(nn.Module):
 class MLAttention(nn.Module):
     """One layer's latent attention; parameter names follow HF checkpoints."""
 
+    # Decode-only steps attend over the latents with W_UK and W_UV absorbed (module docstring).
+    absorb_decode = True
+
     def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, ops: TorchOps) -> None:
         super().__init__()
         assert cfg.mla is not None
@@ -96,6 +106,9 @@ class MLAttention(nn.Module):
         self._rotary = (rotary,)  # shared across layers: kept out of the module tree
         self.qkv_scales: Scales = NO_SCALES  # what the input norm feeds (no FP8 here)
         self.lora = None  # LoRA hooks look for it; MLA takes no adapters
+        # (kv_b_proj's weight when split, W_UK, W_UV): views of it, so an in-place reload
+        # reaches them; a new weight tensor is split again.
+        self._absorbed: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
     def merge_projections(self) -> None:
         """Nothing to merge: the projections have different inputs."""
@@ -120,9 +133,48 @@ class MLAttention(nn.Module):
         kv_c = self.kv_a_layernorm(kv_c.contiguous())
         q_pe, k_pe = rotate(positions, q_pe, k_pe[:, None], self._rotary[0], mla.rope_layout)
         write_latents(torch.cat([kv_c, k_pe[:, 0]], dim=-1), kv_cache, meta.slot_mapping)
-        out = self._attend(torch.cat([q_nope, q_pe], dim=-1), kv_cache, meta)
+        decode_only = meta.max_query_len == 1 and q.shape[0] == meta.num_seqs
+        if self.absorb_decode and decode_only:
+            out = self._attend_absorbed(q_nope, q_pe, kv_cache, meta)
+        else:
+            out = self._attend(torch.cat([q_nope, q_pe], dim=-1), kv_cache, meta)
         return ops.linear(out.reshape(-1, self.num_heads * mla.v_head_dim), self.o_proj.weight,
                           self.o_proj.bias)  # fmt: skip
+
+    def absorbed_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """W_UK [heads, qk_nope_head_dim, kv_lora_rank] and W_UV [heads, v_head_dim,
+        kv_lora_rank]: views of `kv_b_proj`'s weight, split once per weight tensor."""
+        param, cached = self.kv_b_proj.weight, self._absorbed
+        # A new parameter, or new storage under it (`.to()`, `.data = ...`): split again.
+        if cached is None or cached[0] is not param or cached[1].data_ptr() != param.data_ptr():
+            mla = self.mla
+            per_head = param.detach().reshape(
+                self.num_heads, mla.qk_nope_head_dim + mla.v_head_dim, mla.kv_lora_rank
+            )
+            w_uk, w_uv = per_head.split([mla.qk_nope_head_dim, mla.v_head_dim], dim=1)
+            cached = self._absorbed = (param, w_uk, w_uv)
+        return cached[1], cached[2]
+
+    def _attend_absorbed(
+        self,
+        q_nope: torch.Tensor,
+        q_pe: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        """One query per sequence ([T, heads, *] parts) over its cached latents, W_UK folded
+        into the query and W_UV into the output: [T, heads, v_head_dim]."""
+        mla = self.mla
+        w_uk, w_uv = self.absorbed_weights()
+        q_latent = torch.bmm(q_nope.transpose(0, 1), w_uk.to(q_nope.dtype)).transpose(0, 1)
+        q = torch.cat([q_latent, q_pe.to(q_latent.dtype)], dim=-1).to(kv_cache.dtype)
+        attend = mla_decode if kv_cache.is_cuda else mla_decode_ref
+        latent_out = attend(
+            q, kv_cache, meta.block_tables, meta.seq_lens, mla.kv_lora_rank,
+            mla.softmax_scale, max_seq_len=meta.max_seq_len,
+        )  # fmt: skip
+        out = torch.bmm(latent_out.transpose(0, 1).to(w_uv.dtype), w_uv.transpose(1, 2))
+        return out.transpose(0, 1).to(q_nope.dtype)
 
     def _attend(
         self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata

@@ -157,10 +157,16 @@ def test_unsupported_paths_are_refused(deepseek_models, options, what):
         LLM(deepseek_models["deepseek_v3"], **options)
 
 
-def test_kv_transfer_region_is_refused(deepseek_models):
+def test_kv_transfer_region_is_the_latent_page(deepseek_models):
+    """What a transport registers: one plane of one latent-wide row per token and layer, a
+    block's bytes those of its latents (tests/e2e/test_deepseek_disaggregated.py moves them)."""
     llm = LLM(deepseek_models["deepseek_v2"], num_kv_blocks=4)
-    with pytest.raises(ValueError, match="DeepseekV2ForCausalLM"):
-        llm.engine.kv_connector.region()
+    cfg = llm.engine.model_config
+    assert cfg.mla is not None
+    region = llm.engine.kv_connector.region()
+    latent = cfg.mla.kv_lora_rank + cfg.mla.qk_rope_head_dim
+    assert region.page == (1, region.block_size, 1, latent)
+    assert region.block_bytes == cfg.num_layers * region.block_size * latent * 4  # float32
 
 
 def test_stacked_expert_checkpoint_loads_as_per_expert_one(deepseek_models, tmp_path):
