@@ -55,6 +55,8 @@
 #   host-tier       the host-memory KV tier: its GPU tests, then bench/host_tier.py (a 32k-token
 #                   host hit, the tier's cost, swap)
 #   host-tier-working  bench/host_tier.py's working set twice the GPU cache, under load
+#   mla             DeepSeek MLA: the absorbed decode kernel's tests (the real shape on the GPU)
+#                   and bench/mla_decode.py (batch 64, 4k contexts, against copy bandwidth)
 #   prefix-reuse    bench/prefix_reuse.py on one GPU (Llama-3.2-1B shape): shared system prompts
 #                   over two workers sharing it, then P/D multi-turn TTFT
 #   lora            multi-LoRA: the kernels' GPU tests, their cost per decode step (PDL on/off),
@@ -249,6 +251,9 @@ for step in "$@"; do
     host-tier-working)
       run host_tier_working 40 timeout 540 python3 -m bench.host_tier --sections working \
         --out "$OUT/host_tier_working.json" ;;
+    mla)
+      run mla_tests 4 pytest_q tests/kernels/test_mla_decode.py tests/engine/test_deepseek_parity.py
+      run mla_decode 20 timeout 300 python3 -m bench.mla_decode --out "$OUT/mla_decode.json" ;;
     prefix-reuse)
       run prefix_reuse 30 timeout 580 python3 -m bench.prefix_reuse --device cuda:0 \
         --concurrency 64 --out "$OUT/prefix_reuse.json" ;;
