@@ -51,3 +51,18 @@ def hf_logprobs(model_dir: Path, prompt: list[int], continuation: list[int]) -> 
 def random_prompts(lengths: list[int], vocab_size: int, seed: int = 1) -> list[list[int]]:
     gen = torch.Generator().manual_seed(seed)
     return [torch.randint(3, vocab_size, (n,), generator=gen).tolist() for n in lengths]
+
+
+def assert_matches_hf(model_dir: Path, prompts, outputs, steps: int) -> None:
+    """Each output's first sample is HF's greedy continuation of its prompt, `steps` tokens."""
+    for prompt, out in zip(prompts, outputs, strict=True):
+        assert out.outputs[0].token_ids == hf_greedy(model_dir, tuple(prompt), steps), (
+            f"prompt of {len(prompt)} tokens diverged from HF"
+        )
+
+
+def assert_engine_clean(llm) -> None:
+    """The engine's block pool is consistent and holds nothing once every request ended."""
+    llm.engine.check_integrity()
+    usage = llm.engine.kv_usage()
+    assert usage.num_used_blocks == 0 and usage.num_sequences == 0

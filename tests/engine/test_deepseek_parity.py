@@ -16,7 +16,12 @@ from splitserve.engine.model_config import ModelConfig
 from splitserve.engine.spec_decode.config import SpeculativeConfig
 from splitserve.engine.weights import iter_tensors
 from splitserve.testing.tiny_model import TINY_DEEPSEEK, make_tiny_deepseek_model
-from tests.engine.hf_oracle import hf_greedy, hf_model, random_prompts
+from tests.engine.hf_oracle import (
+    assert_engine_clean,
+    assert_matches_hf,
+    hf_model,
+    random_prompts,
+)
 
 STEPS = 64
 GREEDY = SamplingParams(temperature=0.0, max_tokens=STEPS, ignore_eos=True)
@@ -30,28 +35,15 @@ def deepseek_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]
     return {v: make_tiny_deepseek_model(root / v, v) for v in TINY_DEEPSEEK}
 
 
-def _assert_matches_hf(model_dir: Path, prompts, outputs) -> None:
-    for prompt, out in zip(prompts, outputs, strict=True):
-        assert out.outputs[0].token_ids == hf_greedy(model_dir, tuple(prompt), STEPS), (
-            f"prompt of {len(prompt)} tokens diverged from HF"
-        )
-
-
-def _assert_clean(llm: LLM) -> None:
-    llm.engine.check_integrity()
-    usage = llm.engine.kv_usage()
-    assert usage.num_used_blocks == 0 and usage.num_sequences == 0
-
-
 @pytest.mark.parametrize("variant", TINY_DEEPSEEK)
 def test_greedy_batch_and_chunked_prefill_match_hf(deepseek_models, variant):
     model_dir = deepseek_models[variant]
     whole, chunked = LLM(model_dir), LLM(model_dir, max_num_batched_tokens=24)
     prompts = random_prompts(LENGTHS, whole.engine.model_config.vocab_size)
-    _assert_matches_hf(model_dir, prompts, whole.generate(prompts, GREEDY, use_tqdm=False))
-    _assert_matches_hf(model_dir, prompts, chunked.generate(prompts, GREEDY, use_tqdm=False))
-    _assert_clean(whole)
-    _assert_clean(chunked)
+    assert_matches_hf(model_dir, prompts, whole.generate(prompts, GREEDY, use_tqdm=False), STEPS)
+    assert_matches_hf(model_dir, prompts, chunked.generate(prompts, GREEDY, use_tqdm=False), STEPS)
+    assert_engine_clean(whole)
+    assert_engine_clean(chunked)
 
 
 @pytest.mark.parametrize("variant", TINY_DEEPSEEK)
@@ -63,10 +55,10 @@ def test_prefix_hits_and_preemption_match_hf(deepseek_models, variant):
     prompts = [shared + s for s in random_prompts([3, 21, 60, 9, 33], vocab, seed=8)]
     first = llm.generate(prompts[:1], GREEDY, use_tqdm=False)
     rest = llm.generate(prompts[1:], GREEDY, use_tqdm=False)
-    _assert_matches_hf(model_dir, prompts, first + rest)
+    assert_matches_hf(model_dir, prompts, first + rest, STEPS)
     assert all(out.num_cached_tokens == 32 for out in rest)
     assert llm.engine.scheduler.num_preemptions > 0
-    _assert_clean(llm)
+    assert_engine_clean(llm)
 
 
 def test_config_matches_hf(deepseek_models):

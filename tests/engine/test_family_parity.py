@@ -9,7 +9,7 @@ import pytest
 from splitserve.engine import LLM, SamplingParams
 from splitserve.engine.spec_decode.config import SpeculativeConfig
 from splitserve.testing.tiny_families import TINY_FAMILIES
-from tests.engine.hf_oracle import hf_greedy, random_prompts
+from tests.engine.hf_oracle import assert_engine_clean, assert_matches_hf, random_prompts
 
 STEPS = 64
 GREEDY = SamplingParams(temperature=0.0, max_tokens=STEPS, ignore_eos=True)
@@ -17,28 +17,15 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=STEPS, ignore_eos=True)
 LENGTHS = [1, 7, 16, 17, 50, 130]
 
 
-def _assert_matches_hf(model_dir, prompts, outputs) -> None:
-    for prompt, out in zip(prompts, outputs, strict=True):
-        assert out.outputs[0].token_ids == hf_greedy(model_dir, tuple(prompt), STEPS), (
-            f"prompt of {len(prompt)} tokens diverged from HF"
-        )
-
-
-def _assert_clean(llm: LLM) -> None:
-    llm.engine.check_integrity()
-    usage = llm.engine.kv_usage()
-    assert usage.num_used_blocks == 0 and usage.num_sequences == 0
-
-
 @pytest.mark.parametrize("family", TINY_FAMILIES)
 def test_greedy_batch_and_chunked_prefill_match_hf(tiny_families, family):
     model_dir = tiny_families[family]
     whole, chunked = LLM(model_dir), LLM(model_dir, max_num_batched_tokens=24)
     prompts = random_prompts(LENGTHS, whole.engine.model_config.vocab_size)
-    _assert_matches_hf(model_dir, prompts, whole.generate(prompts, GREEDY, use_tqdm=False))
-    _assert_matches_hf(model_dir, prompts, chunked.generate(prompts, GREEDY, use_tqdm=False))
-    _assert_clean(whole)
-    _assert_clean(chunked)
+    assert_matches_hf(model_dir, prompts, whole.generate(prompts, GREEDY, use_tqdm=False), STEPS)
+    assert_matches_hf(model_dir, prompts, chunked.generate(prompts, GREEDY, use_tqdm=False), STEPS)
+    assert_engine_clean(whole)
+    assert_engine_clean(chunked)
 
 
 @pytest.mark.parametrize("family", TINY_FAMILIES)
@@ -50,10 +37,10 @@ def test_prefix_hits_and_preemption_match_hf(tiny_families, family):
     prompts = [shared + s for s in random_prompts([3, 21, 60, 9, 33], vocab, seed=8)]
     first = llm.generate(prompts[:1], GREEDY, use_tqdm=False)
     rest = llm.generate(prompts[1:], GREEDY, use_tqdm=False)
-    _assert_matches_hf(model_dir, prompts, first + rest)
+    assert_matches_hf(model_dir, prompts, first + rest, STEPS)
     assert all(out.num_cached_tokens == 32 for out in rest)
     assert llm.engine.scheduler.num_preemptions > 0
-    _assert_clean(llm)
+    assert_engine_clean(llm)
 
 
 @pytest.mark.parametrize("family", TINY_FAMILIES)
@@ -62,6 +49,6 @@ def test_ngram_speculation_matches_hf(tiny_families, family):
     llm = LLM(model_dir, speculative=SpeculativeConfig("ngram", num_speculative_tokens=4))
     spans = random_prompts([9, 20], llm.engine.model_config.vocab_size, seed=3)
     prompts = [s * 3 for s in spans]  # repeats, so n-gram drafts get proposed
-    _assert_matches_hf(model_dir, prompts, llm.generate(prompts, GREEDY, use_tqdm=False))
+    assert_matches_hf(model_dir, prompts, llm.generate(prompts, GREEDY, use_tqdm=False), STEPS)
     assert llm.engine.stats().spec_decode_num_draft_tokens > 0
-    _assert_clean(llm)
+    assert_engine_clean(llm)
