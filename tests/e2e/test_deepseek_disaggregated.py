@@ -15,7 +15,7 @@ from splitserve.client import collect, stream
 from splitserve.engine import SamplingParams
 from splitserve.engine.model_config import ModelConfig
 from splitserve.engine.tokenizer import load_tokenizer
-from splitserve.testing.tiny_model import TINY_DEEPSEEK, make_tiny_deepseek_model
+from splitserve.testing.tiny_deepseek import TINY_DEEPSEEK, make_tiny_deepseek_model
 from tests.e2e.harness import assert_nothing_leaks, gateway, running_stack, stats, workers
 from tests.engine.hf_oracle import hf_greedy, random_prompts
 

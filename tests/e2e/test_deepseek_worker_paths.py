@@ -16,7 +16,7 @@ from splitserve.client import collect, stream
 from splitserve.engine import SamplingParams
 from splitserve.protos.v1 import worker_pb2, worker_pb2_grpc
 from splitserve.roles.control import set_role
-from splitserve.testing.tiny_model import make_tiny_deepseek_model
+from splitserve.testing.tiny_deepseek import make_tiny_deepseek_model
 from tests.e2e.harness import (
     assert_nothing_leaks,
     gateway,

@@ -15,7 +15,7 @@ from splitserve.engine.kv_cache import bytes_per_block
 from splitserve.engine.model_config import ModelConfig
 from splitserve.engine.spec_decode.config import SpeculativeConfig
 from splitserve.engine.weights import iter_tensors
-from splitserve.testing.tiny_model import TINY_DEEPSEEK, make_tiny_deepseek_model
+from splitserve.testing.tiny_deepseek import TINY_DEEPSEEK, make_tiny_deepseek_model
 from tests.engine.hf_oracle import (
     assert_engine_clean,
     assert_matches_hf,
