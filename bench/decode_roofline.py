@@ -47,22 +47,30 @@ def untouched_expert_bytes(engine) -> int:
     layers = [layer.mlp for layer in engine.model.model.layers if hasattr(layer.mlp, "experts")]
     if not layers:
         return 0
+    from splitserve.engine import deepseek_moe
+
     picked: list[torch.Tensor] = []
     ops = layers[0].ops  # NOTE: one ops object serves every layer
-    route = ops.moe_route
+    route, route_deepseek = ops.moe_route, deepseek_moe.route
 
-    def recording(*args, **kwargs):
-        weights, ids = route(*args, **kwargs)
-        picked.append(ids.flatten())
-        return weights, ids
+    def recording(route_fn):
+        def recorded(*args, **kwargs):
+            weights, ids = route_fn(*args, **kwargs)
+            picked.append(ids.flatten())
+            return weights, ids
+
+        return recorded
 
     graphs, engine.runner.graphs = engine.runner.graphs, None
-    ops.moe_route = recording
+    ops.moe_route = recording(route)
+    # NOTE: DeepSeek's grouped and sigmoid routers run in torch, not through `ops`
+    deepseek_moe.route = recording(route_deepseek)
     try:
         engine.step()
         sync()
     finally:
         del ops.moe_route
+        deepseek_moe.route = route_deepseek
         engine.runner.graphs = graphs
     total = 0
     for block, ids in zip(layers, picked[-len(layers) :], strict=True):
@@ -236,6 +244,13 @@ def main() -> None:
         help="programmatic dependent launch in the kernels (kernels/pdl.py); both = A/B",
     )
     parser.add_argument("--quantization", choices=["none", "fp8", "both"], default="none")
+    parser.add_argument(
+        "--attention-backends",
+        nargs="+",
+        choices=["auto", "triton", "torch"],
+        default=["auto"],
+        help="engines to time, one per backend (torch: eager, no CUDA graphs: a baseline)",
+    )
     parser.add_argument("--kv-cache-dtype", choices=["auto", "fp8"], default="auto")
     parser.add_argument(
         "--async-scheduling",
@@ -247,6 +262,7 @@ def main() -> None:
     assert torch.cuda.is_available(), "this benchmark needs a GPU"
     from splitserve.engine import LLMEngine
     from splitserve.engine.config import EngineConfig
+    from splitserve.engine.kv_cache import bytes_per_block
     from splitserve.engine.quantization import weight_bytes as stored_bytes
 
     max_model_len = args.max_model_len or args.context + 4 * args.steps + 64
@@ -257,10 +273,16 @@ def main() -> None:
     pdl_modes = {"on": [True], "off": [False], "both": [False, True]}[args.pdl]
     quant_modes = {"none": ["none"], "fp8": ["fp8"], "both": ["none", "fp8"]}[args.quantization]
     async_modes = {"on": [True], "off": [False], "both": [False, True]}[args.async_scheduling]
-    modes = [(q, pdl, a) for q in quant_modes for pdl in pdl_modes for a in async_modes]
+    modes = [
+        (q, pdl, a, backend)
+        for backend in args.attention_backends
+        for q in quant_modes
+        for pdl in pdl_modes
+        for a in async_modes
+    ]
     with tempfile.TemporaryDirectory() as tmp:
         path = model_dir(args.shape, Path(tmp))
-        for quant, pdl, overlap in modes:
+        for quant, pdl, overlap, backend in modes:
             engine = None
             gc.collect()
             torch.cuda.empty_cache()
@@ -276,6 +298,7 @@ def main() -> None:
                     quantization=quant,
                     kv_cache_dtype=args.kv_cache_dtype,
                     async_scheduling=overlap,
+                    attention_backend=backend,
                 ),
             )
             cfg = engine.model_config
@@ -283,8 +306,8 @@ def main() -> None:
             all_weight_bytes = stored_bytes(engine.model) - (
                 embedding.numel() * embedding.element_size() * (not cfg.tie_word_embeddings)
             )
-            kv_elem = 1 if args.kv_cache_dtype == "fp8" else 2
-            kv_per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * kv_elem
+            # NOTE: per token and every layer: keys and values, or MLA's one latent row
+            kv_per_token = bytes_per_block(cfg, 1, engine.kv_cache.pool.dtype)
             for batch in args.batches:
                 times, mean_tokens, unread = decode_step_times(
                     engine, batch, args.context, args.steps
@@ -297,6 +320,8 @@ def main() -> None:
                         "weights": "fp8" if quant == "fp8" else "bf16",
                         "PDL": "on" if pdl else "off",
                         "async": "on" if overlap else "off",
+                        "attention": engine.platform.attention_backend,
+                        "graphs": "on" if engine.platform.cuda_graphs else "off",
                         "step ms": statistics.median(times) * 1e3,
                         "bytes": weight_bytes + kv_bytes,
                         "weights GB": weight_bytes / 1e9,
@@ -335,10 +360,11 @@ def main() -> None:
         f"max_model_len {max_model_len}  "
         f"copy bandwidth {bandwidth / 1e9:.0f} GB/s"
     )
-    columns = ["weights", "batch", "PDL", "async", "step ms", "floor ms", "ratio", "weights GB"]
+    columns = ["weights", "attention", "graphs", "batch", "PDL", "async", "step ms", "floor ms"]
+    columns += ["ratio", "weights GB"]
     columns.append("KV MB")
     print(table(rows, columns))
-    same = ("batch", "PDL", "async")
+    same = ("attention", "batch", "PDL", "async")
     speedups = [
         {**{k: r8[k] for k in same}, "fp8 speed-up": r16["step ms"] / r8["step ms"]}
         for r16 in rows

@@ -55,8 +55,12 @@
 #   host-tier       the host-memory KV tier: its GPU tests, then bench/host_tier.py (a 32k-token
 #                   host hit, the tier's cost, swap)
 #   host-tier-working  bench/host_tier.py's working set twice the GPU cache, under load
-#   mla             DeepSeek MLA: the absorbed decode kernel's tests (the real shape on the GPU)
-#                   and bench/mla_decode.py (batch 64, 4k contexts, against copy bandwidth)
+#   mla             DeepSeek MLA: the absorbed decode kernel's and the latent write's tests (the
+#                   real shape on the GPU), V2/V3 under CUDA graphs against HF, then
+#                   bench/mla_decode.py (batch 64, 4k contexts, against copy bandwidth) and
+#                   bench/mla_prefill.py (the latent path's prefill against per-head attention)
+#   mla-step        the DeepSeek-V2-Lite decode step at batch 1 and 64 against its floor, CUDA
+#                   graphs (triton backend) against eager (torch backend)
 #   prefix-reuse    bench/prefix_reuse.py on one GPU (Llama-3.2-1B shape): shared system prompts
 #                   over two workers sharing it, then P/D multi-turn TTFT
 #   lora            multi-LoRA: the kernels' GPU tests, their cost per decode step (PDL on/off),
@@ -252,8 +256,14 @@ for step in "$@"; do
       run host_tier_working 40 timeout 540 python3 -m bench.host_tier --sections working \
         --out "$OUT/host_tier_working.json" ;;
     mla)
-      run mla_tests 4 pytest_q tests/kernels/test_mla_decode.py tests/engine/test_deepseek_parity.py
-      run mla_decode 20 timeout 300 python3 -m bench.mla_decode --out "$OUT/mla_decode.json" ;;
+      run mla_tests 4 pytest_q tests/kernels/test_mla_decode.py tests/kernels/test_latent_write.py \
+        tests/engine/test_deepseek_parity.py tests/engine/test_gpu_parity.py -k "deepseek or mla or latent"
+      run mla_decode 20 timeout 300 python3 -m bench.mla_decode --out "$OUT/mla_decode.json"
+      run mla_prefill 8 timeout 150 python3 -m bench.mla_prefill --out "$OUT/mla_prefill.json" ;;
+    mla-step)
+      run mla_step 12 timeout 560 python3 -m bench.decode_roofline --shape deepseek-v2-lite \
+        --batches 1 64 --context 1024 --pdl on --async-scheduling on \
+        --attention-backends triton torch --out "$OUT/mla_step.json" ;;
     prefix-reuse)
       run prefix_reuse 30 timeout 580 python3 -m bench.prefix_reuse --device cuda:0 \
         --concurrency 64 --out "$OUT/prefix_reuse.json" ;;

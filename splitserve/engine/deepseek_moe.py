@@ -51,15 +51,32 @@ class DeepseekMoE(nn.Module):
         self.experts = Experts(cfg.moe, cfg.hidden_size)
         self.shared_experts = shared
         self.lora = None  # LoRA hooks look for it; experts take no adapters
+        self._router_f32: tuple[torch.Tensor, int, torch.Tensor] | None = None
 
     def merge_projections(self) -> None:
         if self.shared_experts is not None:
             self.shared_experts.merge_projections()  # type: ignore[operator]
 
+    def router_weight(self) -> torch.Tensor:
+        """The router's weight in float32 (routing runs in float32), cast once per weight
+        tensor rather than every step: the same values, one launch less a layer."""
+        param, cached = self.gate.weight, self._router_f32
+        if cached is None or cached[0] is not param or cached[1] != param.data_ptr():
+            cached = self._router_f32 = (param, param.data_ptr(), param.detach().float())
+        return cached[2]
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        logits = F.linear(x.float(), self.gate.weight.float())
-        bias = self.gate.e_score_correction_bias
-        weights, ids = route(logits, None if bias is None else bias.float(), self.moe)
+        logits = F.linear(x.float(), self.router_weight())
+        moe = self.moe
+        if moe.router == "deepseek_softmax" and moe.num_groups == 1:
+            # NOTE: V2's greedy top-k is the softmax top-k router without renormalisation:
+            # one fused launch on a GPU (kernels/moe_route.py) where torch takes several.
+            weights, ids = self.ops.moe_route(logits, moe.top_k, "softmax_topk", False)
+            if moe.routed_scaling_factor != 1.0:
+                weights = weights * moe.routed_scaling_factor
+        else:
+            bias = self.gate.e_score_correction_bias
+            weights, ids = route(logits, None if bias is None else bias.float(), moe)
         experts = self.experts
         out = self.ops.fused_moe(
             x,

@@ -20,8 +20,12 @@ qk_nope_head_dim, kv_lora_rank] and W_UV [heads, v_head_dim, kv_lora_rank]; each
 becomes [q_nope @ W_UK | q_pe], attends over the cached rows themselves (the value is a row's
 first kv_lora_rank entries) and its latent output goes out through W_UV^T. No latent is
 decompressed: on CUDA kernels/mla_decode.py `mla_decode` runs it, elsewhere its torch reference.
-Prefill and mixed steps decompress as above. Only the torch attention backend runs this family
-(`check_engine`).
+Prefill and mixed steps decompress as above.
+
+The layer attends itself, whatever the engine's attention backend: the backend decides only the
+rest of the step (the Triton ops and CUDA graphs on a GPU with the default "triton", neither with
+"torch"). The decode path reads nothing back on the host (kernels/latent_write.py writes the
+latents), so it is captured in the decode graphs like any other family's.
 """
 
 from __future__ import annotations
@@ -36,6 +40,8 @@ from splitserve.engine.attention import AttentionMetadata
 from splitserve.engine.model_config import ModelConfig
 from splitserve.engine.ops import NO_SCALES, Scales, TorchOps
 from splitserve.engine.rotary import RotaryEmbedding
+from splitserve.kernels.latent_write import write_latents as write_latents_gpu
+from splitserve.kernels.latent_write import write_latents_ref
 from splitserve.kernels.mla_decode import mla_decode, mla_decode_ref
 
 if TYPE_CHECKING:
@@ -56,10 +62,6 @@ def check_engine(model: ModelConfig, config: EngineConfig) -> None:
         (config.lora_enabled, "LoRA adapters"),
         (config.quantization is not None, f"quantization {config.quantization!r}"),
         (model.sliding_window is not None, "a sliding window"),
-        (
-            config.attention_backend not in ("torch", "auto"),
-            f"the {config.attention_backend!r} attention backend (use attention_backend='torch')",
-        ),
     ]
     for refuse, what in refused:
         if refuse:
@@ -195,12 +197,15 @@ class MLAttention(nn.Module):
             k_nope, values = kv.split([mla.qk_nope_head_dim, mla.v_head_dim], dim=-1)
             k_rot = k_pe[:, None].expand(seq_len, self.num_heads, mla.qk_rope_head_dim)
             keys = torch.cat([k_nope, k_rot], dim=-1)
-            mask = causal_mask(query_len, seq_len, q.device)
+            # NOTE: a fresh prompt (nothing cached before it) needs no mask tensor: SDPA's own
+            # causal mode picks a fused kernel and never builds [L, L] (256 MiB at 16k tokens).
+            fresh = query_len == seq_len
             attn = F.scaled_dot_product_attention(
                 q[start:end].transpose(0, 1),
                 keys.transpose(0, 1),
                 values.transpose(0, 1),
-                attn_mask=mask,
+                attn_mask=None if fresh else causal_mask(query_len, seq_len, q.device),
+                is_causal=fresh and query_len > 1,
                 scale=mla.softmax_scale,
             )
             out[start:end] = attn.transpose(0, 1)
@@ -216,12 +221,13 @@ def causal_mask(query_len: int, seq_len: int, device: torch.device) -> torch.Ten
 
 def write_latents(latents: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tensor) -> None:
     """Store each token's latent [T, latent_dim] at its flat slot of the layer's view
-    kv_cache [1, blocks, block_size, 1, latent_dim]; slot -1 (padding) is skipped."""
-    if bool((slots < 0).any()):
-        keep = slots >= 0
-        latents, slots = latents[keep], slots[keep]
-    block_size = kv_cache.shape[2]
-    kv_cache[0][slots // block_size, slots % block_size, 0] = latents.to(kv_cache.dtype)
+    kv_cache [1, blocks, block_size, 1, latent_dim]; slot -1 (padding) is skipped. On a GPU one
+    Triton launch that reads nothing back (a decode graph captures it), else torch."""
+    latents = latents.to(kv_cache.dtype)
+    if kv_cache.is_cuda:
+        write_latents_gpu(latents.contiguous(), kv_cache, slots)
+    else:
+        write_latents_ref(latents, kv_cache, slots)
 
 
 def gather_latents(

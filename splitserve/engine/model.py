@@ -300,10 +300,6 @@ class DecoderModel(nn.Module):
             if cfg.rope_local is not None
             else None
         )
-        if cfg.mla is not None and backend_name != "torch":
-            raise ValueError(
-                f"{cfg.architecture} (DeepSeek MLA) runs only on the 'torch' attention backend yet"
-            )
         backend_cls = get_attention_backend(backend_name)
         scale = cfg.attn_scale if cfg.attn_scale is not None else cfg.head_dim**-0.5
         backends: dict[int | None, AttentionBackend] = {}

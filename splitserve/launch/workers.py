@@ -92,13 +92,11 @@ def build_engine(
     service: ServiceSettings, worker: WorkerSettings, record_prefix_events: bool = False
 ) -> LLMEngine:
     """The worker's engine; a KV pool too small for one sequence of the full context is an
-    error at start (a worker would otherwise refuse long requests only when they come). An MLA
-    model (DeepSeek-V2/V3) gets the torch attention backend, the one it runs on, on any device;
-    what it cannot run with yet (TP, speculation, an FP8 KV cache, LoRA) is refused by name."""
+    error at start (a worker would otherwise refuse long requests only when they come). What an
+    MLA model (DeepSeek-V2/V3) cannot run with yet (TP, speculation, an FP8 KV cache, LoRA) is
+    refused by name (engine/mla.py `check_engine`)."""
     model = ModelConfig.from_pretrained(service.model)
     config = engine_config(worker, record_prefix_events, model.torch_dtype)
-    if model.mla is not None:  # NOTE: DeepSeek's MLA runs on the torch backend only (engine/mla.py)
-        config = dataclasses.replace(config, attention_backend="torch")
     engine = LLMEngine(service.model, config)
     config = engine.config
     assert config.num_kv_blocks is not None

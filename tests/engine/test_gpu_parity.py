@@ -189,3 +189,30 @@ def test_gpu_float32_families_match_hf(tmp_path, family, max_num_seqs):
     got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     want = [hf_greedy(model_dir, tuple(p), 16) for p in prompts]
     assert got == want
+
+
+@pytest.mark.parametrize("max_num_seqs", [8, 1])
+@pytest.mark.parametrize("variant", ["deepseek_v2", "deepseek_v2_greedy", "deepseek_v3"])
+def test_gpu_float32_deepseek_under_cuda_graphs_matches_hf(tmp_path, variant, max_num_seqs):
+    """DeepSeek's MLA on the default backend: Triton ops, the latents written by their kernel,
+    the absorbed decode kernel and the DeepSeek MoE, all inside the decode graphs, give HF's
+    float32 greedy tokens (prompts past a few blocks, so the decode splits its context)."""
+    from splitserve.testing.tiny_deepseek import make_tiny_deepseek_model
+    from tests.engine.hf_oracle import hf_greedy
+
+    # V2-Lite's routing (one group, softmax top-k): the fused router kernel
+    greedy = {"topk_method": "greedy", "n_group": 1, "topk_group": 1}
+    overrides = greedy if variant.endswith("_greedy") else None
+    model_dir = make_tiny_deepseek_model(
+        tmp_path / variant, variant.removesuffix("_greedy"), config_overrides=overrides
+    )
+    llm = LLM(
+        model_dir, dtype="float32", device="cuda", num_kv_blocks=256, max_num_seqs=max_num_seqs
+    )
+    assert llm.engine.platform.attention_backend == "triton"
+    assert llm.engine.runner.graphs is not None
+    prompts = random_prompts([5, 30, 70], llm.engine.model_config.vocab_size, seed=3)
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    want = [hf_greedy(model_dir, tuple(p), 16) for p in prompts]
+    assert got == want

@@ -199,3 +199,17 @@ def test_benchmark_smoke_run_writes_json(tmp_path):
     result = json.loads(out.read_text())
     rows = [r for r in result["rows"] if "skipped" not in r]
     assert rows and all(r["GB_per_s"] > 0 and r["num_splits"] >= 1 for r in rows)
+
+
+@pytest.mark.slow
+def test_prefill_benchmark_smoke_run_writes_json(tmp_path):
+    """bench/mla_prefill.py times the engine's latent prefill beside per-head attention."""
+    import json
+
+    from bench.mla_prefill import main
+
+    out = tmp_path / "mla_prefill.json"
+    main(["--smoke", "--out", str(out)])
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["tokens"] for r in rows] == [64, 200]
+    assert all(r["latent ms"] > 0 and r["per-head ms"] > 0 for r in rows)
