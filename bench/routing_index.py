@@ -1,13 +1,21 @@
 """The gateway's routing decision against a real redis-server's prefix index (CPU): what one
-request costs the gateway before it picks a worker, by prompt length, and how long a worker's
-publish of a long prompt's blocks takes (the index's lag beyond the worker's housekeeping turn,
-every heartbeat_ttl_s / 6: 0.25 s by default).
+request costs the gateway before it picks a worker, by prompt length, from the index the
+gateway follows in memory and (the baseline, in the same run) from Redis's Lua lookup; and the
+index's lag: from a worker's publish to the change being in the gateway's copy.
 
-Decision = the prompt's chained block hashes, the registry lookup of both tiers
-(`prefix_match_tiers`, one round trip), the scores and the policy's pick, as
-`Orchestrator._pick_decode` does. The index holds `--workers` workers, each with
-`--prompts` prompts of every length in both tiers; the timed prompts are half hits (the first
-half of a held prompt, then new tokens) and half misses.
+Decision, as `Orchestrator._pick_decode_now` makes it (its live-worker reads aside):
+- memory: the in-memory walk (`PrefixFollower.match_tiers`: the prompt hashed only as far as
+  some worker's run goes, hashes of recently routed prompts reused), then the scores and the
+  policy's pick; "no memo": the same, every hash computed;
+- Redis: the prompt's chained block hashes, the registry lookup of both tiers
+  (`prefix_match_tiers`, one round trip), the scores and the pick (the gateway's path when its
+  copy is not in step).
+
+The index holds `--workers` live workers, each with `--prompts` prompts of every length in
+both tiers; the timed prompts are half hits (the first half of a held prompt, then new tokens)
+and half misses. Both paths answer every prompt, and must agree. "memory cpu" is the memory
+path's own CPU time (`time.thread_time`): on a shared VM the wall clock's tail is mostly the
+thread waiting for a core.
 
     python -m bench.routing_index --lengths 1024 8192 32768 --requests 200
 """
@@ -18,16 +26,23 @@ import argparse
 import random
 import statistics
 import time
+from collections.abc import Callable, Mapping
 from typing import Any
+
+import redis
 
 from bench.common import table, write_results
 from splitserve.engine.prefix_hash import prefix_block_hashes
+from splitserve.gateway.prefix_follower import PrefixFollower, live_ids
+from splitserve.gateway.prompt_chain import PromptChain
 from splitserve.gateway.router import LeastLoadedPrefixAware, prefix_scores
+from splitserve.kv_transfer.prefix_events import PrefixEventLog
 from splitserve.kv_transfer.redis_server import RedisServer
 from splitserve.kv_transfer.registry import Registry, WorkerInfo
 from splitserve.kv_transfer.registry_prefix import host_tier_id
 
 BLOCK = 16
+Tiers = dict[str, tuple[int, int]]
 
 
 def _prompt(seed: int, length: int) -> list[int]:
@@ -42,39 +57,72 @@ def _worker(i: int) -> WorkerInfo:
     )  # fmt: skip
 
 
-def populate(registry: Registry, workers: int, prompts: int, length: int) -> dict[str, Any]:
-    """Each worker publishes its prompts' blocks in both tiers; the slowest publish is the
-    index's lag beyond a housekeeping turn."""
-    publish_ms = []
+def _ms(times: list[float], q: float) -> float:
+    times = sorted(times)
+    return times[int(q * (len(times) - 1))]
+
+
+def populate(
+    registry: Registry, follower: PrefixFollower, log: PrefixEventLog, workers: int,
+    prompts: int, length: int,
+) -> dict[str, Any]:  # fmt: skip
+    """Each worker publishes its prompts' blocks in both tiers. Lag: from the publish's
+    start until the gateway's copy applied it (the publish's own time included: the copy may
+    apply it before the worker has read the MULTI's replies)."""
+    publish_ms, lag_ms = [], []
     for w in range(workers):
         for p in range(prompts):
             hashes = prefix_block_hashes(_prompt(1000 * w + p, length), BLOCK)
             for index_id in (f"decode-{w}", host_tier_id(f"decode-{w}")):
                 start = time.perf_counter()
                 registry.add_prefix_blocks(index_id, hashes)
-                publish_ms.append(1e3 * (time.perf_counter() - start))
+                done = time.perf_counter()
+                publish_ms.append(1e3 * (done - start))
+                if not follower.wait_applied(log.head(), timeout_s=10.0):
+                    raise RuntimeError("the gateway's copy did not catch up in 10 s")
+                lag_ms.append(1e3 * (follower.applied_at - start))
     return {"blocks per publish": (length - 1) // BLOCK,
             "publish p50 ms": statistics.median(publish_ms),
-            "publish max ms": max(publish_ms)}  # fmt: skip
+            "publish max ms": max(publish_ms),
+            "lag p50 ms": statistics.median(lag_ms), "lag max ms": max(lag_ms)}  # fmt: skip
 
 
-def decisions(registry: Registry, workers: int, prompts: int, length: int, n: int) -> list[float]:
+def decisions(
+    lookups: Mapping[str, Callable[[list[int]], Tiers]], workers: int, prompts: int, length: int,
+    n: int,
+) -> dict[str, list[float]]:  # fmt: skip
+    """Each lookup's decision time (ms) on the same prompts, in turn; they must agree."""
     policy = LeastLoadedPrefixAware()
     infos = [_worker(i) for i in range(workers)]
     rng = random.Random(length)
-    times = []
+    times: dict[str, list[float]] = {name: [] for name in [*lookups, "memory cpu"]}
     for r in range(n):
         if r % 2:  # a hit: the first half of a held prompt, then new tokens
             held = _prompt(1000 * rng.randrange(workers) + rng.randrange(prompts), length)
             prompt = held[: length // 2] + _prompt(2 * 10**6 + r, length - length // 2)
         else:
             prompt = _prompt(10**6 + r, length)
-        start = time.perf_counter()
-        hashes = prefix_block_hashes(prompt, BLOCK)
-        tiers = registry.prefix_match_tiers(hashes)
-        policy.pick_decode(infos, {}, prefix_scores(tiers, 0.9))
-        times.append(1e3 * (time.perf_counter() - start))
+        answers = []
+        order = list(lookups.items())
+        turn = r % len(order)  # NOTE: each lookup goes first in turn (caches, the GIL)
+        for name, lookup in order[turn:] + order[:turn]:
+            start, cpu = time.perf_counter(), time.thread_time()
+            tiers = lookup(prompt)
+            policy.pick_decode(infos, {}, prefix_scores(tiers, 0.9))
+            times[name].append(1e3 * (time.perf_counter() - start))
+            if name == "memory":  # NOTE: this thread's CPU time: the wall's, less preemption
+                times["memory cpu"].append(1e3 * (time.thread_time() - cpu))
+            answers.append(tiers)
+        if any(a != answers[0] for a in answers):
+            raise AssertionError(f"the lookups disagree on prompt {r}: {answers}")
     return times
+
+
+def timed(fn: Callable[[], Any], n: int = 20) -> float:
+    start = time.perf_counter()
+    for _ in range(n):
+        fn()
+    return 1e3 * (time.perf_counter() - start) / n
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -88,32 +136,52 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     rows: list[dict[str, Any]] = []
     with RedisServer() as server:
         registry = Registry(server.url)
+        for i in range(args.workers):
+            registry.register_worker(_worker(i), ttl_s=3600.0)
+        log = PrefixEventLog(redis.Redis.from_url(server.url), registry.namespace)
+        follower = PrefixFollower(
+            PrefixEventLog(redis.Redis.from_url(server.url), registry.namespace),
+            live_ids(registry),
+        ).start()
+
+        def from_redis(prompt: list[int]) -> Tiers:
+            return registry.prefix_match_tiers(prefix_block_hashes(prompt, BLOCK))
+
+        def from_memory(prompt: list[int]) -> Tiers:
+            tiers = follower.match_tiers(prompt, BLOCK)
+            if tiers is None:
+                raise RuntimeError("the gateway's copy is not in step")
+            return tiers
+
+        def no_memo(prompt: list[int]) -> Tiers:
+            """The same walk, every hash computed (no recently routed prompt to reuse)."""
+            with follower.view.lock:
+                return follower.view.match(PromptChain(prompt, BLOCK))
+
         try:
             for length in args.lengths:
                 row: dict[str, Any] = {"prompt tokens": length}
-                row |= populate(registry, args.workers, args.prompts, length)
-                times = sorted(decisions(registry, args.workers, args.prompts, length,
-                                         args.requests))  # fmt: skip
-                row |= {"decision p50 ms": statistics.median(times),
-                        "decision p99 ms": times[int(0.99 * (len(times) - 1))]}  # fmt: skip
-                prompt = _prompt(7, length)
-                start = time.perf_counter()
-                for _ in range(20):
-                    hashes = prefix_block_hashes(prompt, BLOCK)
-                row["hashing ms"] = 1e3 * (time.perf_counter() - start) / 20
+                row |= populate(registry, follower, log, args.workers, args.prompts, length)
+                lookups = {"memory": from_memory, "no memo": no_memo, "Redis": from_redis}
+                times = decisions(lookups, args.workers, args.prompts, length, args.requests)
+                for name, t in times.items():
+                    row |= {f"{name} p50 ms": _ms(t, 0.5), f"{name} p99 ms": _ms(t, 0.99)}
                 # NOTE: seed 7 is decode-0's 8th prompt; 10**7 + 7 no one's (seeds >= 0:
                 # random.Random takes an int seed's absolute value)
-                for name, seed in (("lookup, miss ms", 10**7 + 7), ("lookup, whole hit ms", 7)):
-                    hashes = prefix_block_hashes(_prompt(seed, length), BLOCK)
-                    start = time.perf_counter()
-                    for _ in range(20):
-                        registry.prefix_match_tiers(hashes)
-                    row[name] = 1e3 * (time.perf_counter() - start) / 20
+                hit, miss = _prompt(7, length), _prompt(10**7 + 7, length)
+                row["hashing ms"] = timed(lambda: prefix_block_hashes(hit, BLOCK))  # noqa: B023
+                row["memory, miss ms"] = timed(lambda: from_memory(miss))  # noqa: B023
+                row["whole hit: no memo ms"] = timed(lambda: no_memo(hit))  # noqa: B023
+                row["memo ms"] = timed(lambda: from_memory(hit))  # noqa: B023
+                row["Redis ms"] = timed(lambda: from_redis(hit))  # noqa: B023
                 rows.append(row)
         finally:
+            follower.stop()
+            log.close()
             registry.close()
     print(table(rows, list(rows[0])))
-    results = {"workers": args.workers, "prompts": args.prompts, "rows": rows}
+    results = {"workers": args.workers, "prompts": args.prompts, "rows": rows,
+               "follower rebuilds": follower.rebuilds}  # fmt: skip
     write_results(args.out, results)
     return results
 

@@ -39,6 +39,7 @@ from splitserve.gateway.hedge import hedged_reserve
 from splitserve.gateway.migration import StreamMover
 from splitserve.gateway.observability import PREFILL, RequestObservation
 from splitserve.gateway.prefill_ledger import PrefillLedger
+from splitserve.gateway.prefix_follower import PrefixFollower
 from splitserve.gateway.route import Pick, Route, remaining
 from splitserve.gateway.router import NoWorkerError, RoutingPolicy, prefix_scores
 from splitserve.gateway.stubs import Stubs
@@ -83,8 +84,12 @@ class Orchestrator:
         settings: OrchestratorSettings,
         stubs: Stubs | None = None,
         ledger: PrefillLedger | None = None,
+        prefix_index: PrefixFollower | None = None,
     ) -> None:
-        """`ledger`: where prefill budgets are counted (default: this process only)."""
+        """`ledger`: where prefill budgets are counted (default: this process only);
+        `prefix_index`: the registry's prefix index followed in memory (routing asks Redis
+        whenever it is not in step, or without one)."""
+        self.prefix_index = prefix_index
         self.registry = registry
         self.policy = policy
         self.settings = settings
@@ -162,12 +167,7 @@ class Orchestrator:
         ]
         # NOTE: a LoRA request's blocks are keyed by its adapter's weights, which the gateway
         # does not know: no prefix bonus (its affinity is the adapter itself).
-        hashes = (
-            prefix_block_hashes(job.prompt_token_ids, self.settings.block_size)
-            if job.adapter is None
-            else []
-        )
-        tiers = self.registry.prefix_match_tiers(hashes) if hashes else {}
+        tiers = self._prefix_tiers(job.prompt_token_ids) if job.adapter is None else {}
         prefix = prefix_scores(tiers, self.settings.host_block_weight)
         # NOTE: picked and counted under one lock: a burst of picks running in threads at once
         # must each see the ones before it, or they all pick the same least-loaded worker.
@@ -178,6 +178,17 @@ class Orchestrator:
         hit = tiers.get(chosen.worker_id, (0, 0))[1]
         obs.routed("decode", chosen.worker_id, reason or ("prefix_hit" if hit else "least_loaded"))
         return Pick(chosen, hit, prefix)
+
+    def _prefix_tiers(self, prompt: Sequence[int]) -> dict[str, tuple[int, int]]:
+        """Each worker's (GPU run, reusable run) of the prompt's leading blocks: from memory,
+        hashing only as far as some worker's run goes (prefix_view.py), else from Redis."""
+        bs = self.settings.block_size
+        if self.prefix_index is not None:
+            tiers = self.prefix_index.match_tiers(prompt, bs)
+            if tiers is not None:
+                return tiers
+        hashes = prefix_block_hashes(prompt, bs)
+        return self.registry.prefix_match_tiers(hashes) if hashes else {}
 
     async def _reserve(
         self,

@@ -11,6 +11,7 @@ Key layout, everything under `{ns}:` (the namespace)::
     {ns}:req:{request_id}           hash    state, owner, writer, fence, blocks; PEXPIRE = lease
     {ns}:prefix:{hash_hex}          set     ids of workers holding that block in their prefix cache
     {ns}:prefix_worker:{worker_id}  set     hash_hex of every block that worker holds
+    {ns}:index_events               stream  the prefix index's changes, trimmed (prefix_events)
     (a worker's host-memory KV tier is indexed under the id "{worker_id}@host": registry_prefix)
 
 A request's record goes through::

@@ -15,6 +15,9 @@ from typing import Any
 
 import redis
 
+from splitserve.kv_transfer import prefix_events
+from splitserve.kv_transfer.prefix_events import ADD, CLEAR, REMOVE
+
 # The suffix of a worker's host-tier id in the prefix index.
 # NOTE: defined here only; a worker id ending in it would be taken for a host tier.
 HOST_TIER_SUFFIX = "@host"
@@ -42,37 +45,42 @@ class PrefixIndex:
         return f"{self._ns}:prefix:{hash_hex}"
 
     def _prefix_worker_key(self, worker_id: str) -> str:
-        return f"{self._ns}:prefix_worker:{worker_id}"
+        return prefix_events.worker_key(self._ns, worker_id)
 
     def add_prefix_blocks(self, worker_id: str, hashes: Iterable[bytes]) -> None:
-        """Record that `worker_id` holds these blocks in its prefix cache."""
-        hexes = [_hex(h) for h in hashes]
-        if not hexes:
-            return
-        pipe = self._client.pipeline(transaction=True)
-        for h in hexes:
-            pipe.sadd(self._prefix_key(h), worker_id)
-        pipe.sadd(self._prefix_worker_key(worker_id), *hexes)
-        pipe.execute()
+        """Record that `worker_id` holds these blocks in its prefix cache (and log it)."""
+        self._change_prefix_blocks(ADD, worker_id, hashes)
 
     def remove_prefix_blocks(self, worker_id: str, hashes: Iterable[bytes]) -> None:
-        """Record that `worker_id` evicted these blocks from its prefix cache."""
-        hexes = [_hex(h) for h in hashes]
+        """Record that `worker_id` evicted these blocks from its prefix cache (and log it)."""
+        self._change_prefix_blocks(REMOVE, worker_id, hashes)
+
+    def _change_prefix_blocks(self, op: str, worker_id: str, hashes: Iterable[bytes]) -> None:
+        raw = list(hashes)
+        hexes = [_hex(h) for h in raw]
         if not hexes:
             return
+        # NOTE: one MULTI: the sets and the change log (prefix_events.py) never disagree.
         pipe = self._client.pipeline(transaction=True)
+        update = pipe.sadd if op == ADD else pipe.srem
         for h in hexes:
-            pipe.srem(self._prefix_key(h), worker_id)
-        pipe.srem(self._prefix_worker_key(worker_id), *hexes)
+            update(self._prefix_key(h), worker_id)
+        update(self._prefix_worker_key(worker_id), *hexes)
+        prefix_events.append(pipe, self._ns, op, worker_id, raw)
         pipe.execute()
 
     def clear_prefix_blocks(self, worker_id: str) -> int:
         """Remove every prefix entry of `worker_id`, its host tier's too (it restarted, left or
-        died); returns how many. One script: both go at once."""
+        died), and log it; returns how many. One script: both go at once."""
         ids = [worker_id, host_tier_id(worker_id)]
-        removed = self._clear_prefix(
-            keys=[self._prefix_worker_key(i) for i in ids], args=[self._prefix_key(""), *ids]
+        pipe = self._client.pipeline(transaction=True)
+        self._clear_prefix(
+            keys=[self._prefix_worker_key(i) for i in ids],
+            args=[self._prefix_key(""), *ids],
+            client=pipe,
         )
+        prefix_events.append(pipe, self._ns, CLEAR, worker_id)
+        removed, _ = pipe.execute()
         return int(removed)
 
     def prefix_index_workers(self) -> set[str]:

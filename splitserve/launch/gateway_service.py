@@ -19,10 +19,12 @@ from splitserve.gateway.http_server import Authorize, HttpFrontDoor, create_app
 from splitserve.gateway.observability import GatewayObserver
 from splitserve.gateway.orchestrator import Orchestrator, OrchestratorSettings
 from splitserve.gateway.prefill_ledger import RedisLedger
+from splitserve.gateway.prefix_follower import PrefixFollower, live_ids
 from splitserve.gateway.replicas import SharedRequests
 from splitserve.gateway.router import make_policy
 from splitserve.gateway.servicer import GatewayServicer, ModelInfo
 from splitserve.gateway.stubs import Stubs
+from splitserve.kv_transfer.prefix_events import PrefixEventLog
 from splitserve.kv_transfer.registry import Registry
 from splitserve.protos.v1 import gateway_pb2_grpc
 from splitserve.runtime.auth import member_channel_interceptors
@@ -70,6 +72,7 @@ def start_gateway(
         metrics_secret=security.metrics_secret(service.metrics_bind_host, service.metrics_port),
     )
     metrics = opened.metrics
+    follower: PrefixFollower | None = None
     try:
         model_config, tokenizer = loaded or _load(service.model)
         registry = Registry(
@@ -80,6 +83,15 @@ def start_gateway(
         shared_redis = redis.Redis.from_url(
             service.redis_url, socket_connect_timeout=2.0, socket_timeout=5.0
         )
+        follower = PrefixFollower(
+            PrefixEventLog(
+                redis.Redis.from_url(
+                    service.redis_url, socket_connect_timeout=2.0, socket_timeout=5.0
+                ),
+                registry.namespace,
+            ),
+            live_ids(registry),
+        ).start()
         orchestrator = Orchestrator(
             registry,
             make_policy(gateway.routing_policy),
@@ -103,6 +115,7 @@ def start_gateway(
                 decode_many=gateway.decode_many,
             ),
             ledger=RedisLedger(shared_redis, replica_id, registry.namespace),
+            prefix_index=follower,
         )
         info = ModelInfo(
             name=service.served_model_name,
@@ -142,6 +155,8 @@ def start_gateway(
             lora_admin=servicer.adapters, ssl_context=security.http_ssl_context(),
         )  # fmt: skip
     except BaseException:
+        if follower is not None:
+            follower.stop()
         opened.close()
         raise
     pauses = settle("gateway")
@@ -153,6 +168,7 @@ def start_gateway(
             http.stop(opened.server)
         opened.server.stop()
         shared.stop()
+        follower.stop()
         registry.close()
         metrics.close()
         pauses.log_summary()
