@@ -41,7 +41,7 @@ from splitserve.engine.model_config import ModelConfig
 from splitserve.engine.ops import NO_SCALES, Scales, TorchOps
 from splitserve.engine.rotary import RotaryEmbedding
 from splitserve.kernels.latent_write import write_latents as write_latents_gpu
-from splitserve.kernels.latent_write import write_latents_ref
+from splitserve.kernels.latent_write import write_latents_normed, write_latents_ref
 from splitserve.kernels.mla_decode import mla_decode, mla_decode_ref
 
 if TYPE_CHECKING:
@@ -131,10 +131,20 @@ class MLAttention(nn.Module):
         q = q.reshape(-1, self.num_heads, mla.qk_head_dim)
         q_nope, q_pe = q.split([mla.qk_nope_head_dim, mla.qk_rope_head_dim], dim=-1)
         kv_a = ops.linear(x, self.kv_a_proj_with_mqa.weight, self.kv_a_proj_with_mqa.bias)
-        kv_c, k_pe = kv_a.split([mla.kv_lora_rank, mla.qk_rope_head_dim], dim=-1)
-        kv_c = self.kv_a_layernorm(kv_c.contiguous())
-        q_pe, k_pe = rotate(positions, q_pe, k_pe[:, None], self._rotary[0], mla.rope_layout)
-        write_latents(torch.cat([kv_c, k_pe[:, 0]], dim=-1), kv_cache, meta.slot_mapping)
+        rotary = self._rotary[0]
+        if ops.triton and kv_a.dtype == kv_cache.dtype:
+            # One launch: the latent normed, the RoPE key turned, both written (latent_write.py)
+            write_latents_normed(
+                kv_a, self.kv_a_layernorm.weight, LATENT_NORM_EPS, positions, rotary.cos,
+                rotary.sin, mla.rope_layout, kv_cache, meta.slot_mapping,
+            )  # fmt: skip
+            q_pe = rotate(positions, q_pe, None, rotary, mla.rope_layout)[0]
+        else:
+            kv_c, k_pe = kv_a.split([mla.kv_lora_rank, mla.qk_rope_head_dim], dim=-1)
+            kv_c = self.kv_a_layernorm(kv_c.contiguous())
+            q_pe, k_rot = rotate(positions, q_pe, k_pe[:, None], rotary, mla.rope_layout)
+            assert k_rot is not None
+            write_latents(torch.cat([kv_c, k_rot[:, 0]], dim=-1), kv_cache, meta.slot_mapping)
         decode_only = meta.max_query_len == 1 and q.shape[0] == meta.num_seqs
         if self.absorb_decode and decode_only:
             out = self._attend_absorbed(q_nope, q_pe, kv_cache, meta)
@@ -241,12 +251,15 @@ def gather_latents(
 def rotate(
     positions: torch.Tensor,
     q: torch.Tensor,
-    k: torch.Tensor,
+    k: torch.Tensor | None,
     rotary: RotaryEmbedding,
     layout: str,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """RoPE on q [T, heads, rope_dim] and k [T, 1, rope_dim] in the HF class's `layout`."""
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """RoPE on q [T, heads, rope_dim] and k [T, 1, rope_dim] (None: q only) in the HF class's
+    `layout`."""
     if layout == "half":
+        if k is None:
+            return rotary.rotate_one(positions, q), None
         return rotary(positions, q, k)
     half = q.shape[-1] // 2
     # The tables are cat(freqs, freqs) (times YaRN's attention factor): the first half is
@@ -260,7 +273,7 @@ def rotate(
             x1, x2 = x[..., 0::2], x[..., 1::2]
             return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
 
-        return turn(q), turn(k)
+        return turn(q), None if k is None else turn(k)
     # DeepSeek-V2's apply_rotary_emb: complex products in float32, pairs kept interleaved.
     freqs = torch.complex(cos.float(), sin.float())
 
@@ -268,4 +281,4 @@ def rotate(
         pairs = torch.view_as_complex(x.float().reshape(*x.shape[:-1], -1, 2))
         return torch.view_as_real(pairs * freqs).flatten(-2).to(x.dtype)
 
-    return turn_complex(q), turn_complex(k)
+    return turn_complex(q), None if k is None else turn_complex(k)

@@ -1,13 +1,23 @@
-"""The MLA latent write stores each token's latent row at its slot of one layer of the
-block-major latent pool, skips negative slots, touches no other layer or slot, and refuses
-what it cannot write."""
+"""The MLA latent writes store each token's latent row at its slot of one layer of the
+block-major latent pool, skip negative slots, touch no other layer or slot, and refuse what they
+cannot write; the fused one normalises and turns the row as the layer's torch path does."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from splitserve.kernels.latent_write import write_latents, write_latents_ref
+from splitserve.engine.mla import rotate
+from splitserve.engine.model_config import RopeConfig
+from splitserve.engine.ops import TorchOps
+from splitserve.engine.rotary import RotaryEmbedding
+from splitserve.kernels.latent_write import (
+    LAYOUTS,
+    write_latents,
+    write_latents_normed,
+    write_latents_ref,
+)
+from tests.kernels.paged_inputs import DTYPES
 
 # DeepSeek's row (512 + 64, not a power of two) and a small one.
 ROWS = [(576, 16, 8), (40, 4, 16)]
@@ -49,3 +59,54 @@ def test_latent_write_refuses_bad_layouts(device):
     # Nothing to write: no launch, nothing changed.
     write_latents(torch.zeros(0, 40, device=device), cache, slots[:0])
     assert not cache.any()
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize(("rank", "rope"), [(512, 64), (32, 8)])
+@pytest.mark.parametrize("dtype", DTYPES)  # bfloat16 on a GPU only: the interpreter gets it wrong
+def test_normed_write_matches_the_layers_torch_path(device, layout, rank, rope, dtype):
+    """One launch gives what engine/mla.py's torch path writes: the latent RMS-normed, the RoPE
+    key turned at the token's position in the layout (YaRN-scaled tables), padding skipped."""
+    gen = torch.Generator().manual_seed(rank + len(layout))
+    num_blocks, block_size, num_tokens = 6, 16, 40
+    rotary = RotaryEmbedding(
+        RopeConfig(rope_type="yarn", factor=8.0, original_max_position_embeddings=16, mscale=0.7),
+        rope,
+        128,
+    )
+    rotary.reset(device)
+    kv_a = (3 * torch.randn(num_tokens, rank + rope, generator=gen)).to(device, dtype)
+    weight = (1 + torch.randn(rank, generator=gen)).to(device, dtype)
+    positions = torch.randint(0, 128, (num_tokens,), generator=gen).to(device)
+    slots = torch.randperm(num_blocks * block_size, generator=gen)[:num_tokens]
+    slots[::5] = -1
+    slots = slots.to(device)
+    pool = torch.zeros(num_blocks, 2, 1, block_size, 1, rank + rope, device=device, dtype=dtype)
+    want = pool.clone()
+    write_latents_normed(
+        kv_a, weight, 1e-6, positions, rotary.cos, rotary.sin, layout,
+        pool[:, 1].transpose(0, 1), slots,
+    )  # fmt: skip
+    kv_c, k_pe = kv_a.split([rank, rope], dim=-1)
+    normed = TorchOps().rms_norm(kv_c.contiguous(), weight, 1e-6)
+    q_unused = torch.zeros(num_tokens, 1, rope, device=device, dtype=dtype)
+    _, k_rot = rotate(positions, q_unused, k_pe[:, None], rotary, layout)
+    assert k_rot is not None
+    write_latents_ref(torch.cat([normed, k_rot[:, 0]], -1), want[:, 1].transpose(0, 1), slots)
+    atol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(pool, want, atol=atol, rtol=atol)
+    assert torch.equal(pool[:, 0], want[:, 0])  # the other layer untouched
+    assert pool[:, 1].abs().sum() > 0
+
+
+def test_normed_write_refuses_a_row_of_another_width(device):
+    rotary = RotaryEmbedding(RopeConfig(), 8, 16)
+    rotary.reset(device)
+    cache = torch.zeros(1, 2, 16, 1, 40, device=device)
+    args = (torch.zeros(3, 40, device=device), torch.ones(30, device=device), 1e-6)
+    tail = (torch.zeros(3, dtype=torch.long, device=device), rotary.cos, rotary.sin)
+    slots = torch.zeros(3, dtype=torch.long, device=device)
+    with pytest.raises(ValueError, match="rank 30"):
+        write_latents_normed(*args, *tail, "complex", cache, slots)
+    with pytest.raises(ValueError, match="layout"):
+        write_latents_normed(*args, *tail, "spiral", cache, slots)
