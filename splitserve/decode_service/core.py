@@ -81,7 +81,7 @@ class DecodeCoreHandler(CoreHandler):
 
         def run(e: LLMEngine) -> list[Any]:
             res = e.reserve(request_id, list(prompt), sampling, resumed, lora_name=adapter)
-            return [list(res.block_ids), res.num_cached_tokens]
+            return [list(res.block_ids), res.num_cached_tokens, list(res.window_slots)]
 
         return self.loop.submit(run)
 
@@ -92,8 +92,10 @@ class DecodeCoreHandler(CoreHandler):
         block_ids: list[int],
         num_cached_tokens: int,
         capability: bytes,
+        window_slots: list[int] | None = None,
     ) -> None:
-        """Pushes for `request_id` under `fence` may land now (with `capability`)."""
+        """Pushes for `request_id` under `fence` may land now (with `capability`), into its
+        blocks and the window slots the reservation gave them."""
         self.book.add(
             LocalReservation(
                 request_id=request_id,
@@ -102,6 +104,7 @@ class DecodeCoreHandler(CoreHandler):
                 num_cached_tokens=num_cached_tokens,
                 block_size=self.loop.engine.config.block_size,
                 capability=capability,
+                window_slots=tuple(window_slots or ()),
             )
         )
 

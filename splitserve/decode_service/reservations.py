@@ -45,6 +45,9 @@ class LocalReservation:
     # Leading tokens whose KV must land (None: every block's). A handed-off stream's is all
     # but its last token, whose block the sender may not have filled yet.
     num_kv_tokens: int | None = None
+    # Per block of `block_ids`, its window slot (engine/window_slots.py; 0: none): a push
+    # writes the sliding layers' KV of exactly the blocks with one. Empty: no window pool.
+    window_slots: tuple[int, ...] = ()
     lock: threading.Lock = field(default_factory=threading.Lock)
     changed: threading.Condition = field(init=False)
     # Coroutines waiting in `wait_complete_async`: woken on their loops by `notify`.
@@ -198,6 +201,23 @@ class ReservationBook:
     def allowed_blocks(self, request_id: str, fence: int) -> frozenset[int]:
         res = self._live(request_id, fence)
         return res.needed
+
+    def check_window(
+        self,
+        request_id: str,
+        fence: int,
+        dst_block_ids: Sequence[int],
+        dst_window_slots: Sequence[int],
+    ) -> None:
+        res = self._live(request_id, fence)
+        given = dict(zip(res.block_ids, res.window_slots, strict=False))
+        expected = [given[b] for b in dst_block_ids if given.get(b)]
+        if list(dst_window_slots) != expected:
+            raise PushRefused(
+                "FAILED_PRECONDITION",
+                f"window slots {list(dst_window_slots)[:16]} are not those reserved for blocks "
+                f"{list(dst_block_ids)[:16]} of {request_id!r} ({expected[:16]})",
+            )
 
     def check_capability(self, request_id: str, capability: bytes) -> None:
         res = self.get(request_id)

@@ -51,6 +51,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
                 kv_transports=settings.kv_transports,
                 capability=res.capability,
                 adapter=request.adapter,
+                window_slots=res.window_slots,
             )
             self.observer.reserved(span, destination)
         if context.cancelled():

@@ -117,7 +117,7 @@ class DecodeWorker:
         adapter: str | None = None,
     ) -> LocalReservation:
         wire_resume = None if resume is None else [resume.sample_index, resume.output_token_ids]
-        block_ids, num_cached = await self.core.acall(
+        block_ids, num_cached, window_slots = await self.core.acall(
             "reserve", request_id, prompt_token_ids, params_to_wire(params), wire_resume, adapter
         )
         try:
@@ -136,10 +136,12 @@ class DecodeWorker:
                 block_size=self.core.info["block_size"],
                 capability=secrets.token_bytes(16),  # handed only to the prefill worker chosen
                 prompt_token_ids=tuple(prompt_token_ids),
+                window_slots=tuple(window_slots),
             )
             await self.core.acall(
-                "open_landing", request_id, record.fence, block_ids, num_cached, local.capability
-            )
+                "open_landing", request_id, record.fence, block_ids, num_cached, local.capability,
+                window_slots,
+            )  # fmt: skip
         except BaseException:
             await self._abort_engine_async(request_id)
             raise

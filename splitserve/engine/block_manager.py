@@ -13,73 +13,32 @@ next writes into a shared, partly filled last block first copies it (copy-on-wri
 
 With sliding-window layers (`window`: engine/window_slots.py) a block also holds a slot of
 their smaller pool while some sequence's window still covers it: `allocate` is told where a
-sequence's next query is (`num_computed`) and lets go of the blocks behind its window.
+sequence's next query is (`num_computed`) and lets go of the blocks behind its window. A new
+sequence whose first query comes after its blocks (a decode worker's reservation: the KV
+arrives from elsewhere) gets slots only for the blocks that query sees. A transfer pins the
+slots it reads or writes with the blocks (`pin(..., window=True)`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
-from dataclasses import dataclass
 
+from splitserve.engine.block_audit import BlockAudit
 from splitserve.engine.block_pool import (
     BlockIntegrityError,
     BlockPool,
 )
+from splitserve.engine.block_types import _NO_COPIES, Allocation, KVUsage, PrefixHit
 from splitserve.engine.host_index import HostIndex, partial_key
 from splitserve.engine.prefix_hash import chain_hash, prefix_block_hashes
 from splitserve.engine.window_slots import WindowSlots
 
 SeqId = Hashable
 
-
-@dataclass(frozen=True)
-class PrefixHit:
-    """Cached blocks that already hold a prompt's leading tokens: on the GPU (`block_ids`),
-    then in the host tier (`host_blocks`: slot, hash, tokens; copied back into new blocks)."""
-
-    block_ids: tuple[int, ...]
-    block_hashes: tuple[bytes, ...]
-    host_blocks: tuple[tuple[int, bytes, tuple[int, ...]], ...] = ()
-    # A preempted sequence's partly filled last block, swapped out: (host slot, its tokens).
-    partial: tuple[int, int] | None = None
-
-    def num_tokens(self, block_size: int) -> int:
-        full = (len(self.block_ids) + len(self.host_blocks)) * block_size
-        return full + (self.partial[1] if self.partial else 0)
+__all__ = ["Allocation", "BlockManager", "KVUsage", "PrefixHit", "SeqId"]
 
 
-@dataclass(frozen=True)
-class Allocation:
-    """What the runner must do before this step's forward: copy `src` block into `dst`."""
-
-    copies: tuple[tuple[int, int], ...] = ()
-
-
-_NO_COPIES = Allocation()
-
-
-@dataclass(frozen=True)
-class KVUsage:
-    """A snapshot of the KV pool, in blocks and token slots."""
-
-    num_total_blocks: int
-    num_used_blocks: int
-    num_cached_blocks: int
-    num_free_blocks: int
-    # Slots allocated to sequences that hold no token yet: the waste paging keeps to at most one
-    # partly filled block per sequence.
-    num_unused_slots: int
-    num_sequences: int
-    # Sliding-window layers' slots (engine/window_slots.py): in use, and all but the null one.
-    num_window_slots_held: int = 0
-    num_window_slots: int = 0
-
-    @property
-    def usage_perc(self) -> float:
-        return self.num_used_blocks / self.num_total_blocks
-
-
-class BlockManager:
+class BlockManager(BlockAudit):
     """Maps each sequence to its blocks; the scheduler asks it whether work fits."""
 
     def __init__(
@@ -102,6 +61,7 @@ class BlockManager:
         self._num_tokens: dict[SeqId, int] = {}
         self._hashes: dict[SeqId, list[bytes]] = {}
         self._pins: dict[int, int] = {}  # block id -> pins held for KV transfers in flight
+        self._window_pins: dict[int, int] = {}  # block id -> those of them holding its slot
         self.prefix_cache_queries = 0  # tokens looked up
         self.prefix_cache_hits = 0  # tokens found
 
@@ -170,11 +130,20 @@ class BlockManager:
             self.host.save(table[full], self.host.place(key, rest))
 
     def can_allocate(
-        self, seq_id: SeqId, num_total_tokens: int, prefix_hit: PrefixHit | None = None
+        self,
+        seq_id: SeqId,
+        num_total_tokens: int,
+        prefix_hit: PrefixHit | None = None,
+        num_computed: int | None = None,
     ) -> bool:
-        return self._blocks_needed(seq_id, num_total_tokens, prefix_hit) <= self._available(
-            prefix_hit
-        )
+        needed = self._blocks_needed(seq_id, num_total_tokens, prefix_hit)
+        # Hit blocks that sit in the LRU will be taken by the hit, so they can't also be evicted.
+        taken = 0
+        if prefix_hit is not None:
+            taken = sum(self.pool.is_evictable(b) for b in prefix_hit.block_ids)
+        if needed > self.pool.num_available - taken:
+            return False
+        return self.window is None or self._slots_fit(seq_id, needed, prefix_hit, num_computed)
 
     def allocate(
         self,
@@ -187,7 +156,8 @@ class BlockManager:
 
         A new sequence may start from `prefix_hit`. `num_computed`: where the sequence's next
         query is (no earlier position is queried again): with sliding-window layers, the
-        blocks behind its window are let go first. Nothing else changes when None is returned.
+        blocks behind its window are let go first; a new sequence's blocks before the first
+        one that query sees get no window slot. Nothing else changes when None is returned.
         """
         if num_computed is not None and self.window is not None:
             self._slide(seq_id, num_computed)
@@ -201,7 +171,7 @@ class BlockManager:
             if num_total_tokens > self._num_tokens[seq_id]:
                 self._num_tokens[seq_id] = num_total_tokens
             return _NO_COPIES
-        if not self.can_allocate(seq_id, num_total_tokens, prefix_hit):
+        if not self.can_allocate(seq_id, num_total_tokens, prefix_hit, num_computed):
             return None
         if table is None:
             table = self._tables[seq_id] = []
@@ -214,24 +184,25 @@ class BlockManager:
                 table.extend(prefix_hit.block_ids)
                 self._hashes[seq_id].extend(prefix_hit.block_hashes)
                 self._num_tokens[seq_id] = prefix_hit.num_tokens(self.block_size)
-                if self.window is not None:
-                    live = self.window.first_live(self._num_tokens[seq_id])
-                    self._live_from[seq_id] = live
-                    for block_id in table[live:]:
-                        self.window.hold(block_id)
-                if self.host is not None:  # a hit's host blocks come back into new ones
-                    # NOTE: ascending, so that the loads run as few long copies
-                    new = sorted(self._take() for _ in prefix_hit.host_blocks)
-                    for block_id, (slot, block_hash, tokens) in zip(
-                        new, prefix_hit.host_blocks, strict=True
-                    ):
-                        table.append(block_id)
-                        self._hashes[seq_id].append(block_hash)
-                        self.pool.cache(block_id, block_hash, tokens)
-                        self.host.load(slot, block_id)
-                    if prefix_hit.partial is not None:  # swapped back in; hashed once full
-                        table.append(self._take())
-                        self.host.load(prefix_hit.partial[0], table[-1])
+            if self.window is not None:
+                live = self._first_live(prefix_hit, num_computed)
+                self._live_from[seq_id] = live
+                for block_id in table[live:]:
+                    self.window.hold(block_id)
+            if prefix_hit is not None and self.host is not None:
+                # a hit's host blocks come back into new ones
+                # NOTE: ascending, so that the loads run as few long copies
+                new = sorted(self._take() for _ in prefix_hit.host_blocks)
+                for block_id, (slot, block_hash, tokens) in zip(
+                    new, prefix_hit.host_blocks, strict=True
+                ):
+                    table.append(block_id)
+                    self._hashes[seq_id].append(block_hash)
+                    self.pool.cache(block_id, block_hash, tokens)
+                    self.host.load(slot, block_id)
+                if prefix_hit.partial is not None:  # swapped back in; hashed once full
+                    table.append(self._take())
+                    self.host.load(prefix_hit.partial[0], table[-1])
         copies = []
         if self._needs_copy(seq_id, num_total_tokens):
             shared = table[-1]
@@ -239,8 +210,9 @@ class BlockManager:
             self._let_go(shared)
             self._release(shared)
             copies.append((shared, table[-1]))
+        live = self._live_from[seq_id]
         while len(table) * self.block_size < num_total_tokens:
-            table.append(self._take())
+            table.append(self._take(slot=len(table) >= live))
         self._num_tokens[seq_id] = max(self._num_tokens[seq_id], num_total_tokens)
         return Allocation(tuple(copies))
 
@@ -259,13 +231,33 @@ class BlockManager:
         self._num_tokens[child_id] = self._num_tokens[parent_id]
         self._hashes[child_id] = list(self._hashes[parent_id])
 
-    def pin(self, block_id: int) -> None:
+    def pin(self, block_id: int, window: bool = False) -> int:
         """Hold a block for a transfer in flight: nothing frees, evicts or reuses it until
-        `unpin`, whatever happens to the sequences that hold it."""
+        `unpin`, whatever happens to the sequences that hold it. With `window`, its sliding
+        layers' slot too, if it holds one (`unpin` it with `window` then): returns that slot
+        (0: none)."""
         self.pool.touch(block_id)
         self._pins[block_id] = self._pins.get(block_id, 0) + 1
+        if not window or self.window is None or block_id not in self.window.slot_of:
+            return 0
+        self.window.hold(block_id)
+        self._window_pins[block_id] = self._window_pins.get(block_id, 0) + 1
+        return self.window.slot_of[block_id]
 
-    def unpin(self, block_id: int) -> None:
+    def window_slot(self, block_id: int) -> int:
+        """The sliding layers' slot `block_id` holds (0: none, or no window pool)."""
+        return self.window.slot_of.get(block_id, 0) if self.window is not None else 0
+
+    def unpin(self, block_id: int, window: bool = False) -> None:
+        if window:  # NOTE: before the block's own pin: a freed block drops an unseen slot
+            held = self._window_pins.get(block_id, 0)
+            if held <= 0 or self.window is None:
+                raise BlockIntegrityError(f"block {block_id}'s window slot was not pinned")
+            if held == 1:
+                del self._window_pins[block_id]
+            else:
+                self._window_pins[block_id] = held - 1
+            self.window.let_go(block_id)
         count = self._pins.get(block_id, 0)
         if count <= 0:
             raise BlockIntegrityError(f"block {block_id} unpinned more often than pinned")
@@ -329,46 +321,6 @@ class BlockManager:
             self._release(block_id)
         self._num_tokens[seq_id] = min(self._num_tokens[seq_id], num_tokens)
 
-    def usage(self) -> KVUsage:
-        pool = self.pool
-        unused = sum(
-            len(table) * self.block_size - self._num_tokens[seq_id]
-            for seq_id, table in self._tables.items()
-        )
-        return KVUsage(
-            num_total_blocks=pool.num_blocks,
-            num_used_blocks=pool.num_blocks - pool.num_free - pool.num_cached,
-            num_cached_blocks=pool.num_cached,
-            num_free_blocks=pool.num_free,
-            num_unused_slots=unused,
-            num_sequences=len(self._tables),
-            num_window_slots_held=self.window.num_held if self.window else 0,
-            num_window_slots=self.window.num_slots - 1 if self.window else 0,
-        )
-
-    def check_integrity(self) -> None:
-        """Raise BlockIntegrityError unless free + cached + in use == total and every reference
-        count equals the number of block tables holding that block."""
-        refs: dict[int, int] = {}
-        seen: dict[int, int] = {}  # block id -> sequences whose window covers it
-        for seq_id, table in self._tables.items():
-            if len(table) != -(-self._num_tokens[seq_id] // self.block_size):
-                raise BlockIntegrityError(f"sequence {seq_id!r} holds more blocks than tokens need")
-            for block_id in table:
-                refs[block_id] = refs.get(block_id, 0) + 1
-            for block_id in table[self._live_from[seq_id] :]:
-                seen[block_id] = seen.get(block_id, 0) + 1
-        for block_id, count in self._pins.items():
-            refs[block_id] = refs.get(block_id, 0) + count
-        self.pool.check_integrity(refs)
-        if self.window is not None:
-            self.window.check_integrity(seen)
-            stale = [
-                b for b in self.window.slot_of if b not in refs and not self.pool.is_evictable(b)
-            ]
-            if stale:
-                raise BlockIntegrityError(f"free blocks still hold window slots: {stale[:5]}")
-
     def _needs_copy(self, seq_id: SeqId, num_total_tokens: int) -> bool:
         # The next token lands in the last block if it is partly filled; if that block is
         # shared with a forked sibling, writing in place would corrupt the sibling's KV.
@@ -391,30 +343,38 @@ class BlockManager:
         needed = max(0, -(-num_total_tokens // self.block_size) - held)
         return needed + int(self._needs_copy(seq_id, num_total_tokens))
 
-    def _available(self, prefix_hit: PrefixHit | None) -> int:
-        # Hit blocks that sit in the LRU will be taken by the hit, so they can't also be evicted.
-        taken = 0
-        if prefix_hit is not None:
-            taken = sum(self.pool.is_evictable(b) for b in prefix_hit.block_ids)
-        available = self.pool.num_available - taken
-        if self.window is not None:  # every new block needs a window slot too
-            window = self.window
-            if prefix_hit is not None:
-                hit = prefix_hit.block_ids
-                live = window.first_live(len(hit) * self.block_size)
-                taken = sum(window.is_idle(b) for b in hit[live:])
-            available = min(available, window.num_available - taken)
-        return available
+    def _first_live(self, prefix_hit: PrefixHit | None, num_computed: int | None) -> int:
+        """The first block a new sequence's window holds: its first query's (after its hit)."""
+        assert self.window is not None
+        hit = prefix_hit.num_tokens(self.block_size) if prefix_hit is not None else 0
+        return self.window.first_live(max(hit, num_computed or 0))
 
-    def _take(self) -> int:
-        """A block for new tokens (and its window slot): evicting a cached block makes its
-        old window slot's contents stale."""
+    def _slots_fit(
+        self, seq_id: SeqId, needed: int, prefix_hit: PrefixHit | None, num_computed: int | None
+    ) -> bool:
+        """Whether the window pool has a slot for every new block that needs one."""
+        window = self.window
+        assert window is not None
+        if seq_id in self._tables:
+            return needed <= window.num_available
+        held = len(prefix_hit.block_ids) if prefix_hit is not None else 0
+        live = self._first_live(prefix_hit, num_computed)
+        slotted = max(0, held + needed - max(held, live))
+        taken = 0  # idle hit blocks the hit takes back
+        if prefix_hit is not None:
+            taken = sum(window.is_idle(b) for b in prefix_hit.block_ids[live:])
+        return slotted <= window.num_available - taken
+
+    def _take(self, slot: bool = True) -> int:
+        """A block for new tokens (and, with `slot`, its window slot): evicting a cached block
+        makes its old window slot's contents stale."""
         block_id = self.pool.allocate()
         if self.host is not None:
             self.host.taken(block_id)
         if self.window is not None:
             self.window.drop(block_id)
-            self.window.give(block_id)
+            if slot:
+                self.window.give(block_id)
         return block_id
 
     def _release(self, block_id: int) -> None:

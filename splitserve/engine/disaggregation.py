@@ -36,10 +36,15 @@ class CapacityError(Overloaded):
 
 @dataclass(frozen=True)
 class Reservation:
-    """Blocks held on a decode worker for a prompt, and how many leading tokens it caches."""
+    """Blocks held on a decode worker for a prompt, and how many leading tokens it caches.
+
+    With sliding layers kept apart (engine/window_slots.py), `window_slots[i]` is the window
+    pool's slot of `block_ids[i]` (0: none): only the blocks that the first query after the
+    reserved tokens sees have one, and a sender writes the sliding layers' KV of those only."""
 
     block_ids: tuple[int, ...]
     num_cached_tokens: int
+    window_slots: tuple[int, ...] = ()
 
 
 class DisaggregationMixin:
@@ -86,13 +91,11 @@ class DisaggregationMixin:
         if resume is not None:
             seq.resume(resume, self.model_config.vocab_size)
         bm = self.block_manager
-        if bm.window is not None:
-            raise InvalidRequest(
-                "this engine keeps sliding layers' KV in a window pool, which transfers do not "
-                "carry: start it with sliding_window_kv=False to take pushed KV"
-            )
         hit = bm.find_prefix_hit(seq.token_ids, seq.prefix_root)
-        if bm.allocate(seq.seq_id, seq.num_tokens, hit) is None:
+        # NOTE: with a window pool, slots only for what the first query after the KV that
+        # comes (a push: the prompt; a hand-off: all but the last token) sees
+        first_query = seq.num_tokens - 1
+        if bm.allocate(seq.seq_id, seq.num_tokens, hit, first_query) is None:
             raise CapacityError(
                 f"no room for {seq.num_tokens} prompt tokens: "
                 f"{bm.usage().num_free_blocks + bm.usage().num_cached_blocks} blocks available"
@@ -100,7 +103,12 @@ class DisaggregationMixin:
         seq.num_computed_tokens = hit.num_tokens(bm.block_size) if hit else 0
         seq.num_cached_prompt_tokens = min(seq.num_computed_tokens, len(prompt_token_ids))
         self._reserved[request_id] = seq
-        return Reservation(tuple(bm.block_table(seq.seq_id)), seq.num_computed_tokens)
+        table = tuple(bm.block_table(seq.seq_id))
+        slots: tuple[int, ...] = ()
+        if bm.window is not None:
+            live = bm.window.first_live(first_query)
+            slots = tuple(bm.window_slot(b) if i >= live else 0 for i, b in enumerate(table))
+        return Reservation(table, seq.num_computed_tokens, slots)
 
     def admit(
         self,
@@ -131,6 +139,12 @@ class DisaggregationMixin:
         self.outputs.add(
             RequestState(request_id, None, seq.prompt_token_ids, [seq, *seq.pending_children])
         )
+        if self.block_manager.window is not None and not (kv_present or first_tokens):
+            # NOTE: reserved with window slots for the first query after its KV only; computed
+            # here, its prefill's queries see earlier blocks: it starts afresh, finding its
+            # cached prefix again, as any new request does
+            self.block_manager.free(seq.seq_id)
+            seq.num_computed_tokens = seq.num_cached_prompt_tokens = 0
         if kv_present:
             seq.num_computed_tokens = seq.num_tokens - 1
             self.block_manager.cache_blocks(

@@ -15,6 +15,11 @@ Decode side: `LLMEngine.reserve` holds blocks for a prompt, `region` exposes the
 transport to register and `write_blocks` lands a payload; `LLMEngine.admit` starts the request
 once every block is there.
 
+With sliding layers kept apart (engine/window_slots.py) the region has a second part, the
+window pool (`KVRegion.window`): a block moves as its full layers' run, and, where the
+receiver gave it a window slot (`Reservation.window_slots`: the blocks its first query sees),
+its sliding layers' run from the sender's slot, which `watch(..., window_from)` pins with it.
+
 NOTE: `after_step` and `drain_releases` run on the engine thread only; `release`, `unwatch`,
 `region`, `write_blocks` and `read_blocks` are safe from any thread. Reading and writing blocks
 from other threads is safe because pinned (prefill) and reserved (decode) blocks belong to no
@@ -33,6 +38,21 @@ import torch
 
 from splitserve.engine.block_manager import BlockManager
 from splitserve.engine.kv_cache import KVCache
+
+
+@dataclass(frozen=True)
+class WindowRegion:
+    """The sliding layers' window pool: slot s is the `slot_bytes` bytes at `base_address + s *
+    slot_bytes`, each sliding layer's page (the block pool's page shape) in turn."""
+
+    tensor: torch.Tensor  # [num_slots, num_layers, *page]
+    num_slots: int
+    slot_bytes: int
+    num_layers: int
+
+    @property
+    def base_address(self) -> int:
+        return int(self.tensor.data_ptr())
 
 
 @dataclass(frozen=True)
@@ -55,6 +75,8 @@ class KVRegion:
     # False when the pool's bytes are not the wire's (a tensor-parallel rank holds some heads;
     # engine/parallel/kv_shards.py): only transports that copy through the connector serve it.
     addressable: bool = True
+    # The sliding layers' window pool, when kept apart (then `num_layers` counts full layers).
+    window: WindowRegion | None = None
 
     @property
     def page(self) -> tuple[int, int, int, int]:
@@ -78,7 +100,8 @@ class KVRegion:
 class ReadyBlocks:
     """Blocks of a watched request whose KV is complete (pinned until released).
 
-    `block_ids[i]` is the pool block holding the request's prompt block `first_index + i`.
+    `block_ids[i]` is the pool block holding the request's prompt block `first_index + i`;
+    `window_slots[i]` its sliding layers' slot, pinned with it (0: not asked for, or none).
     `ready` (on a GPU) is recorded after the step that computed them: a reader on another
     stream or engine waits for it first. `num_tokens` is how many prompt tokens are complete
     up to and including these blocks; `is_last` marks the request's final batch.
@@ -90,6 +113,7 @@ class ReadyBlocks:
     num_tokens: int
     is_last: bool
     ready: torch.cuda.Event | None = None
+    window_slots: tuple[int, ...] = ()
 
     def wait(self) -> None:
         """Block this thread until the blocks' writes are done (no-op on the CPU)."""
@@ -100,10 +124,12 @@ class ReadyBlocks:
 class KVOutbox:
     """What one watched request has ready to send, in prompt order."""
 
-    def __init__(self, request_id: str, first_index: int) -> None:
+    def __init__(self, request_id: str, first_index: int, window_from: int | None) -> None:
         self.request_id = request_id
         self.next_index = first_index  # engine thread only
+        self.window_from = window_from  # first prompt block whose window slot is sent
         self.pinned: set[int] = set()  # engine thread only
+        self.window_pinned: set[int] = set()  # of them, those whose window slot is pinned too
         self.complete = False  # the last batch went out (engine thread only)
         self._queue: queue.Queue[ReadyBlocks | BaseException] = queue.Queue()
 
@@ -142,16 +168,15 @@ class KVConnector:
     # -- both sides -----------------------------------------------------------------------
 
     def region(self) -> KVRegion:
-        if self._cache.window_pool is not None:
-            raise ValueError(
-                "a KV pool whose sliding layers have a window pool of their own cannot be "
-                "transferred: build the engine with sliding_window_kv=False"
-            )
-        pool = self._cache.pool
+        pool, wpool = self._cache.pool, self._cache.window_pool
         _, num_layers, num_planes, block_size, num_kv_heads, head_dim = pool.shape
+        window = None
+        if wpool is not None:
+            slot_bytes = int(wpool[0].numel() * wpool.element_size())
+            window = WindowRegion(wpool, int(wpool.shape[0]), slot_bytes, int(wpool.shape[1]))
         return KVRegion(
             pool, self._cache.num_blocks, self._cache.block_bytes, num_layers, block_size,
-            num_kv_heads, head_dim, num_planes,
+            num_kv_heads, head_dim, num_planes, window=window,
         )  # fmt: skip
 
     def is_watching(self, request_id: str) -> bool:
@@ -159,10 +184,12 @@ class KVConnector:
 
     # -- prefill side -----------------------------------------------------------------------
 
-    def watch(self, request_id: str, first_index: int) -> KVOutbox:
+    def watch(self, request_id: str, first_index: int, window_from: int | None = None) -> KVOutbox:
         """Report `request_id`'s blocks from prompt block `first_index` on (the earlier ones the
-        receiver caches already). Engine thread (call it in the command that adds the request)."""
-        outbox = KVOutbox(request_id, first_index)
+        receiver caches already), with the window slots of those from `window_from` on (the
+        ones the receiver gave slots) pinned too. Engine thread (call it in the command that
+        adds the request)."""
+        outbox = KVOutbox(request_id, first_index, window_from)
         self._outboxes[request_id] = outbox
         return outbox
 
@@ -187,13 +214,18 @@ class KVConnector:
             for block_id in block_ids:
                 if block_id in outbox.pinned:
                     outbox.pinned.discard(block_id)
-                    self._bm.unpin(block_id)
+                    self._unpin(outbox, block_id)
         for request_id in pending.unwatched:
             outbox = self._outboxes.pop(request_id, None)
             if outbox is not None:
                 for block_id in outbox.pinned:
-                    self._bm.unpin(block_id)
+                    self._unpin(outbox, block_id)
                 outbox.pinned.clear()
+
+    def _unpin(self, outbox: KVOutbox, block_id: int) -> None:
+        window = block_id in outbox.window_pinned
+        outbox.window_pinned.discard(block_id)
+        self._bm.unpin(block_id, window=window)
 
     def after_step(self, progress: Callable[[str], tuple[int, int, list[int]] | None]) -> list[str]:
         """Engine thread, after a step: pin and report newly complete blocks of every watched
@@ -215,13 +247,20 @@ class KVConnector:
             if end <= outbox.next_index and not done:
                 continue
             block_ids = tuple(table[outbox.next_index : end])
-            for block_id in block_ids:
-                self._bm.pin(block_id)
+            start = len(table) if outbox.window_from is None else outbox.window_from
+            slots = tuple(
+                self._bm.pin(b, window=outbox.next_index + i >= start)
+                for i, b in enumerate(block_ids)
+            )
             outbox.pinned.update(block_ids)
+            outbox.window_pinned.update(b for b, slot in zip(block_ids, slots, strict=True) if slot)
             first, outbox.next_index = outbox.next_index, max(end, outbox.next_index)
             outbox.complete = done
             num_tokens = min(outbox.next_index * self.block_size, prompt_len)
-            batch = ReadyBlocks(outbox.request_id, first, block_ids, num_tokens, done)
+            batch = ReadyBlocks(
+                outbox.request_id, first, block_ids, num_tokens, done,
+                window_slots=slots if any(slots) else (),
+            )  # fmt: skip
             ready.append((outbox, batch))
         if not ready:
             return []
@@ -251,23 +290,44 @@ class KVConnector:
     ) -> torch.Tensor:
         """Gather whole blocks into `out` ([n, *block shape], host memory, pinned on a GPU
         host) on a side stream, after `ready`'s event; returns `out` once the copy is done."""
-        pool = self._cache.pool
-        with self._side_stream():
-            if ready is not None and ready.ready is not None:
-                torch.cuda.current_stream().wait_event(ready.ready)
-            index = torch.tensor(list(block_ids), dtype=torch.long, device=pool.device)
-            _bytes(out).copy_(_bytes(pool).index_select(0, index), non_blocking=True)
-            self._synchronize()
-        return out
+        return self._gather(self._cache.pool, block_ids, out, ready)
 
     def write_blocks(self, block_ids: Sequence[int], data: torch.Tensor) -> None:
         """Land `data` ([n, *block shape], host or device) in these (reserved) blocks; returns
         once the copy is done and visible to the engine."""
-        pool = self._cache.pool
+        self._scatter(self._cache.pool, block_ids, data)
+
+    def _gather(
+        self, pool: torch.Tensor, ids: Sequence[int], out: torch.Tensor, ready: ReadyBlocks | None
+    ) -> torch.Tensor:
         with self._side_stream():
-            index = torch.tensor(list(block_ids), dtype=torch.long, device=pool.device)
+            if ready is not None and ready.ready is not None:
+                torch.cuda.current_stream().wait_event(ready.ready)
+            index = torch.tensor(list(ids), dtype=torch.long, device=pool.device)
+            _bytes(out).copy_(_bytes(pool).index_select(0, index), non_blocking=True)
+            self._synchronize()
+        return out
+
+    def _scatter(self, pool: torch.Tensor, ids: Sequence[int], data: torch.Tensor) -> None:
+        with self._side_stream():
+            index = torch.tensor(list(ids), dtype=torch.long, device=pool.device)
             _bytes(pool).index_copy_(0, index, _bytes(data).to(pool.device, non_blocking=True))
             self._synchronize()
+
+    def read_slots(
+        self, slots: Sequence[int], out: torch.Tensor, ready: ReadyBlocks | None = None
+    ) -> torch.Tensor:
+        """`read_blocks` for the window pool's slots (`out`: [n, *slot shape])."""
+        return self._gather(self._window_pool(), slots, out, ready)
+
+    def write_slots(self, slots: Sequence[int], data: torch.Tensor) -> None:
+        """`write_blocks` for the window pool's (reserved) slots."""
+        self._scatter(self._window_pool(), slots, data)
+
+    def _window_pool(self) -> torch.Tensor:
+        if self._cache.window_pool is None:
+            raise ValueError("this KV pool keeps no window pool: every layer is in its blocks")
+        return self._cache.window_pool
 
     def _side_stream(self) -> torch.cuda.StreamContext | _NoStream:
         return torch.cuda.stream(self._stream) if self._stream is not None else _NoStream()

@@ -35,6 +35,7 @@ class ParkedKV:
 
     block_ids: tuple[int, ...]
     num_tokens: int
+    window_slots: tuple[int, ...] = ()  # their sliding layers' slots, when pinned (0: none)
 
 
 class ParkingMixin:
@@ -78,6 +79,14 @@ class ParkingMixin:
         for a transfer (`unpin_blocks` once it is done), the rest freed. NotFound if it is not
         parked (aborted, or its lease ran out); FailedPrecondition if its KV covers fewer
         tokens (it is freed either way)."""
+        return self.take_parked_kv(request_id, num_tokens).block_ids
+
+    def take_parked_kv(
+        self, request_id: str, num_tokens: int, window_from: int | None = None
+    ) -> ParkedKV:
+        """`take_parked`, with the sliding layers' slots of the blocks from `window_from` on
+        pinned too (a window pool's; `window_slots[i]` 0 where block i holds none or is
+        before `window_from`): `unpin_blocks(block_ids, window_slots)` gives them back."""
         seq = self._parked.pop(request_id, None)
         if seq is None:
             raise NotFound(f"no parked KV for request {request_id!r}")
@@ -89,16 +98,19 @@ class ParkingMixin:
                     f"not {num_tokens}"
                 )
             block_ids = tuple(bm.block_table(seq.seq_id)[: -(-num_tokens // bm.block_size)])
-            for block_id in block_ids:
-                bm.pin(block_id)
+            start = len(block_ids) if window_from is None else window_from
+            slots = tuple(bm.pin(b, window=i >= start) for i, b in enumerate(block_ids))
         finally:
             bm.free(seq.seq_id)
-        return block_ids
+        return ParkedKV(block_ids, num_tokens, slots if any(slots) else ())
 
-    def unpin_blocks(self, block_ids: tuple[int, ...] | list[int]) -> None:
-        """A hand-off's transfer is over: give its blocks back."""
-        for block_id in block_ids:
-            self.block_manager.unpin(block_id)
+    def unpin_blocks(
+        self, block_ids: tuple[int, ...] | list[int], window_slots: tuple[int, ...] = ()
+    ) -> None:
+        """A hand-off's transfer is over: give its blocks (and pinned window slots) back."""
+        for i, block_id in enumerate(block_ids):
+            window = i < len(window_slots) and window_slots[i] != 0
+            self.block_manager.unpin(block_id, window=window)
 
     def _drop_parked(self, request_id: str) -> bool:
         """Free a parked request's blocks; False if it is not parked."""

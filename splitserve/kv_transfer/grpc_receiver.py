@@ -45,6 +45,7 @@ from splitserve.kv_transfer.wire import (
     KVTransferError,
     as_blocks,
     crc32c,
+    split_payload,
     validate_header,
 )
 from splitserve.protos.v1 import kv_transfer_pb2, kv_transfer_pb2_grpc
@@ -118,6 +119,7 @@ class KVTransferServicer(kv_transfer_pb2_grpc.KVTransferServicer):
         region = connector.region()
         self.layout = CacheLayout.of(region)
         self.num_blocks = region.num_blocks
+        self.num_slots = region.window.num_slots if region.window is not None else 0
         self.tracer = tracer
         self.on_push = on_push
         self._buffers = HostBuffers(pinned=region.device.type == "cuda")
@@ -178,10 +180,14 @@ class KVTransferServicer(kv_transfer_pb2_grpc.KVTransferServicer):
             )
         # The cheap geometry check first: a push that cannot fit is refused before the
         # reservation is looked at, and no allocation is larger than the reservation allows.
-        validate_header(header, self.layout, self.num_blocks, None)
+        validate_header(header, self.layout, self.num_blocks, None, self.num_slots)
         allowed = self.landing.allowed_blocks(header.request_id, header.fence)
         self.landing.check_capability(header.request_id, header.capability)
-        validate_header(header, self.layout, self.num_blocks, allowed)
+        validate_header(header, self.layout, self.num_blocks, allowed, self.num_slots)
+        if self.num_slots:
+            self.landing.check_window(
+                header.request_id, header.fence, header.dst_block_ids, header.dst_window_slots
+            )
         buf = self._buffers.take(header.payload_bytes)
         try:
             checksum = _receive(header, messages, buf.numpy())
@@ -200,9 +206,14 @@ class KVTransferServicer(kv_transfer_pb2_grpc.KVTransferServicer):
     def _land(self, header: kv_transfer_pb2.KVTransferHeader, buf: torch.Tensor) -> None:
         """Write the payload into the reserved blocks, under the reservation's hold (which
         waits for, and keeps out, a reclaim of its blocks)."""
-        dst = list(header.dst_block_ids)
+        dst, slots = list(header.dst_block_ids), list(header.dst_window_slots)
         with self.landing.hold(header.request_id, header.fence, dst, header.payload_bytes):
-            self.connector.write_blocks(dst, as_blocks(buf, self.layout))
+            if not slots:
+                self.connector.write_blocks(dst, as_blocks(buf, self.layout))
+                return
+            blocks, window = split_payload(buf, self.layout, len(dst))
+            self.connector.write_blocks(dst, blocks)
+            self.connector.write_slots(slots, window)
 
 
 def _receive(

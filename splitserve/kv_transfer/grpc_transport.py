@@ -52,6 +52,7 @@ from splitserve.kv_transfer.wire import (
     as_blocks,
     crc32c,
     make_header,
+    split_payload,
 )
 from splitserve.protos.v1 import kv_transfer_pb2
 
@@ -128,11 +129,18 @@ class GrpcKVSender(KVSender):
             yield payload[start : start + step]  # encoded (copied once) by `encode_part`
 
     def push(self, peer: Peer, push: Push, timeout_s: float) -> PushResult:
-        num_blocks = len(push.src_block_ids)
+        num_blocks, num_slots = len(push.src_block_ids), len(push.dst_window_slots)
         block_bytes = self.layout.block_bytes
-        buf = self._buffers.take(num_blocks * block_bytes)
+        buf = self._buffers.take(self.layout.payload_bytes(num_blocks, num_slots))
         try:
-            self.connector.read_blocks(push.src_block_ids, as_blocks(buf, self.layout), push.ready)
+            if num_slots:  # NOTE: the sliding layers' slots follow the blocks (wire.py)
+                blocks, slots = split_payload(buf, self.layout, num_blocks)
+                self.connector.read_blocks(push.src_block_ids, blocks, push.ready)
+                self.connector.read_slots(push.src_window_slots, slots, push.ready)
+            else:
+                self.connector.read_blocks(
+                    push.src_block_ids, as_blocks(buf, self.layout), push.ready
+                )
             payload = memoryview(buf.numpy())  # type: ignore[arg-type]
             lanes = max(1, min(self.streams, num_blocks * block_bytes // self.min_stream_bytes))
             bounds = [num_blocks * i // lanes for i in range(lanes + 1)]
@@ -140,10 +148,13 @@ class GrpcKVSender(KVSender):
             self._propagator.inject(carrier)  # nothing unless a recording span is current
             parts = []
             for start, end in zip(bounds, bounds[1:], strict=False):
-                part = payload[start * block_bytes : end * block_bytes]
+                last = end == num_blocks  # NOTE: the window slots travel with the last lane
+                stop = len(payload) if last else end * block_bytes
+                part = payload[start * block_bytes : stop]
                 header = make_header(
                     push.request_id, push.fence, self.layout, push.dst_block_ids[start:end],
                     len(part), crc32c(part), push.num_tokens, push.capability,
+                    push.dst_window_slots if last else (),
                 )  # fmt: skip
                 parts.append((header, part))
             address = receiver_address(peer)

@@ -74,6 +74,10 @@ class NixlReceiver(KVReceiver):
             "agent": nixl.name, "base": region.base_address, "block_bytes": region.block_bytes,
             "num_blocks": region.num_blocks, "device": nixl.device_id, "mem_type": nixl.mem_type,
         }  # fmt: skip
+        if region.window is not None:  # NOTE: the sliding layers' slots, after the blocks
+            w = region.window
+            fields.update(window_base=w.base_address, slot_bytes=w.slot_bytes,
+                          num_slots=w.num_slots)  # fmt: skip
         out = {f"nixl.{k}": str(v).encode("ascii") for k, v in fields.items()}
         out["nixl.page"] = page_text(region).encode("ascii")  # what a block holds
         # NOTE: concealed at rest: whoever loads the metadata can write into the pool.
@@ -109,6 +113,7 @@ class NixlReceiver(KVReceiver):
             note = json.loads(message)
             request_id, fence = str(note["r"]), int(note["f"])
             dst, num_bytes = [int(b) for b in note["d"]], int(note["b"])
+            slots = [int(s) for s in note.get("w", ())]
             traceparent = str(note.get("t", ""))
             capability = bytes.fromhex(str(note.get("c", "")))
         except (ValueError, KeyError, TypeError) as e:
@@ -128,6 +133,10 @@ class NixlReceiver(KVReceiver):
                     "FAILED_PRECONDITION",
                     f"blocks {outside[:8]} are outside the reservation (fence {fence})",
                 )
+            if self._nixl.region.window is not None:
+                self._landing.check_window(request_id, fence, dst, slots)
+            elif slots:
+                raise PushRefused("FAILED_PRECONDITION", "window slots for a pool with none")
             self._landing.landed(request_id, fence, dst, num_bytes)
         except PushRefused as e:
             span.set_status(Status(StatusCode.ERROR, f"{e.status}: {e}"))

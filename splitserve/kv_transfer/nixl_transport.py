@@ -18,6 +18,13 @@ The sender loads each peer's metadata and preps its remote block list once (keye
 agent name, so a restarted peer, which publishes a new name, gets a new entry). NIXL merges
 adjacent descriptors of one transfer into one copy. The receiver is in nixl_receiver.py.
 
+With sliding layers kept apart (engine/window_slots.py) both pools are registered and each
+descriptor list is the blocks, then the window pool's slots (index num_blocks + s: the sliding
+layers of slot s): one transfer writes a batch's blocks (full layers) and the slots the
+receiver gave the blocks its first query sees (`Push.dst_window_slots`, named in the
+notification's "w"), so the bytes moved are the full layers' of every block and the sliding
+layers' of a window's worth only.
+
 NOTE: the write is one-sided: the receiver checks the reservation only after the bytes are in
 its pool. A refused notification (stale fence, unknown request, blocks outside the reservation)
 fails the request on the decode side; it cannot un-write the bytes. Whoever loads a receiver's
@@ -56,13 +63,26 @@ def _blocks(
     return [(base + b * block_bytes, block_bytes, device) for b in range(num_blocks)]
 
 
+def _pools(region: KVRegion, device: int) -> list[tuple[int, int, int]]:
+    """The region's descriptors: one per block, then one per window slot (if any)."""
+    out = _blocks(region.base_address, region.block_bytes, region.num_blocks, device)
+    if region.window is not None:
+        w = region.window
+        out += _blocks(w.base_address, w.slot_bytes, w.num_slots, device)
+    return out
+
+
 def page_text(region: KVRegion) -> str:
     """What a block holds, as a receiver publishes it (`nixl.page`) and a sender compares it:
-    blocks of equal size may still hold another layout (latents, or other heads or widths)."""
+    blocks of equal size may still hold another layout (latents, or other heads or widths),
+    and a window pool (its sliding layers) or none."""
     what = "MLA latents" if region.num_planes == 1 else "keys and values"
     planes, block_size, heads, dim = region.page
     dtype = str(region.dtype).removeprefix("torch.")
-    return f"{what}: {region.num_layers} layers x {planes} x {block_size} x {heads} x {dim} {dtype}"
+    text = f"{what}: {region.num_layers} layers x {planes} x {block_size} x {heads} x {dim} {dtype}"
+    if region.window is not None:
+        text += f" + window pool of {region.window.num_layers} sliding layers"
+    return text
 
 
 class NixlAgent:
@@ -86,6 +106,7 @@ class NixlAgent:
         self.device_id = (device.index or 0) if device.type == "cuda" else 0
         self.name = f"{worker_id}-{secrets.token_hex(16)}"
         size = self.region.num_blocks * self.region.block_bytes
+        window = self.region.window
         try:
             # NOTE: no progress thread: the Python API runs it with a 0 us delay, so it spins a
             # whole core per agent. Transfers progress when the sender polls check_xfer_state
@@ -95,6 +116,9 @@ class NixlAgent:
             if "UCX" not in self.agent.backends:
                 raise RuntimeError("the UCX backend plugin is missing")
             pool = [(self.region.base_address, size, self.device_id, "")]
+            if window is not None:
+                span = window.num_slots * window.slot_bytes
+                pool.append((window.base_address, span, self.device_id, ""))
             self.registered: Any = self.agent.register_memory(pool, self.mem_type)
         except Exception as e:
             raise RuntimeError(f"cannot create NIXL agent {self.name!r}: {e}") from e
@@ -109,8 +133,9 @@ class NixlAgent:
 @dataclass
 class _RemotePeer:
     name: str  # the remote agent's name (the cache key)
-    blocks: Any  # its prepped descriptor list, one per block
+    blocks: Any  # its prepped descriptor list, one per block, then one per window slot
     num_blocks: int
+    num_slots: int = 0
 
 
 class NixlSender(KVSender):
@@ -125,16 +150,15 @@ class NixlSender(KVSender):
         self._block_bytes = region.block_bytes
         self._page = page_text(region)
         self._num_blocks = region.num_blocks
+        self._slot_bytes = region.window.slot_bytes if region.window is not None else 0
+        self._num_slots = region.window.num_slots if region.window is not None else 0
         self._lock = threading.Lock()
         self._peers: dict[str, _RemotePeer] = {}
         self._closed = False
         try:
             self._local = self._nixl.agent.prep_xfer_dlist(
-                "NIXL_INIT_AGENT",
-                _blocks(region.base_address, region.block_bytes, region.num_blocks,
-                        self._nixl.device_id),
-                self._nixl.mem_type,
-            )  # fmt: skip
+                "NIXL_INIT_AGENT", _pools(region, self._nixl.device_id), self._nixl.mem_type
+            )
         except Exception as e:
             self._nixl.deregister()
             raise RuntimeError(f"NIXL agent {self._nixl.name!r}: cannot prep the pool: {e}") from e
@@ -150,14 +174,17 @@ class NixlSender(KVSender):
         if push.ready is not None:
             push.ready.wait()  # NOTE: before reading the source blocks: their writes may be queued
         src, dst = list(push.src_block_ids), list(push.dst_block_ids)
-        num_bytes = len(src) * self._block_bytes
+        src_slots, dst_slots = list(push.src_window_slots), list(push.dst_window_slots)
+        num_bytes = len(src) * self._block_bytes + len(src_slots) * self._slot_bytes
         carrier: dict[str, str] = {}
         TraceContextTextMapPropagator().inject(carrier)  # nothing unless a span is recording
-        notif = json.dumps(
-            {"r": push.request_id, "f": push.fence, "d": dst, "n": push.num_tokens,
-             "b": num_bytes, "t": carrier.get("traceparent", ""), "c": push.capability.hex()},
-            separators=(",", ":"),
-        ).encode()  # fmt: skip
+        note = {
+            "r": push.request_id, "f": push.fence, "d": dst, "n": push.num_tokens,
+            "b": num_bytes, "t": carrier.get("traceparent", ""), "c": push.capability.hex(),
+        }  # fmt: skip
+        if dst_slots:
+            note["w"] = dst_slots
+        notif = json.dumps(note, separators=(",", ":")).encode()
         agent = self._nixl.agent
         remote: _RemotePeer | None = None
         handle = None
@@ -174,11 +201,19 @@ class NixlSender(KVSender):
                         raise TransferError(
                             f"block ids {ids} not in [0, {limit})", "INVALID_ARGUMENT"
                         )
+                for ids, limit in ((src_slots, self._num_slots), (dst_slots, remote.num_slots)):
+                    if not all(0 < i < limit for i in ids):
+                        raise TransferError(
+                            f"window slots {ids} not in [1, {limit})", "INVALID_ARGUMENT"
+                        )
+                local_ids = src + [self._num_blocks + s for s in src_slots]
+                remote_ids = dst + [remote.num_blocks + s for s in dst_slots]
                 handle = agent.make_prepped_xfer(
-                    "WRITE", self._local, src, remote.blocks, dst, notif
+                    "WRITE", self._local, local_ids, remote.blocks, remote_ids, notif
                 )
                 state = agent.transfer(handle)
-            what = f"NIXL write of {len(src)} blocks to {peer.worker_id}"
+            what = f"NIXL write of {len(src)} blocks, {len(src_slots)} window slots"
+            what += f" to {peer.worker_id}"
             self._wait(handle, state, deadline, timeout_s, what)
         except TransferError as e:
             if e.status == "UNAVAILABLE" and remote is not None:
@@ -223,34 +258,42 @@ class NixlSender(KVSender):
             block_bytes, num_blocks = int(ep["nixl.block_bytes"]), int(ep["nixl.num_blocks"])
             base, device = int(ep["nixl.base"]), int(ep["nixl.device"])
             mem_type, metadata = ep["nixl.mem_type"].decode(), ep["nixl.metadata"]
+            slot_bytes, num_slots = (
+                int(ep.get("nixl.slot_bytes", 0)),
+                int(ep.get("nixl.num_slots", 0)),
+            )
+            window_base = int(ep.get("nixl.window_base", 0))
         except (KeyError, ValueError) as e:
             raise TransferError(
                 f"peer {peer.worker_id} publishes no usable NIXL endpoint ({e!r})",
                 "FAILED_PRECONDITION",
             ) from e
-        if block_bytes != self._block_bytes:
+        if block_bytes != self._block_bytes or slot_bytes != self._slot_bytes:
             raise TransferError(
-                f"peer {peer.worker_id} has {block_bytes}-byte KV blocks, this worker "
-                f"{self._block_bytes}-byte ones (different model, dtype or block size)",
+                f"peer {peer.worker_id} has {block_bytes}-byte KV blocks ({slot_bytes}-byte "
+                f"window slots), this worker {self._block_bytes}-byte ones "
+                f"({self._slot_bytes}-byte) (different model, dtype or block size, or one keeps "
+                "sliding layers in a window pool)",
                 "FAILED_PRECONDITION",
             )
         page = ep.get("nixl.page", b"").decode()
         if page and page != self._page:
             raise TransferError(
                 f"peer {peer.worker_id}'s KV blocks hold {page}, this worker's {self._page} "
-                "(prefill and decode workers must serve the same model)",
+                "(prefill and decode workers must serve the same model, and both keep sliding "
+                "layers in a window pool or neither)",
                 "FAILED_PRECONDITION",
             )
         agent = self._nixl.agent
         agent.add_remote_agent(metadata)  # NOTE: connects (UCX endpoint) while holding the lock
         try:
-            blocks = agent.prep_xfer_dlist(
-                name, _blocks(base, block_bytes, num_blocks, device), mem_type
-            )
+            descs = _blocks(base, block_bytes, num_blocks, device)
+            descs += _blocks(window_base, slot_bytes, num_slots, device)
+            blocks = agent.prep_xfer_dlist(name, descs, mem_type)
         except Exception:
             agent.remove_remote_agent(name)
             raise
-        remote = self._peers[name] = _RemotePeer(name, blocks, num_blocks)
+        remote = self._peers[name] = _RemotePeer(name, blocks, num_blocks, num_slots)
         return remote
 
     def _drop(self, remote: _RemotePeer) -> None:

@@ -39,7 +39,9 @@ TRANSPORT_CHOICES = ("auto", *PREFERENCE)
 @dataclass(frozen=True)
 class Push:
     """One batch of a request's blocks: source blocks on this worker, destination blocks
-    (reserved under `fence`) on the peer, in the same order."""
+    (reserved under `fence`) on the peer, in the same order; with sliding layers kept apart
+    (engine/window_slots.py), the window slots whose sliding layers' KV goes with them, source
+    and destination pairwise (`window_pairs`)."""
 
     request_id: str
     fence: int
@@ -48,10 +50,44 @@ class Push:
     num_tokens: int  # prompt tokens complete on the peer once this push lands
     ready: ReadyBlocks | None = None  # wait for its event before reading the source blocks
     capability: bytes = b""  # the reservation's (KVDestination.capability); every push carries it
+    src_window_slots: tuple[int, ...] = ()
+    dst_window_slots: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if len(self.src_block_ids) != len(self.dst_block_ids):
             raise ValueError("a push needs as many destination blocks as source blocks")
+        if len(self.src_window_slots) != len(self.dst_window_slots):
+            raise ValueError("a push needs as many destination window slots as source ones")
+
+
+def window_pairs(
+    src_slots: Sequence[int], dst_slots: Sequence[int], num_blocks: int
+) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The window slots a push of `num_blocks` blocks moves: for each block the receiver gave a
+    slot (`dst_slots[i]`, 0: none; empty: it keeps no window pool), the sender's (`src_slots`,
+    pinned for the push). TransferError (FAILED_PRECONDITION) if the sender holds none there:
+    it never sends a block's full layers without the sliding layers the receiver reads."""
+    if not dst_slots:
+        return (), ()
+    if len(dst_slots) != num_blocks:
+        raise TransferError(
+            f"{len(dst_slots)} destination window slots for {num_blocks} blocks",
+            "FAILED_PRECONDITION",
+        )
+    src, dst = [], []
+    for i, slot in enumerate(dst_slots):
+        if not slot:
+            continue
+        mine = src_slots[i] if i < len(src_slots) else 0
+        if not mine:
+            raise TransferError(
+                f"the receiver reads the sliding layers of block {i} of this push, and this "
+                "worker holds no window slot for it (no window pool, or its window moved on)",
+                "FAILED_PRECONDITION",
+            )
+        src.append(mine)
+        dst.append(slot)
+    return tuple(src), tuple(dst)
 
 
 @dataclass(frozen=True)
@@ -97,6 +133,19 @@ class Landing(Protocol):
     def check_capability(self, request_id: str, capability: bytes) -> None:
         """Raises PushRefused (PERMISSION_DENIED) unless `capability` is the one the
         reservation of `request_id` was minted with (checked before anything lands)."""
+        ...
+
+    def check_window(
+        self,
+        request_id: str,
+        fence: int,
+        dst_block_ids: Sequence[int],
+        dst_window_slots: Sequence[int],
+    ) -> None:
+        """Receivers whose pool keeps a window pool: raises PushRefused (FAILED_PRECONDITION)
+        unless `dst_window_slots` are exactly the slots the reservation gave those of
+        `dst_block_ids` that have one, in order (a push writes every block's sliding layers
+        the receiver will read, and only into its own slots)."""
         ...
 
     def allowed_blocks(self, request_id: str, fence: int) -> frozenset[int]:

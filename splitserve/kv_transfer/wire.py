@@ -16,6 +16,12 @@ DeepSeek's MLA latents (`LATENT_LAYOUT`): one plane of one row per token and lay
 The header's layout string names the planes, so a receiver whose pool holds the other kind
 refuses the payload (as it refuses another dtype, block size, head count or width).
 
+With sliding layers kept apart (engine/window_slots.py), a block carries the full layers only
+(`layer_end` counts them) and the window slots of `dst_window_slots` follow the blocks, each
+the `window_layers` sliding layers' pages:
+
+    payload = [block 0: full layers] … [block n-1] [slot 0: sliding layers] … [slot m-1]
+
 No pickle, no numpy dtypes on the wire. The checksum is CRC-32C from a C library (`crc32c`, with
 the CPU's CRC instruction).
 """
@@ -89,6 +95,7 @@ class CacheLayout:
     head_dim: int
     dtype: torch.dtype
     num_planes: int = 2  # keys and values; 1: MLA latents
+    window_layers: int = 0  # sliding layers in a window slot (0: no window pool)
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "block_size", "num_kv_heads", "head_dim"):
@@ -101,9 +108,10 @@ class CacheLayout:
 
     @classmethod
     def of(cls, region: KVRegion) -> CacheLayout:
+        window = region.window.num_layers if region.window is not None else 0
         return cls(
             region.num_layers, region.block_size, region.num_kv_heads, region.head_dim,
-            region.dtype, region.num_planes,
+            region.dtype, region.num_planes, window,
         )  # fmt: skip
 
     @property
@@ -127,8 +135,17 @@ class CacheLayout:
         page = self.num_planes * self.block_size * self.num_kv_heads * self.head_dim
         return self.num_layers * page * elem
 
-    def payload_bytes(self, num_blocks: int) -> int:
-        return num_blocks * self.block_bytes
+    @property
+    def slot_shape(self) -> tuple[int, ...]:
+        return (self.window_layers, *self.block_shape[1:])
+
+    @property
+    def slot_bytes(self) -> int:
+        """Bytes of one window slot: every sliding layer's page."""
+        return self.block_bytes // self.num_layers * self.window_layers
+
+    def payload_bytes(self, num_blocks: int, num_slots: int = 0) -> int:
+        return num_blocks * self.block_bytes + num_slots * self.slot_bytes
 
 
 def make_header(
@@ -140,12 +157,15 @@ def make_header(
     checksum: int,
     num_tokens_after: int,
     capability: bytes = b"",
+    dst_window_slots: Collection[int] = (),
 ) -> kv_transfer_pb2.KVTransferHeader:
-    """Describe a payload of `dst_block_ids` blocks for the receiver."""
-    expected = layout.payload_bytes(len(dst_block_ids))
+    """Describe a payload of `dst_block_ids` blocks (and `dst_window_slots` slots after them)
+    for the receiver."""
+    expected = layout.payload_bytes(len(dst_block_ids), len(dst_window_slots))
     if payload_bytes != expected:
         raise PayloadSizeError(
-            f"payload is {payload_bytes} bytes; {len(dst_block_ids)} blocks are {expected}"
+            f"payload is {payload_bytes} bytes; {len(dst_block_ids)} blocks"
+            f"{_and_slots(len(dst_window_slots))} are {expected}"
         )
     return kv_transfer_pb2.KVTransferHeader(
         request_id=request_id,
@@ -162,6 +182,8 @@ def make_header(
         payload_bytes=payload_bytes,
         crc32c=checksum,
         num_tokens_after=num_tokens_after,
+        dst_window_slots=list(dst_window_slots),
+        window_layers=layout.window_layers,
     )
 
 
@@ -170,9 +192,10 @@ def validate_header(
     layout: CacheLayout,
     num_pool_blocks: int,
     allowed_block_ids: Collection[int] | None,
+    num_pool_slots: int = 0,
 ) -> None:
     """Raise a `KVTransferError` unless a payload described by `header` fits this pool (and,
-    when given, the request's reservation)."""
+    when given, the request's reservation; its window slots are the Landing's to check)."""
     rid = header.request_id
     if header.layout not in _WHAT:
         raise LayoutMismatchError(
@@ -197,6 +220,11 @@ def validate_header(
                 f"{rid}: {name}{latent} {getattr(header, name)} does not match "
                 f"the receiver's {getattr(layout, name)}"
             )
+    if header.window_layers != layout.window_layers:
+        raise LayoutMismatchError(
+            f"{rid}: {header.window_layers} sliding layers in a window pool, the receiver's "
+            f"{layout.window_layers} (both ends keep sliding layers apart, or neither)"
+        )
     if (header.layer_start, header.layer_end) != (0, layout.num_layers):
         raise LayoutMismatchError(
             f"{rid}: layers [{header.layer_start}, {header.layer_end}) but a block carries "
@@ -216,11 +244,24 @@ def validate_header(
             raise BlockNotAllowedError(
                 f"{rid}: destination blocks {outside[:16]} are not reserved for this request"
             )
-    expected = layout.payload_bytes(len(dst))
+    slots = list(header.dst_window_slots)
+    if len(set(slots)) != len(slots) or len(slots) > len(dst):
+        raise BlockNotAllowedError(f"{rid}: window slots {slots[:16]} repeated or too many")
+    outside = sorted(s for s in set(slots) if not 0 < s < num_pool_slots)
+    if outside:
+        raise BlockNotAllowedError(
+            f"{rid}: window slots {outside[:16]} are outside the pool's [1, {num_pool_slots})"
+        )
+    expected = layout.payload_bytes(len(dst), len(slots))
     if header.payload_bytes != expected:
         raise PayloadSizeError(
-            f"{rid}: payload_bytes {header.payload_bytes} but {len(dst)} blocks are {expected}"
+            f"{rid}: payload_bytes {header.payload_bytes} but {len(dst)} blocks"
+            f"{_and_slots(len(slots))} are {expected}"
         )
+
+
+def _and_slots(num_slots: int) -> str:
+    return f" and {num_slots} window slots" if num_slots else ""
 
 
 def verify_payload(header: kv_transfer_pb2.KVTransferHeader, payload: Any) -> None:
@@ -241,3 +282,14 @@ def verify_payload(header: kv_transfer_pb2.KVTransferHeader, payload: Any) -> No
 def as_blocks(payload: torch.Tensor, layout: CacheLayout) -> torch.Tensor:
     """A uint8 payload tensor viewed as [num_blocks, *block_shape] of the layout's dtype."""
     return payload.view(layout.dtype).view(-1, *layout.block_shape)
+
+
+def split_payload(
+    payload: torch.Tensor, layout: CacheLayout, num_blocks: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A uint8 payload of `num_blocks` blocks and window slots after them, viewed as
+    ([num_blocks, *block_shape], [num_slots, *slot_shape]) of the layout's dtype."""
+    cut = num_blocks * layout.block_bytes
+    blocks = as_blocks(payload[:cut], layout)
+    slots = payload[cut:].view(layout.dtype).view(-1, *layout.slot_shape)
+    return blocks, slots

@@ -38,9 +38,11 @@ def engine_config(
         and worker.kv_cache_memory_bytes is None,
         max_num_batched_tokens=worker.max_num_batched_tokens,
         max_num_seqs=worker.max_num_seqs,
-        # NOTE: every worker's KV may move (a prefill's push, a stream moved off a decode
-        # worker), and transfers carry the one block-major pool: sliding layers keep theirs.
-        sliding_window_kv=False,
+        # NOTE: sliding layers' KV in a window pool (engine/window_slots.py): a prefill's push
+        # and a stream's hand-off carry it (a sliding layer's window only). Not beside the
+        # host tier, which saves and loads whole blocks of the one pool (engine/host_tier.py):
+        # a worker with one keeps every block.
+        sliding_window_kv=not worker.kv_host_cache_gb,
         enable_pdl=worker.pdl,
         load_format=worker.load_format,
         quantization=None if worker.quantization == "auto" else worker.quantization,

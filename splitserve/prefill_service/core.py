@@ -120,6 +120,7 @@ class PrefillCoreHandler(CoreHandler):
         route = Route(sender, Peer(peer[0], peer[1], dict(peer[2])))
         pusher = RequestPusher(request_id, dest, route, connector, send_timeout_s)
         first_block = dest.num_cached_tokens // connector.block_size
+        window_from = _window_from(dest, first_block)
         cancel = threading.Event()
         with self._lock:
             self._cancels[request_id] = cancel
@@ -134,7 +135,7 @@ class PrefillCoreHandler(CoreHandler):
                 prefill_only=True,
                 lora_request=dest.adapter or None,  # the servicer checked it is the request's
             )
-            return engine.kv_connector.watch(request_id, first_block)
+            return engine.kv_connector.watch(request_id, first_block, window_from)
 
         parent = self.tracing.from_carrier(carrier)
         token = otel_context.attach(parent) if parent is not None else None
@@ -178,6 +179,13 @@ class PrefillCoreHandler(CoreHandler):
                 # NOTE: settled before the caller hears back: blocks are free once it does.
                 with contextlib.suppress(Exception):
                     self.loop.call(lambda e: _settle(e, request_id, aborted=not finished))
+
+
+def _window_from(dest: worker_pb2.KVDestination, first_block: int) -> int | None:
+    """The first block sent whose window slot goes too: the first the decode worker gave one
+    (None: it keeps no window pool)."""
+    slots = dest.window_slots
+    return next((i for i in range(first_block, len(slots)) if slots[i]), None)
 
 
 def _settle(engine: LLMEngine, request_id: str, aborted: bool) -> None:

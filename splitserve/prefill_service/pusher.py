@@ -9,7 +9,9 @@ for the decode worker, while the engine computes the next chunk, then releases i
     step 2                   [computed.................]                 -> push 1
     step 3                                  [computed.....................] -> push 2, 3 (last)
 
-Blocks the decode worker already caches (its `num_cached_tokens`) are never reported.
+Blocks the decode worker already caches (its `num_cached_tokens`) are never reported. With
+sliding layers kept apart, a block the decode worker gave a window slot (`window_slots`: those
+its first query sees) goes with its sliding layers' KV from this worker's slot.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from splitserve.kv_transfer.transport import (
     PushResult,
     TransferError,
     choose,
+    window_pairs,
 )
 from splitserve.protos.v1 import worker_pb2
 
@@ -133,9 +136,11 @@ class RequestPusher:
         if batch.block_ids:
             end = batch.first_index + len(batch.block_ids)
             dst = tuple(self.destination.block_ids[batch.first_index : end])
+            slots = self.destination.window_slots[batch.first_index : end]
+            src_slots, dst_slots = window_pairs(batch.window_slots, slots, len(dst))
             push = Push(
                 self.request_id, self.destination.fence, batch.block_ids, dst,
-                batch.num_tokens, batch, self.destination.capability,
+                batch.num_tokens, batch, self.destination.capability, src_slots, dst_slots,
             )  # fmt: skip
             result: PushResult = self.route.sender.push(self.route.peer, push, self.timeout_s)
             self.connector.release(self.request_id, batch.block_ids)

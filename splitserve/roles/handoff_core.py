@@ -6,6 +6,9 @@ then frees them, whatever the outcome:
 
     parked blocks  |== 0 ==|== 1 ==|== 2 ==|= 3 (partial) =|
     destination     cached  [push 1 .. 3, one batch ...........]  (its cached prefix not sent)
+
+With sliding layers kept apart, the blocks the destination gave window slots (those its first
+query sees) take their sliding layers' KV along, from the slots pinned with them here.
 """
 
 from __future__ import annotations
@@ -16,7 +19,14 @@ from typing import Any
 
 from splitserve.engine.engine_loop import EngineLoop
 from splitserve.engine.llm_engine import LLMEngine
-from splitserve.kv_transfer.transport import KVSender, Peer, Push, PushResult, TransferError
+from splitserve.kv_transfer.transport import (
+    KVSender,
+    Peer,
+    Push,
+    PushResult,
+    TransferError,
+    window_pairs,
+)
 from splitserve.protos.v1 import worker_pb2
 
 
@@ -41,9 +51,12 @@ def hand_off(
         with contextlib.suppress(Exception):
             loop.call(lambda e: e.abort_request(request_id))
         raise TransferError(f"this worker has no {transport} sender", "FAILED_PRECONDITION")
-    src = loop.call(lambda e: e.take_parked(request_id, num_tokens))
+    first = dest.num_cached_tokens // loop.engine.config.block_size
+    # NOTE: the destination's window slots name the blocks whose sliding layers go too
+    window_from = next((i for i, s in enumerate(dest.window_slots) if s and i >= first), None)
+    parked = loop.call(lambda e: e.take_parked_kv(request_id, num_tokens, window_from))
+    src = parked.block_ids
     try:
-        first = dest.num_cached_tokens // loop.engine.config.block_size
         if len(src) > len(dest.block_ids):
             raise TransferError(
                 f"the destination reserved {len(dest.block_ids)} blocks, the KV of {num_tokens} "
@@ -52,16 +65,20 @@ def hand_off(
             )
         if first >= len(src):
             return [0, 0]  # NOTE: the destination caches all of it already
+        src_slots, dst_slots = window_pairs(
+            parked.window_slots[first:], dest.window_slots[first : len(src)], len(src) - first
+        )
         push = Push(
             destination_request_id, dest.fence, src[first:],
             tuple(dest.block_ids[first : len(src)]), num_tokens, None, dest.capability,
+            src_slots, dst_slots,
         )  # fmt: skip
         result: PushResult = sender.push(Peer(peer[0], peer[1], dict(peer[2])), push, timeout_s)
         return [result.num_blocks, result.num_bytes]
     finally:
         if loop.running:
-            loop.call(lambda e: _unpin(e, src))
+            loop.call(lambda e: _unpin(e, src, parked.window_slots))
 
 
-def _unpin(engine: LLMEngine, block_ids: tuple[int, ...]) -> None:
-    engine.unpin_blocks(block_ids)
+def _unpin(engine: LLMEngine, block_ids: tuple[int, ...], window_slots: tuple[int, ...]) -> None:
+    engine.unpin_blocks(block_ids, window_slots)

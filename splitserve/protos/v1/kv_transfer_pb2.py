@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n&splitserve/protos/v1/kv_transfer.proto\x12\rsplitserve.v1\"\xa4\x02\n\x10KVTransferHeader\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05\x66\x65nce\x18\x02 \x01(\x04\x12\x0e\n\x06layout\x18\x03 \x01(\t\x12\r\n\x05\x64type\x18\x04 \x01(\t\x12\x12\n\nblock_size\x18\x05 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x06 \x01(\r\x12\x10\n\x08head_dim\x18\x07 \x01(\r\x12\x13\n\x0blayer_start\x18\x08 \x01(\r\x12\x11\n\tlayer_end\x18\t \x01(\r\x12\x15\n\rdst_block_ids\x18\n \x03(\r\x12\x15\n\rpayload_bytes\x18\x0b \x01(\x04\x12\x0e\n\x06\x63rc32c\x18\x0c \x01(\x07\x12\x18\n\x10num_tokens_after\x18\r \x01(\r\x12\x12\n\ncapability\x18\x0e \x01(\x0c\"^\n\x11KVTransferMessage\x12\x31\n\x06header\x18\x01 \x01(\x0b\x32\x1f.splitserve.v1.KVTransferHeaderH\x00\x12\x0e\n\x04\x64\x61ta\x18\x02 \x01(\x0cH\x00\x42\x06\n\x04part\";\n\x12PushBlocksResponse\x12\x12\n\nnum_blocks\x18\x01 \x01(\r\x12\x11\n\tnum_bytes\x18\x02 \x01(\x04\x32\x61\n\nKVTransfer\x12S\n\nPushBlocks\x12 .splitserve.v1.KVTransferMessage\x1a!.splitserve.v1.PushBlocksResponse(\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n&splitserve/protos/v1/kv_transfer.proto\x12\rsplitserve.v1\"\xd5\x02\n\x10KVTransferHeader\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05\x66\x65nce\x18\x02 \x01(\x04\x12\x0e\n\x06layout\x18\x03 \x01(\t\x12\r\n\x05\x64type\x18\x04 \x01(\t\x12\x12\n\nblock_size\x18\x05 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x06 \x01(\r\x12\x10\n\x08head_dim\x18\x07 \x01(\r\x12\x13\n\x0blayer_start\x18\x08 \x01(\r\x12\x11\n\tlayer_end\x18\t \x01(\r\x12\x15\n\rdst_block_ids\x18\n \x03(\r\x12\x15\n\rpayload_bytes\x18\x0b \x01(\x04\x12\x0e\n\x06\x63rc32c\x18\x0c \x01(\x07\x12\x18\n\x10num_tokens_after\x18\r \x01(\r\x12\x12\n\ncapability\x18\x0e \x01(\x0c\x12\x18\n\x10\x64st_window_slots\x18\x0f \x03(\r\x12\x15\n\rwindow_layers\x18\x10 \x01(\r\"^\n\x11KVTransferMessage\x12\x31\n\x06header\x18\x01 \x01(\x0b\x32\x1f.splitserve.v1.KVTransferHeaderH\x00\x12\x0e\n\x04\x64\x61ta\x18\x02 \x01(\x0cH\x00\x42\x06\n\x04part\";\n\x12PushBlocksResponse\x12\x12\n\nnum_blocks\x18\x01 \x01(\r\x12\x11\n\tnum_bytes\x18\x02 \x01(\x04\x32\x61\n\nKVTransfer\x12S\n\nPushBlocks\x12 .splitserve.v1.KVTransferMessage\x1a!.splitserve.v1.PushBlocksResponse(\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -32,11 +32,11 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'splitserve.protos.v1.kv_tra
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_KVTRANSFERHEADER']._serialized_start=58
-  _globals['_KVTRANSFERHEADER']._serialized_end=350
-  _globals['_KVTRANSFERMESSAGE']._serialized_start=352
-  _globals['_KVTRANSFERMESSAGE']._serialized_end=446
-  _globals['_PUSHBLOCKSRESPONSE']._serialized_start=448
-  _globals['_PUSHBLOCKSRESPONSE']._serialized_end=507
-  _globals['_KVTRANSFER']._serialized_start=509
-  _globals['_KVTRANSFER']._serialized_end=606
+  _globals['_KVTRANSFERHEADER']._serialized_end=399
+  _globals['_KVTRANSFERMESSAGE']._serialized_start=401
+  _globals['_KVTRANSFERMESSAGE']._serialized_end=495
+  _globals['_PUSHBLOCKSRESPONSE']._serialized_start=497
+  _globals['_PUSHBLOCKSRESPONSE']._serialized_end=556
+  _globals['_KVTRANSFER']._serialized_start=558
+  _globals['_KVTRANSFER']._serialized_end=655
 # @@protoc_insertion_point(module_scope)

@@ -7,7 +7,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class KVTransferHeader(_message.Message):
-    __slots__ = ("request_id", "fence", "layout", "dtype", "block_size", "num_kv_heads", "head_dim", "layer_start", "layer_end", "dst_block_ids", "payload_bytes", "crc32c", "num_tokens_after", "capability")
+    __slots__ = ("request_id", "fence", "layout", "dtype", "block_size", "num_kv_heads", "head_dim", "layer_start", "layer_end", "dst_block_ids", "payload_bytes", "crc32c", "num_tokens_after", "capability", "dst_window_slots", "window_layers")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     FENCE_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
@@ -22,6 +22,8 @@ class KVTransferHeader(_message.Message):
     CRC32C_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_AFTER_FIELD_NUMBER: _ClassVar[int]
     CAPABILITY_FIELD_NUMBER: _ClassVar[int]
+    DST_WINDOW_SLOTS_FIELD_NUMBER: _ClassVar[int]
+    WINDOW_LAYERS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     fence: int
     layout: str
@@ -36,7 +38,9 @@ class KVTransferHeader(_message.Message):
     crc32c: int
     num_tokens_after: int
     capability: bytes
-    def __init__(self, request_id: _Optional[str] = ..., fence: _Optional[int] = ..., layout: _Optional[str] = ..., dtype: _Optional[str] = ..., block_size: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., dst_block_ids: _Optional[_Iterable[int]] = ..., payload_bytes: _Optional[int] = ..., crc32c: _Optional[int] = ..., num_tokens_after: _Optional[int] = ..., capability: _Optional[bytes] = ...) -> None: ...
+    dst_window_slots: _containers.RepeatedScalarFieldContainer[int]
+    window_layers: int
+    def __init__(self, request_id: _Optional[str] = ..., fence: _Optional[int] = ..., layout: _Optional[str] = ..., dtype: _Optional[str] = ..., block_size: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., dst_block_ids: _Optional[_Iterable[int]] = ..., payload_bytes: _Optional[int] = ..., crc32c: _Optional[int] = ..., num_tokens_after: _Optional[int] = ..., capability: _Optional[bytes] = ..., dst_window_slots: _Optional[_Iterable[int]] = ..., window_layers: _Optional[int] = ...) -> None: ...
 
 class KVTransferMessage(_message.Message):
     __slots__ = ("header", "data")

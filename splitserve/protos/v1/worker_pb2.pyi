@@ -64,7 +64,7 @@ class AdapterList(_message.Message):
     def __init__(self, adapters: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class KVDestination(_message.Message):
-    __slots__ = ("worker_id", "address", "block_ids", "num_cached_tokens", "fence", "kv_transports", "capability", "adapter")
+    __slots__ = ("worker_id", "address", "block_ids", "num_cached_tokens", "fence", "kv_transports", "capability", "adapter", "window_slots")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -73,6 +73,7 @@ class KVDestination(_message.Message):
     KV_TRANSPORTS_FIELD_NUMBER: _ClassVar[int]
     CAPABILITY_FIELD_NUMBER: _ClassVar[int]
     ADAPTER_FIELD_NUMBER: _ClassVar[int]
+    WINDOW_SLOTS_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     address: str
     block_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -81,7 +82,8 @@ class KVDestination(_message.Message):
     kv_transports: _containers.RepeatedScalarFieldContainer[str]
     capability: bytes
     adapter: str
-    def __init__(self, worker_id: _Optional[str] = ..., address: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_cached_tokens: _Optional[int] = ..., fence: _Optional[int] = ..., kv_transports: _Optional[_Iterable[str]] = ..., capability: _Optional[bytes] = ..., adapter: _Optional[str] = ...) -> None: ...
+    window_slots: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, worker_id: _Optional[str] = ..., address: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_cached_tokens: _Optional[int] = ..., fence: _Optional[int] = ..., kv_transports: _Optional[_Iterable[str]] = ..., capability: _Optional[bytes] = ..., adapter: _Optional[str] = ..., window_slots: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
     __slots__ = ("request_id", "prompt_token_ids", "sampling", "destination", "priority", "adapter")
