@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from bench.common import SHAPES
 from splitserve.engine import LLM, SamplingParams
 from splitserve.engine.kv_cache import bytes_per_block
 from splitserve.engine.model_config import ModelConfig
@@ -109,38 +110,8 @@ def test_kv_cache_holds_one_latent_per_token_and_layer(deepseek_models):
 def test_deepseek_v2_lite_bytes_per_token():
     """DeepSeek-V2-Lite's shape: (512 + 64) values x 2 bytes x 27 layers a token in bf16, where
     per-head keys and values would take 16 heads x (192 + 128) x 2 x 27 = 276,480."""
-    raw = {
-        "architectures": ["DeepseekV2ForCausalLM"],
-        "vocab_size": 102400,
-        "hidden_size": 2048,
-        "intermediate_size": 10944,
-        "moe_intermediate_size": 1408,
-        "num_hidden_layers": 27,
-        "num_attention_heads": 16,
-        "num_key_value_heads": 16,
-        "kv_lora_rank": 512,
-        "q_lora_rank": None,
-        "qk_nope_head_dim": 128,
-        "qk_rope_head_dim": 64,
-        "v_head_dim": 128,
-        "n_routed_experts": 64,
-        "n_shared_experts": 2,
-        "num_experts_per_tok": 6,
-        "first_k_dense_replace": 1,
-        "topk_method": "greedy",
-        "max_position_embeddings": 163840,
-        "rope_scaling": {
-            "type": "yarn",
-            "factor": 40,
-            "original_max_position_embeddings": 4096,
-            "beta_fast": 32,
-            "beta_slow": 1,
-            "mscale": 0.707,
-            "mscale_all_dim": 0.707,
-        },
-        "rope_theta": 10000,
-    }
-    cfg = ModelConfig.from_hf_dict(raw)
+    # NOTE: the shape the GPU benchmarks run (bench/common.py), as its config.json has it
+    cfg = ModelConfig.from_hf_dict(SHAPES["deepseek-v2-lite"])
     assert bytes_per_block(cfg, 1, torch.bfloat16) == 31_104
     assert cfg.moe is not None and cfg.moe.num_groups == 1  # "greedy": no groups
     mscale = 0.1 * 0.707 * torch.log(torch.tensor(40.0)).item() + 1.0
