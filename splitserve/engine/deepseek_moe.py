@@ -51,7 +51,7 @@ class DeepseekMoE(nn.Module):
         self.experts = Experts(cfg.moe, cfg.hidden_size)
         self.shared_experts = shared
         self.lora = None  # LoRA hooks look for it; experts take no adapters
-        self._router_f32: tuple[torch.Tensor, int, torch.Tensor] | None = None
+        self._router_f32: tuple[torch.Tensor, tuple[int, int], torch.Tensor] | None = None
 
     def merge_projections(self) -> None:
         if self.shared_experts is not None:
@@ -59,10 +59,12 @@ class DeepseekMoE(nn.Module):
 
     def router_weight(self) -> torch.Tensor:
         """The router's weight in float32 (routing runs in float32), cast once per weight
-        tensor rather than every step: the same values, one launch less a layer."""
+        tensor rather than every step: the same values, one launch less a layer. Cast again
+        for a new tensor, new storage or an in-place write (its version counter)."""
         param, cached = self.gate.weight, self._router_f32
-        if cached is None or cached[0] is not param or cached[1] != param.data_ptr():
-            cached = self._router_f32 = (param, param.data_ptr(), param.detach().float())
+        key = (param.data_ptr(), param._version)
+        if cached is None or cached[0] is not param or cached[1] != key:
+            cached = self._router_f32 = (param, key, param.detach().float())
         return cached[2]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
