@@ -17,7 +17,6 @@ row's rate counts the same FLOPs (decompression is its overhead, not work a per-
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
@@ -27,7 +26,7 @@ if __package__ in (None, ""):
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from bench.common import SHAPES, device_name, median_time, table  # noqa: E402
+from bench.common import SHAPES, device_name, median_time, table, write_results  # noqa: E402
 from bench.kernels import shuffled_tables  # noqa: E402
 from splitserve.engine.attention import AttentionMetadata  # noqa: E402
 from splitserve.engine.mla import MLAttention  # noqa: E402
@@ -117,8 +116,7 @@ def main(argv: list[str] | None = None) -> dict:
     }
     print(f"{result['device']}  {result['dtype']}  one layer, one fresh prompt per row")
     print(table(rows, list(rows[0])))
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    write_results(args.out, result)
     print(f"wrote {args.out}")
     return result
 

@@ -9,20 +9,13 @@ import pathlib
 import torch
 from safetensors.torch import save_file
 
+from splitserve.testing.tiny_hf import write_hf_checkpoint
 from splitserve.testing.tiny_model import (
     BIAS_STD,
     EMBED_STD,
     LM_HEAD_GAIN,
     NORM_WEIGHT_STD,
     RESIDUAL_GAIN,
-)
-from splitserve.testing.tiny_tokenizer import (
-    BOS_TOKEN,
-    CHATML_TEMPLATE,
-    EOS_TOKEN,
-    PAD_TOKEN,
-    build_tokenizer,
-    write_tokenizer_files,
 )
 
 TINY_DEEPSEEK = ("deepseek_v2", "deepseek_v3")
@@ -107,43 +100,19 @@ def make_tiny_deepseek_model(
     TINY_DEEPSEEK) with its tokenizer into out_dir; return the path. With `mtp_layer`, the
     safetensors also hold a multi-token-prediction layer after the last decoder layer, as
     DeepSeek-V3's checkpoints do (transformers ignores it; so must the engine)."""
-    from transformers import AutoConfig, AutoModelForCausalLM  # NOTE: here: it loads torch
-
     if variant not in _DEEPSEEK_CONFIGS:
         raise ValueError(f"unknown DeepSeek variant {variant!r}; supported: {TINY_DEEPSEEK}")
-    tokenizer = build_tokenizer(qwen2_pipeline=False, add_bos=False)
-    raw = {
-        **_DEEPSEEK_BASE,
-        **_DEEPSEEK_CONFIGS[variant],
-        **(config_overrides or {}),
-        "vocab_size": tokenizer.get_vocab_size(with_added_tokens=True),
-        "bos_token_id": tokenizer.token_to_id(BOS_TOKEN),
-        "eos_token_id": tokenizer.token_to_id(EOS_TOKEN),
-        "pad_token_id": tokenizer.token_to_id(PAD_TOKEN),
-    }
-    config = AutoConfig.for_model(**raw)
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            param.copy_(_deepseek_draw(name, tuple(param.shape), gen))
-        for name, buffer in model.named_buffers():
-            if name.endswith("e_score_correction_bias"):
-                buffer.copy_(BIAS_STD * torch.randn(buffer.shape, generator=gen))
-    out = pathlib.Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(out)
+    config = {**_DEEPSEEK_BASE, **_DEEPSEEK_CONFIGS[variant], **(config_overrides or {})}
+    out, raw, gen = write_hf_checkpoint(out_dir, config, _deepseek_draw, seed, _draw_bias)
     if mtp_layer:
         _add_mtp_layer(out, raw, gen)
-    write_tokenizer_files(
-        out,
-        tokenizer,
-        model_max_length=raw["max_position_embeddings"],
-        add_bos=False,
-        chat_template=CHATML_TEMPLATE,
-    )
     return out
+
+
+def _draw_bias(name: str, buffer: torch.Tensor, gen: torch.Generator) -> None:
+    """V3's selection bias is a buffer in transformers: drawn like a bias."""
+    if name.endswith("e_score_correction_bias"):
+        buffer.copy_(BIAS_STD * torch.randn(buffer.shape, generator=gen))
 
 
 def _deepseek_draw(name: str, shape: tuple[int, ...], gen: torch.Generator) -> torch.Tensor:

@@ -17,18 +17,13 @@ from typing import Any
 
 import torch
 
+from splitserve.testing.tiny_hf import write_hf_checkpoint
 from splitserve.testing.tiny_model import (
     BIAS_STD,
-    BOS_TOKEN,
-    CHATML_TEMPLATE,
     EMBED_STD,
-    EOS_TOKEN,
     LM_HEAD_GAIN,
     NORM_WEIGHT_STD,
-    PAD_TOKEN,
     RESIDUAL_GAIN,
-    build_tokenizer,
-    write_tokenizer_files,
 )
 
 TINY_FAMILIES = ("qwen3_moe", "mixtral", "gpt_oss", "gemma3")
@@ -107,38 +102,14 @@ def make_tiny_family_model(
 ) -> pathlib.Path:
     """Write a tiny random-weight checkpoint of `family` (one of TINY_FAMILIES) with its
     tokenizer into out_dir; return the path."""
-    from transformers import AutoConfig, AutoModelForCausalLM  # NOTE: here: it loads torch
-
     if family not in _CONFIGS:
         raise ValueError(f"unknown tiny family {family!r}; supported: {', '.join(_CONFIGS)}")
-    tokenizer = build_tokenizer(qwen2_pipeline=False, add_bos=False)
-    raw = {
-        **_BASE,
-        **_CONFIGS[family],
-        **(config_overrides or {}),
-        "vocab_size": tokenizer.get_vocab_size(with_added_tokens=True),
-        "bos_token_id": tokenizer.token_to_id(BOS_TOKEN),
-        "eos_token_id": tokenizer.token_to_id(EOS_TOKEN),
-        "pad_token_id": tokenizer.token_to_id(PAD_TOKEN),
-    }
-    config = AutoConfig.for_model(**raw)
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            param.copy_(_draw(name, tuple(param.shape), gen, family))
-    out = pathlib.Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(out)
-    write_tokenizer_files(
-        out,
-        tokenizer,
-        model_max_length=raw["max_position_embeddings"],
-        add_bos=False,
-        chat_template=CHATML_TEMPLATE,
-    )
-    return out
+    config = {**_BASE, **_CONFIGS[family], **(config_overrides or {})}
+
+    def draw(name: str, shape: tuple[int, ...], gen: torch.Generator) -> torch.Tensor:
+        return _draw(name, shape, gen, family)
+
+    return write_hf_checkpoint(out_dir, config, draw, seed)[0]
 
 
 def _draw(name: str, shape: tuple[int, ...], gen: torch.Generator, family: str) -> torch.Tensor:
