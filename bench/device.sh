@@ -59,6 +59,9 @@
 #                   real shape on the GPU), V2/V3 under CUDA graphs against HF, then
 #                   bench/mla_decode.py (batch 64, 4k contexts, against copy bandwidth) and
 #                   bench/mla_prefill.py (the latent path's prefill against per-head attention)
+#   mla-sweep       the absorbed decode kernel's launch choices at batch 64 and 16 (4k contexts),
+#                   (after the MLA GPU tests), then the DeepSeek-V2-Lite decode step at batch 1
+#                   and 64 against its floor and where a batch-1 step's GPU time goes
 #   mla-step        the DeepSeek-V2-Lite decode step at batch 1 and 64 against its floor, CUDA
 #                   graphs (triton backend) against eager (torch backend)
 #   prefix-reuse    bench/prefix_reuse.py on one GPU (Llama-3.2-1B shape): shared system prompts
@@ -257,9 +260,16 @@ for step in "$@"; do
         --out "$OUT/host_tier_working.json" ;;
     mla)
       run mla_tests 4 pytest_q tests/kernels/test_mla_decode.py tests/kernels/test_latent_write.py \
-        tests/engine/test_deepseek_parity.py tests/engine/test_gpu_parity.py -k "deepseek or mla or latent"
+        tests/engine/test_gpu_parity.py -k "deepseek or mla or latent"
       run mla_decode 20 timeout 300 python3 -m bench.mla_decode --out "$OUT/mla_decode.json"
       run mla_prefill 8 timeout 150 python3 -m bench.mla_prefill --out "$OUT/mla_prefill.json" ;;
+    mla-sweep)
+      run mla_gpu_tests 4 pytest_q tests/kernels/test_mla_decode.py tests/kernels/test_mla_query.py \
+        tests/kernels/test_latent_write.py tests/engine/test_gpu_parity.py -k "deepseek or mla or latent or rope"
+      run mla_sweep 60 timeout 120 python3 -m bench.mla_decode --sweep --out "$OUT/mla_sweep.json"
+      run mla_profile 40 timeout 120 python3 -m bench.decode_roofline --shape deepseek-v2-lite \
+        --batches 1 64 --context 1024 --pdl on --async-scheduling on --profile \
+        --out "$OUT/mla_profile.json" ;;
     mla-step)
       run mla_step 12 timeout 560 python3 -m bench.decode_roofline --shape deepseek-v2-lite \
         --batches 1 64 --context 1024 --pdl on --async-scheduling on \

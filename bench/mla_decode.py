@@ -10,12 +10,14 @@ Timed as the engine runs it, inside a CUDA graph, over disjoint page sets >= 2x 
 replays). KV caches hold random values and block tables are shuffled pages.
 
     python bench/mla_decode.py [--out bench/results/mla_decode.json]
+    python bench/mla_decode.py --sweep   # tiles, warps, stages, kernel and splits at the target
     TRITON_INTERPRET=1 python bench/mla_decode.py --smoke   # tiny shapes; runs on a CPU
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import sys
 from dataclasses import asdict, dataclass
@@ -37,7 +39,12 @@ from bench.kernels import (  # noqa: E402
     time_graph_us,
 )
 from splitserve.kernels.decode_attention import INTERPRETER_NUM_SMS, choose_num_splits  # noqa: E402
-from splitserve.kernels.mla_decode import BLOCK_H, mla_decode, mla_decode_ref  # noqa: E402
+from splitserve.kernels.mla_decode import (  # noqa: E402
+    BLOCK_H,
+    LaunchConfig,
+    mla_decode,
+    mla_decode_ref,
+)
 
 TARGET_GB_PER_S = 2500.0
 TARGET_AT = (64, 4096)  # (batch, context)
@@ -130,6 +137,71 @@ def bench(shapes: Shapes, dtype: torch.dtype, device: torch.device, copy_gbps: f
     return rows
 
 
+# The default and its neighbours, then the transposed kernel (64- and 32-row tiles: warp-group
+# dots need 64 rows a warp group).
+LAUNCHES = [
+    LaunchConfig(16, 4, 2),
+    LaunchConfig(16, 8, 2),
+    LaunchConfig(32, 4, 2),
+    LaunchConfig(32, 8, 2),
+    LaunchConfig(32, 8, 3),
+    LaunchConfig(64, 8, 2),
+] + [
+    LaunchConfig(block_n, warps, stages, True)
+    for block_n, warps, stages in itertools.product((32, 64), (4, 8), (1, 2, 3))
+]
+
+
+def sweep(shapes: Shapes, dtype: torch.dtype, device: torch.device) -> list:
+    """Every launch choice and three split counts at the target point and at batch 16: each
+    checked against the reference, then timed as `bench` times the default. Printed best first."""
+    num_sms = torch.cuda.get_device_properties(device).multi_processor_count
+    h, rank, bs = shapes.num_heads, shapes.kv_lora_rank, shapes.block_size
+    latent, elem = rank + shapes.rope_dim, torch.empty((), dtype=dtype).element_size()
+    rows = []
+    for batch, context in (TARGET_AT, (16, 4096)):
+        kv_bytes = batch * context * latent * elem
+        copies = copies_beyond_l2(kv_bytes, device)
+        cache = latent_cache(copies * batch * (context // bs), shapes, dtype, device)
+        tables = shuffled_tables(copies * batch, context // bs, device).view(copies, batch, -1)
+        seq_lens = torch.full((batch,), context, dtype=torch.int32, device=device)
+        q = torch.randn(batch, h, latent, dtype=dtype, device=device)
+        out = q.new_empty(batch, h, rank)
+        want = mla_decode_ref(q, cache, tables[0], seq_lens, rank, 0.1)
+        auto = choose_num_splits(batch, triton.cdiv(h, BLOCK_H), context, num_sms)
+        for launch, splits in itertools.product(LAUNCHES, sorted({auto, auto // 2 or 1, 2 * auto})):
+            row = {"batch": batch, "context": context, "splits": splits, **launch._asdict()}
+            calls = [
+                partial(mla_decode, q, cache, tables[i], seq_lens, rank, 0.1, out=out,
+                        num_splits=splits, launch=launch)
+                for i in range(copies)
+            ]  # fmt: skip
+            try:
+                torch.testing.assert_close(calls[0](), want, atol=3e-2, rtol=3e-2)
+                us = time_graph_us(calls, device)
+            except Exception as exc:  # noqa: BLE001 - a launch that can't compile or is wrong
+                rows.append({**row, "error": str(exc).splitlines()[0][:100]})
+                continue
+            rows.append({**row, "us": us, "GB_per_s": (kv_bytes + 2 * q.numel() * elem) / us / 1e3})
+            print(
+                f"{launch} splits {splits}: {us:.1f} us, {rows[-1]['GB_per_s']:.0f} GB/s",
+                flush=True,
+            )
+        del cache, tables, q, out
+        torch.cuda.empty_cache()
+    print("batch context transposed block_n warps stages splits      us    GB/s")
+    for r in sorted((r for r in rows if "us" in r), key=lambda r: (r["batch"], -r["GB_per_s"])):
+        print(
+            f"{r['batch']:5d}{r['context']:8d}{r['transposed']!s:>11}{r['block_n']:8d}"
+            f"{r['num_warps']:6d}{r['num_stages']:7d}{r['splits']:7d}{r['us']:8.1f}"
+            f"{r['GB_per_s']:8.0f}"
+        )
+    for r in rows:
+        if "error" in r:
+            print(f"failed: {r}")
+    return rows
+
+
 def print_table(result: dict) -> None:
     copy = result["copy_bandwidth"]
     print(f"{result['device']}  {result['dtype']}  copy bandwidth {copy['GB_per_s']:.0f} GB/s")
@@ -157,6 +229,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--out", type=Path, default=Path("bench/results/mla_decode.json"))
     parser.add_argument("--smoke", action="store_true", help="tiny shapes (CPU interpreter)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--sweep", action="store_true", help="time every launch choice (GPU)")
     args = parser.parse_args(argv)
 
     torch.manual_seed(args.seed)
@@ -166,6 +239,11 @@ def main(argv: list[str] | None = None) -> dict:
     shapes = SMOKE if args.smoke else FULL
     check_correctness(shapes, dtype, device)
     copy = copy_bandwidth(shapes.copy_bytes, device)
+    if args.sweep:
+        rows = sweep(shapes, dtype, device)
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps({"sweep": rows, "copy_bandwidth": copy}, indent=2) + "\n")
+        return {"sweep": rows}
     rows = bench(shapes, dtype, device, copy["GB_per_s"])
     at = [r for r in rows if (r["batch"], r["context"]) == TARGET_AT and "GB_per_s" in r]
     achieved = at[0]["GB_per_s"] if at else None

@@ -6,7 +6,10 @@ one fresh prompt per row. Timed per layer:
 - latent: `MLAttention._attend` as a prefill step runs it: the prompt's latents gathered from the
   paged cache, decompressed through `kv_b_proj` into per-head keys and values, then attention;
 - per-head: the same attention over keys and values already laid out per head (no gather, no
-  decompression): the cost of the same prefill with a per-head cache.
+  decompression): the cost of the same prefill with a per-head cache;
+- unpadded SDPA: the per-head attention without `mla.attention`'s padding of the values to the
+  keys' width (what the flash kernel needs): the padding's worth. (Both pass SDPA 4-D inputs:
+  3-D ones run its math path, which is what this bench first measured: about 11 TFLOP/s.)
 Attention FLOPs counted causal: 2 x heads x L^2 / 2 x (qk_head_dim + v_head_dim); the latent
 row's rate counts the same FLOPs (decompression is its overhead, not work a per-head cache does).
 
@@ -29,7 +32,7 @@ import torch.nn.functional as F  # noqa: E402
 from bench.common import SHAPES, device_name, median_time, table, write_results  # noqa: E402
 from bench.kernels import shuffled_tables  # noqa: E402
 from splitserve.engine.attention import AttentionMetadata  # noqa: E402
-from splitserve.engine.mla import MLAttention  # noqa: E402
+from splitserve.engine.mla import MLAttention, attention  # noqa: E402
 from splitserve.engine.model_config import ModelConfig  # noqa: E402
 from splitserve.engine.ops import TorchOps  # noqa: E402
 from splitserve.engine.rotary import RotaryEmbedding  # noqa: E402
@@ -76,11 +79,18 @@ def row(attn: MLAttention, length: int, device: torch.device, dtype: torch.dtype
     qt = q.transpose(0, 1)
 
     def per_head() -> torch.Tensor:
-        return F.scaled_dot_product_attention(qt, k, v, is_causal=True, scale=mla.softmax_scale)
+        return attention(qt, k, v, None, True, mla.softmax_scale)
+
+    def per_head_unpadded() -> torch.Tensor:  # 4-D SDPA, values narrower than the keys
+        out = F.scaled_dot_product_attention(
+            qt[None], k[None], v[None], is_causal=True, scale=mla.softmax_scale
+        )
+        return out[0]
 
     with torch.inference_mode():
         latent_s = median_time(lambda: attn._attend(q, cache, meta), reps=10, warmup=2)
         per_head_s = median_time(per_head, reps=10, warmup=2)
+        unpadded_s = median_time(per_head_unpadded, reps=10, warmup=2)
     flops = 2 * heads * length * length / 2 * (mla.qk_head_dim + mla.v_head_dim)
     return {
         "tokens": length,
@@ -89,6 +99,7 @@ def row(attn: MLAttention, length: int, device: torch.device, dtype: torch.dtype
         "latent TFLOP/s": flops / latent_s / 1e12,
         "per-head TFLOP/s": flops / per_head_s / 1e12,
         "latent / per-head": latent_s / per_head_s,
+        "unpadded SDPA TFLOP/s": flops / unpadded_s / 1e12,
     }
 
 

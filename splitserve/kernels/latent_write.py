@@ -108,6 +108,20 @@ LAYOUTS = ("half", "interleave", "complex")
 
 
 @triton.jit
+def turn_pairs(x1, x2, c, s, LAYOUT: tl.constexpr, dtype: tl.constexpr):
+    """RoPE on pairs (x1, x2) by angles with cosines c and sines s (float32), as engine/mla.py
+    `rotate` rounds: "complex" (2) in float32, the others with the tables cast to `dtype` first
+    and each product rounded. Returns the two outputs in `dtype`."""
+    if LAYOUT == 2:
+        x1f, x2f = x1.to(tl.float32), x2.to(tl.float32)
+        return (x1f * c - x2f * s).to(dtype), (x1f * s + x2f * c).to(dtype)
+    cd, sd = c.to(dtype), s.to(dtype)
+    first = (x1 * cd).to(dtype) - (x2 * sd).to(dtype)
+    second = (x2 * cd).to(dtype) + (x1 * sd).to(dtype)
+    return first.to(dtype), second.to(dtype)
+
+
+@triton.jit
 def _normed_kernel(
     kv_a_ptr,
     weight_ptr,
@@ -155,16 +169,13 @@ def _normed_kernel(
     else:  # pairs (x0, x1), (x2, x3)... in
         x1 = tl.load(rope + 2 * j, mask=pair)
         x2 = tl.load(rope + 2 * j + 1, mask=pair)
-    if LAYOUT == 2:  # complex products in float32, pairs kept interleaved
-        x1f, x2f = x1.to(tl.float32), x2.to(tl.float32)
-        tl.store(out + RANK + 2 * j, (x1f * c - x2f * s).to(dtype), mask=pair)
-        tl.store(out + RANK + 2 * j + 1, (x1f * s + x2f * c).to(dtype), mask=pair)
-    else:  # the tables cast to the activations' dtype first, as the torch path does
-        cd, sd = c.to(dtype), s.to(dtype)
-        first = (x1 * cd).to(dtype) - (x2 * sd).to(dtype)
-        second = (x2 * cd).to(dtype) + (x1 * sd).to(dtype)
-        tl.store(out + RANK + j, first.to(dtype), mask=pair)
-        tl.store(out + RANK + HALF + j, second.to(dtype), mask=pair)
+    first, second = turn_pairs(x1, x2, c, s, LAYOUT, dtype)
+    if LAYOUT == 2:  # pairs kept interleaved
+        tl.store(out + RANK + 2 * j, first, mask=pair)
+        tl.store(out + RANK + 2 * j + 1, second, mask=pair)
+    else:  # halves out
+        tl.store(out + RANK + j, first, mask=pair)
+        tl.store(out + RANK + HALF + j, second, mask=pair)
 
 
 def write_latents_normed(

@@ -35,7 +35,7 @@ from splitserve.kernels._validate import (
 from splitserve.kernels.decode_attention import INTERPRETER_NUM_SMS, choose_num_splits
 from splitserve.kernels.decode_merge import merge_splits
 
-__all__ = ["mla_decode", "mla_decode_ref"]
+__all__ = ["LaunchConfig", "mla_decode", "mla_decode_ref"]
 
 LOG2E = math.log2(math.e)
 # Heads per program: `tl.dot` needs 16 rows; more would hold a [BLOCK_H, 512] float32
@@ -135,10 +135,109 @@ def _mla_decode_kernel(
         tl.store(part_lse_ptr + part, lse, mask=head_mask)
 
 
+@triton.jit
+def _mla_decode_kernel_t(
+    q_ptr,
+    cache_ptr,
+    block_tables_ptr,
+    seq_lens_ptr,
+    out_ptr,
+    part_out_ptr,
+    part_lse_ptr,
+    scale_log2e,
+    num_heads,
+    num_splits,
+    stride_qb,
+    stride_qh,
+    stride_cblock,
+    stride_cslot,
+    stride_bt,
+    stride_ob,
+    stride_oh,
+    stride_pb,
+    stride_ph,
+    RANK: tl.constexpr,
+    ROPE: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_P: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    SINGLE_SPLIT: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """`_mla_decode_kernel` transposed: the context rows are the dots' M side (scores^T =
+    c . q^T, [BLOCK_N, BLOCK_H]; out^T += c^T . p^T, [BLOCK_R, BLOCK_H]), so with 64-row tiles
+    both dots are warp-group sized whatever the head count, and q sits on the N side."""
+    seq = tl.program_id(0).to(tl.int64)
+    head_block = tl.program_id(1)
+    split = tl.program_id(2)
+    seq_len = tl.load(seq_lens_ptr + seq)
+    num_tiles = tl.cdiv(seq_len, BLOCK_N)
+    tiles_per_split = tl.cdiv(num_tiles, num_splits)
+    lo = split * tiles_per_split * BLOCK_N
+    hi = tl.minimum(lo + tiles_per_split * BLOCK_N, seq_len)
+
+    heads = head_block * BLOCK_H + tl.arange(0, BLOCK_H)
+    head_mask = heads < num_heads
+    dims_r = tl.arange(0, BLOCK_R)
+    dims_p = tl.arange(0, BLOCK_P)
+    r_mask = (dims_r < RANK)[None, :] if BLOCK_R != RANK else tl.full((1, BLOCK_R), 1, tl.int1)
+    p_mask = (dims_p < ROPE)[None, :] if BLOCK_P != ROPE else tl.full((1, BLOCK_P), 1, tl.int1)
+    q_cols = q_ptr + seq * stride_qb + heads[None, :] * stride_qh
+    q_c = tl.load(q_cols + dims_r[:, None], mask=head_mask[None, :] & tl.trans(r_mask), other=0.0)
+    q_pe = tl.load(
+        q_cols + RANK + dims_p[:, None], mask=head_mask[None, :] & tl.trans(p_mask), other=0.0
+    )
+
+    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_R, BLOCK_H], tl.float32)
+    offs_n = tl.arange(0, BLOCK_N)
+    table = block_tables_ptr + seq * stride_bt
+    for start in range(lo, hi, BLOCK_N):
+        pos = start + offs_n
+        visible = pos < seq_len
+        page = tl.load(table + pos // BLOCK_SIZE, mask=visible, other=0).to(tl.int64)
+        rows = cache_ptr + page * stride_cblock + (pos % BLOCK_SIZE) * stride_cslot
+        c = tl.load(rows[:, None] + dims_r[None, :], mask=visible[:, None] & r_mask, other=0.0)
+        pe = tl.load(
+            rows[:, None] + RANK + dims_p[None, :], mask=visible[:, None] & p_mask, other=0.0
+        )
+        scores = tl.dot(c, q_c, input_precision=DOT_PRECISION)
+        scores += tl.dot(pe, q_pe, input_precision=DOT_PRECISION)
+        scores = tl.where(visible[:, None], scores * scale_log2e, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(scores, 0))
+        p = tl.exp2(scores - m_new[None, :])
+        alpha = tl.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 0)
+        acc = acc * alpha[None, :] + tl.dot(
+            tl.trans(c), p.to(c.dtype), input_precision=DOT_PRECISION
+        )
+        m_i = m_new
+
+    has_keys = l_i > 0
+    acc = acc / tl.where(has_keys, l_i, 1.0)[None, :]
+    if SINGLE_SPLIT:
+        out_ptrs = out_ptr + seq * stride_ob + heads[None, :] * stride_oh + dims_r[:, None]
+        mask = head_mask[None, :] & tl.trans(r_mask)
+        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+    else:
+        part = seq * stride_pb + heads * stride_ph + split
+        part_ptrs = part_out_ptr + part[None, :] * BLOCK_R + dims_r[:, None]
+        tl.store(part_ptrs, acc, mask=head_mask[None, :])
+        lse = tl.where(has_keys, m_i + tl.log2(tl.where(has_keys, l_i, 1.0)), float("-inf"))
+        tl.store(part_lse_ptr + part, lse, mask=head_mask)
+
+
 class LaunchConfig(NamedTuple):
+    """Rows a tile, warps, pipeline stages, and which kernel: the heads on the dots' M side
+    (`_mla_decode_kernel`) or the context rows (`transposed`, `_mla_decode_kernel_t`)."""
+
     block_n: int
     num_warps: int
     num_stages: int
+    transposed: bool = False
 
 
 def _launch_config(dtype: torch.dtype) -> LaunchConfig:
@@ -177,6 +276,7 @@ def mla_decode(
     *,
     max_seq_len: int | None = None,
     num_splits: int | None = None,
+    launch: LaunchConfig | None = None,
 ) -> torch.Tensor:
     """Each sequence's single query, every head, over its cached latents; returns the latent
     output out [B, num_heads, kv_lora_rank].
@@ -186,7 +286,8 @@ def mla_decode(
     block_tables: [B, max_blocks] int32; seq_lens: [B] int32, the context length including this
     step's token (0 marks a padding row: its output is zeros). `max_seq_len` (an upper bound,
     default the block tables' capacity, so no device sync) and `num_splits` (default
-    `choose_num_splits`, head blocks counted as KV heads) set the split.
+    `choose_num_splits`, head blocks counted as KV heads) set the split; `launch` overrides
+    the tile and kernel choice (the benchmark's sweep).
     """
     check_tensor("q", q, ndim=3, dtypes=FLOAT_DTYPES)
     block_size, latent_dim = _check_cache(kv_cache, q.dtype)
@@ -226,9 +327,10 @@ def mla_decode(
     # Partials are float32 whatever q's dtype, each row padded to BLOCK_R (the merge's width).
     part_out = out if single else q.new_empty((*part_shape, block_r), dtype=torch.float32)
     part_lse = out if single else q.new_empty(part_shape, dtype=torch.float32)
-    config = _launch_config(q.dtype)
+    config = launch or _launch_config(q.dtype)
     cache = kv_cache[0]
-    _mla_decode_kernel[(batch, head_blocks, num_splits)](
+    kernel = _mla_decode_kernel_t if config.transposed else _mla_decode_kernel
+    kernel[(batch, head_blocks, num_splits)](
         q,
         cache,
         block_tables,
@@ -281,11 +383,12 @@ def mla_decode_ref(
     *,
     max_seq_len: int | None = None,
     num_splits: int | None = None,
+    launch: LaunchConfig | None = None,
 ) -> torch.Tensor:
     """`mla_decode` in plain torch, float32 math throughout: per sequence, its latent rows
     through the block table, scores = q . row * scale, softmax, weights @ rows[:, :kv_lora_rank].
     The kernel's tuning keywords are taken and ignored."""
-    del max_seq_len, num_splits
+    del max_seq_len, num_splits, launch
     batch, num_heads, _ = q.shape
     if out is None:
         out = q.new_empty(batch, num_heads, kv_lora_rank)

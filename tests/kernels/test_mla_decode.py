@@ -12,11 +12,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from splitserve.engine.attention import AttentionMetadata
-from splitserve.engine.mla import MLAttention, gather_latents
+from splitserve.engine.mla import MLAttention, attention, causal_mask, gather_latents
 from splitserve.engine.model_config import ModelConfig
-from splitserve.engine.ops import TorchOps
+from splitserve.engine.ops import TorchOps, TritonOps
 from splitserve.engine.rotary import RotaryEmbedding
-from splitserve.kernels.mla_decode import mla_decode, mla_decode_ref
+from splitserve.kernels.mla_decode import LaunchConfig, mla_decode, mla_decode_ref
 from tests.kernels.paged_inputs import DTYPES, random_paged_kv, tolerance
 
 needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -87,6 +87,23 @@ def test_kernel_matches_reference_and_decompressed_attention(index, dtype, devic
     torch.testing.assert_close(absorbed, want, atol=1e-5, rtol=1e-5)
 
 
+# The transposed kernel (context rows on the dots' M side), at tile sizes the sweep tries.
+TRANSPOSED = [LaunchConfig(16, 4, 1, True), LaunchConfig(32, 4, 2, True)]
+
+
+@pytest.mark.parametrize("launch", TRANSPOSED)
+@pytest.mark.parametrize("index", [1, 2, 3])
+def test_transposed_kernel_matches_reference(index, launch, device):
+    seq_lens, heads, rank, rope, block_size, splits = CPU_CASES[index]
+    dtype = torch.float32
+    q, cache, tables, lens = _inputs(seq_lens, heads, rank, rope, block_size, dtype, device, index)
+    out = torch.full((len(seq_lens), heads, rank), float("nan"), dtype=dtype, device=device)
+    got = mla_decode(q, cache, tables, lens, rank, 0.2, out=out, num_splits=splits, launch=launch)
+    want = mla_decode_ref(q, cache, tables, lens, rank, 0.2)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    assert all(torch.all(got[i] == 0) for i, n in enumerate(seq_lens) if n == 0)
+
+
 def test_each_split_count_gives_the_same_output(device):
     q, cache, tables, lens = _inputs([150, 77], 4, 32, 8, 16, torch.float32, device, seed=5)
     one = mla_decode(q, cache, tables, lens, 32, 0.3, num_splits=1)
@@ -115,7 +132,7 @@ def test_bad_arguments_raise_before_launch(change, message, device):
         mla_decode(**change(args))
 
 
-def _tiny_attention(device: torch.device) -> MLAttention:
+def _tiny_attention(device: torch.device, ops: TorchOps) -> MLAttention:
     cfg = ModelConfig.from_hf_dict({
         "architectures": ["DeepseekV2ForCausalLM"], "vocab_size": 64, "hidden_size": 64,
         "intermediate_size": 96, "moe_intermediate_size": 32, "num_hidden_layers": 1,
@@ -127,13 +144,16 @@ def _tiny_attention(device: torch.device) -> MLAttention:
     assert cfg.mla is not None
     torch.manual_seed(0)
     rotary = RotaryEmbedding(cfg.rope, cfg.head_dim, 512)
-    attn = MLAttention(cfg, rotary, TorchOps()).to(device)
+    attn = MLAttention(cfg, rotary, ops).to(device)
     rotary.reset(device)
     return attn
 
 
-def test_decode_step_absorbed_equals_decompressed_and_follows_reloads(device):
-    attn = _tiny_attention(device)
+# The Triton ops take the fused path: the normed latent write, then the absorbed query built in
+# place (strided bmm, kernels/mla_query.py) and the output without a transpose.
+@pytest.mark.parametrize("ops", [TorchOps(), TritonOps(pdl=False)], ids=["torch", "triton"])
+def test_decode_step_absorbed_equals_decompressed_and_follows_reloads(device, ops):
+    attn = _tiny_attention(device, ops)
     seq_lens = [1, 17, 40, 33]
     block = 16
     paged = random_paged_kv(seq_lens, 1, 40, block, torch.float32, device, seed=3)
@@ -175,14 +195,16 @@ def test_decode_step_absorbed_equals_decompressed_and_follows_reloads(device):
 
 
 @needs_gpu
+@pytest.mark.parametrize("launch", [None, LaunchConfig(64, 8, 2, True)])
 @pytest.mark.parametrize("num_splits", [None, 1])
-def test_deepseek_v2_lite_shape_on_gpu(num_splits):
-    """DeepSeek-V2-Lite's attention (16 heads, latent 512 + 64) in bf16 over 4k contexts."""
+def test_deepseek_v2_lite_shape_on_gpu(num_splits, launch):
+    """DeepSeek-V2-Lite's attention (16 heads, latent 512 + 64) in bf16 over 4k contexts, each
+    kernel."""
     cuda = torch.device("cuda")
     seq_lens = [4096, 1, 3000, 0, 4095, 17]
     q, cache, tables, lens = _inputs(seq_lens, 16, 512, 64, 16, torch.bfloat16, cuda, seed=9)
     scale = 192**-0.5
-    got = mla_decode(q, cache, tables, lens, 512, scale, num_splits=num_splits)
+    got = mla_decode(q, cache, tables, lens, 512, scale, num_splits=num_splits, launch=launch)
     want = mla_decode_ref(q, cache, tables, lens, 512, scale)
     atol, rtol = tolerance(torch.bfloat16)
     torch.testing.assert_close(got, want, atol=atol, rtol=rtol)
@@ -213,3 +235,19 @@ def test_prefill_benchmark_smoke_run_writes_json(tmp_path):
     rows = json.loads(out.read_text())["rows"]
     assert [r["tokens"] for r in rows] == [64, 200]
     assert all(r["latent ms"] > 0 and r["per-head ms"] > 0 for r in rows)
+
+
+@pytest.mark.parametrize("masked", [False, True])
+def test_prefill_attention_with_padded_values_equals_sdpa(masked):
+    """`mla.attention` pads DeepSeek's narrower values to the keys' width on a GPU (the flash
+    kernel's one head width): the outputs are SDPA's, causal or under a shifted mask."""
+    gen = torch.Generator().manual_seed(3)
+    heads, q_len, seq_len, qk, v_dim = 3, 5 if masked else 9, 9, 24, 16
+    q = torch.randn(heads, q_len, qk, generator=gen)
+    k = torch.randn(heads, seq_len, qk, generator=gen)
+    v = torch.randn(heads, seq_len, v_dim, generator=gen)
+    mask = causal_mask(q_len, seq_len, q.device) if masked else None
+    want = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=not masked, scale=0.3)
+    got = attention(q, k, v, mask, not masked, 0.3, pad_values=True)
+    assert got.shape == want.shape
+    torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
