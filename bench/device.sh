@@ -266,8 +266,8 @@ for step in "$@"; do
     mla-sweep)
       run mla_gpu_tests 4 pytest_q tests/kernels/test_mla_decode.py tests/kernels/test_mla_query.py \
         tests/kernels/test_latent_write.py tests/engine/test_gpu_parity.py -k "deepseek or mla or latent or rope"
-      run mla_sweep 60 timeout 120 python3 -m bench.mla_decode --sweep --out "$OUT/mla_sweep.json"
-      run mla_profile 40 timeout 120 python3 -m bench.decode_roofline --shape deepseek-v2-lite \
+      run mla_sweep 60 timeout 300 python3 -m bench.mla_decode --sweep --out "$OUT/mla_sweep.json"
+      run mla_profile 40 timeout 200 python3 -m bench.decode_roofline --shape deepseek-v2-lite \
         --batches 1 64 --context 1024 --pdl on --async-scheduling on --profile \
         --out "$OUT/mla_profile.json" ;;
     mla-step)
