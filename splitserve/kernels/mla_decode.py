@@ -138,7 +138,7 @@ def _mla_decode_kernel(
 
 class LaunchConfig(NamedTuple):
     """Rows a tile, warps, pipeline stages, and which kernel: the heads on the dots' M side
-    (`_mla_decode_kernel`) or the context rows (`transposed`, `_mla_decode_kernel_t`)."""
+    (`_mla_decode_kernel`) or the context rows (`transposed`, `mla_decode_transposed.py`)."""
 
     block_n: int
     num_warps: int
