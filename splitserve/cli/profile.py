@@ -13,6 +13,7 @@ recommendation, 1 when no split meets the targets (or the check could not run).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import time
@@ -21,6 +22,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from splitserve.launch.profile import plan, report
     from splitserve.launch.profile.curves import Profile
 
 
@@ -65,6 +67,13 @@ def add_profile_command(sub: Any, env: Mapping[str, str]) -> None:
         help="auto: cuda when there is a GPU",
     )
     what.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16")
+    what.add_argument(
+        "--load-format",
+        choices=("safetensors", "dummy"),
+        help="safetensors (default: read the checkpoint) or dummy (random weights of its shape: "
+        "a directory of config.json and tokenizer is enough); --check's workers load the same "
+        "(with --from-curves, the profile's unless given)",
+    )
     what.add_argument("--max-model-len", type=_positive_int, help="the engines' context")
     what.add_argument(
         "--tensor-parallel-sizes",
@@ -182,8 +191,9 @@ def _measured(args: argparse.Namespace) -> Profile:
     def progress(line: str) -> None:
         print(line, flush=True)
 
+    load_format = args.load_format or "safetensors"
     curves, skipped, model_len = measure.measure_degrees(
-        model, device, args.dtype, args.max_model_len, degrees, grid, progress
+        model, device, args.dtype, args.max_model_len, degrees, grid, progress, load_format
     )
     unmeasured = [tp for tp in fit if tp not in degrees]
     notes = [*skipped]
@@ -203,7 +213,33 @@ def _measured(args: argparse.Namespace) -> Profile:
         curves=tuple(curves),
         date=time.strftime("%Y-%m-%d %H:%M:%S"),
         notes=tuple(notes),
+        load_format=load_format,
+        device_memory_bytes=measure.device_memory_bytes(device),
     )
+
+
+def _show_check_commands(
+    prof: Profile, best: plan.Prediction, work: plan.Workload, targets: plan.Targets
+) -> tuple[report.Placement | None, str]:
+    """Print how to check `best` by hand (what `--check` runs); its placement on this host's
+    GPUs, or None and why it cannot run here."""
+    from splitserve.launch.profile import report
+
+    try:
+        where = report.placement(best.split, prof)
+    except ValueError as exc:  # NOTE: a TP worker past the GPUs, or weights too large to share
+        print(f"note: cannot check it on this host: {exc}")
+        return None, str(exc)
+    if where.shared:
+        print(f"note: {report.sharing_note(where, prof)}")
+    print(
+        "check it against a real run (then compare bench serve's p90_ttft_ms and "
+        "median_tpot_ms with the predictions):"
+    )
+    for command in report.check_commands(best, prof, work, targets):
+        print(f"  {command}")
+    print("  (bench serve's lengths are words: one token each in the usual BPE vocabularies)")
+    return where, ""
 
 
 def profile(args: argparse.Namespace) -> int:
@@ -217,6 +253,8 @@ def profile(args: argparse.Namespace) -> int:
             prof = Profile.from_json(json.loads(Path(args.from_curves).read_text()))
         except (OSError, json.JSONDecodeError, KeyError, TypeError) as exc:
             raise ValueError(f"--from-curves {args.from_curves}: cannot read it ({exc})") from None
+        if args.load_format:  # NOTE: the check's weights; the curves stay what was measured
+            prof = dataclasses.replace(prof, load_format=args.load_format)
     else:
         prof = _measured(args)
     devices = args.gpus or (prof.num_devices if prof.device == "cuda" else 2)
@@ -231,19 +269,17 @@ def profile(args: argparse.Namespace) -> int:
     print()
     for line in report.summary(best, work, targets):
         print(line)
+    where, unplaced = None, ""
     if best is not None:
         for note in plan.extrapolations(prof, best, work):
             print(f"note: extrapolated: {note}")
-        print(
-            "check it against a real run (then compare bench serve's p90_ttft_ms and "
-            "median_tpot_ms with the predictions):"
-        )
-        for command in report.check_commands(best, prof, work, targets):
-            print(f"  {command}")
-        print("  (bench serve's lengths are words: one token each in the usual BPE vocabularies)")
+        where, unplaced = _show_check_commands(prof, best, work, targets)
     checked, failed = None, False
     if args.check and best is None:
         print("splitserve profile: --check: no recommendation to check", file=sys.stderr)
+    elif args.check and where is None:
+        print(f"splitserve profile: --check: {unplaced}", file=sys.stderr)
+        failed = True
     elif args.check and best is not None:
         from splitserve.cli import profile_check
 

@@ -24,23 +24,26 @@ NUM_WARMUPS = 4
 
 
 def _settings(prof: Profile, split: plan.Split) -> StackSettings:
+    """What `splitserve up` would be given for the split: `report.check_commands` prints the
+    same placement and worker flags (`report.placement`, `report.worker_args`)."""
+
     def tp(degree: int) -> tuple[str, ...]:
         return ("--tensor-parallel-size", str(degree)) if degree > 1 else ()
 
-    devices = tuple(report.worker_devices(split)) if prof.device == "cuda" else ()
+    where = report.placement(split, prof)
     return StackSettings(
         model=prof.model,
         prefill=split.num_prefill,
         decode=split.num_decode,
         gateways=1,
-        devices=devices,
+        devices=where.devices,
         extra_worker_args=(
-            "--max-model-len", str(prof.max_model_len),
+            *report.worker_args(prof, where),
             *(("--device", "cpu") if prof.device == "cpu" else ()),
         ),
         extra_prefill_args=tp(split.prefill_tp),
         extra_decode_args=tp(split.decode_tp),
-    )  # fmt: skip
+    )
 
 
 def check(

@@ -7,6 +7,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -17,11 +18,20 @@ pytestmark = pytest.mark.slow
 HAS_MATPLOTLIB = importlib.util.find_spec("matplotlib") is not None
 
 
+def _without_weights(model, tmp_path):
+    """The model's directory less its safetensors: only `--load-format dummy` runs it (as a
+    large shape's config.json and tokenizer do, bench/common.py `model_dir`)."""
+    bare = tmp_path / "bare-model"
+    shutil.copytree(model, bare, ignore=shutil.ignore_patterns("*.safetensors*"))
+    return bare
+
+
 def test_profile_measures_the_tiny_model_and_recommends_a_split(tiny_models, tmp_path):
     out = tmp_path / "profile.json"
+    model = _without_weights(tiny_models["llama"], tmp_path)
     command = [
-        sys.executable, "-m", "splitserve.cli", "profile", "--model", str(tiny_models["llama"]),
-        "--device", "cpu", "--max-model-len", "1536",
+        sys.executable, "-m", "splitserve.cli", "profile", "--model", str(model),
+        "--load-format", "dummy", "--device", "cpu", "--max-model-len", "1536",
         "--prefill-lens", "16", "256", "1024", "--repeats", "3",
         "--decode-batches", "1", "8", "--decode-contexts", "64", "256", "--decode-steps", "8",
         "--gpus", "3", "--request-rate", "0.5", "--input-len", "256", "--output-len", "16",
@@ -38,9 +48,10 @@ def test_profile_measures_the_tiny_model_and_recommends_a_split(tiny_models, tmp
     assert "* 1P×TP1 + 1D×TP1" in text, text
     assert "recommended: 1P×TP1 + 1D×TP1 on 2 device(s)" in text
     assert "predicted: TTFT p90" in text and "splitserve bench serve" in text
+    assert f"splitserve up --model {model} --prefill 1 --decode 1 --load-format dummy" in text
 
     raw = json.loads(out.read_text())
-    assert raw["device"] == "cpu" and raw["dtype"] == "float32"
+    assert raw["device"] == "cpu" and raw["dtype"] == "float32" and raw["load_format"] == "dummy"
     assert raw["tensor_parallel_sizes_fit"] == [1] and raw["max_model_len"] == 1536
     (curves,) = raw["curves"]
     prefill = sorted(curves["prefill"], key=lambda p: p["prompt_len"])
@@ -67,8 +78,11 @@ def test_profile_measures_the_tiny_model_and_recommends_a_split(tiny_models, tmp
 def test_check_runs_the_recommended_split_under_load_and_compares(tiny_models, tmp_path):
     # curves written by hand (the test above measures real ones): the check itself is what
     # runs here, on a real stack of the tiny model
+    # and on dummy weights: a model directory without them starts only if the workers got
+    # --load-format dummy
+    model = _without_weights(tiny_models["llama"], tmp_path)
     curves = {
-        "format": "splitserve-profile/1", "model": str(tiny_models["llama"]), "device": "cpu",
+        "format": "splitserve-profile/1", "model": str(model), "device": "cpu",
         "device_name": "CPU", "dtype": "float32", "num_devices": 1, "kv_bytes_per_token": 1024,
         "max_model_len": 1024, "tensor_parallel_sizes_fit": [1],
         "curves": [{
@@ -83,7 +97,7 @@ def test_check_runs_the_recommended_split_under_load_and_compares(tiny_models, t
     command = [
         sys.executable, "-m", "splitserve.cli", "profile", "--from-curves", str(saved),
         "--request-rate", "4", "--input-len", "64", "--output-len", "8", "--ttft-ms", "5000",
-        "--tpot-ms", "1000", "--check", "--check-num-prompts", "12",
+        "--tpot-ms", "1000", "--check", "--check-num-prompts", "12", "--load-format", "dummy",
         "--result-filename", str(out), "--no-plot",
     ]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1"}

@@ -1,16 +1,21 @@
 """`splitserve profile`'s planning on hand-made curves: the queueing figures match their closed
 forms, the split follows the side that is short (decode-bound: more decode workers, and the
 other way round), a recommendation meets its own targets, and a saved profile plans again
-(`--from-curves`) with no engine."""
+(`--from-curves`) with no engine; a split on fewer GPUs than it needs shares them (the check's
+placement and pools, as printed), and dummy weights reach the engines."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
+import shutil
 
 import pytest
 
 from splitserve.cli.entry import main
+from splitserve.cli.profile_check import _settings
+from splitserve.launch.profile import measure, report
 from splitserve.launch.profile.curves import Curves, DecodePoint, PrefillPoint, Profile, linear
 from splitserve.launch.profile.plan import Split, Targets, Workload, predict, search
 from splitserve.launch.profile.queueing import ServerQueue, erlang_c
@@ -155,3 +160,85 @@ def test_a_missing_model_directory_is_named(tmp_path, capsys):
     assert rc == 2
     err = capsys.readouterr().err
     assert "splitserve profile: error: --model" in err and "nowhere" in err
+
+
+def _gpu_profile(num_devices: int, load_format: str = "safetensors") -> Profile:
+    """A profile measured on `num_devices` 80 GB GPUs of a model of 16 GB of weights."""
+    prof = _profile(10e-3 / 1024, 10e-3, 2e-3)
+    curves = dataclasses.replace(prof.curves[0], weight_bytes=16 * 10**9)
+    return dataclasses.replace(
+        prof,
+        num_devices=num_devices,
+        device_memory_bytes=80 * 10**9,
+        curves=(curves,),
+        load_format=load_format,
+    )
+
+
+def _flag(args: tuple[str, ...], flag: str) -> str | None:
+    return args[args.index(flag) + 1] if flag in args else None
+
+
+def test_a_split_on_too_few_gpus_shares_them_round_robin_with_equal_kv_pools():
+    one_gpu = _settings(_gpu_profile(1), Split(1, 1, 1, 1))
+    assert one_gpu.devices == ("cuda:0", "cuda:0")
+    share = int(0.9 * 80e9 / 2 - 16e9 - report.WORKER_OVERHEAD_BYTES)
+    assert _flag(one_gpu.extra_worker_args, "--kv-cache-memory-bytes") == str(share)
+    assert share > 15 * 10**9  # room for a Llama-3-8B pool beside both workers' weights
+    # decode workers first, then prefill: the third worker wraps onto the first GPU
+    two_gpus = _settings(_gpu_profile(2), Split(1, 1, 2, 1))
+    assert two_gpus.devices == ("cuda:0", "cuda:1", "cuda:0")
+    assert _flag(two_gpus.extra_worker_args, "--kv-cache-memory-bytes") == str(share)
+    # enough GPUs: one a worker, each its own default pool
+    own = _settings(_gpu_profile(3), Split(1, 1, 2, 1))
+    assert own.devices == ("cuda:0", "cuda:1", "cuda:2")
+    assert "--kv-cache-memory-bytes" not in own.extra_worker_args
+
+
+def test_the_printed_check_command_is_what_the_check_runs(tmp_path, capsys):
+    saved = tmp_path / "curves.json"
+    saved.write_text(json.dumps(_gpu_profile(1).to_json()))
+    rc = main(["profile", "--from-curves", str(saved), "--gpus", "2", "--request-rate", "1",
+               "--input-len", "1024", "--output-len", "100", "--ttft-ms", "500", "--tpot-ms", "25",
+               "--load-format", "dummy", "--result-filename", str(tmp_path / "plan.json"),
+               "--no-plot"])  # fmt: skip
+    assert rc == 0
+    text = capsys.readouterr().out
+    assert text.count("share") == 1 and "contention" in text  # one note, saying what it adds
+    share = int(0.9 * 80e9 / 2 - 16e9 - report.WORKER_OVERHEAD_BYTES)
+    assert (
+        "splitserve up --model hand-made --prefill 1 --decode 1 --devices cuda:0,cuda:0 "
+        f"--load-format dummy --max-model-len 4096 --kv-cache-memory-bytes {share}"
+    ) in text
+    settings = _settings(_gpu_profile(1, "dummy"), Split(1, 1, 1, 1))
+    assert settings.extra_worker_args == (
+        "--load-format", "dummy", "--max-model-len", "4096", "--kv-cache-memory-bytes", str(share)
+    )  # fmt: skip
+    assert json.loads((tmp_path / "plan.json").read_text())["load_format"] == "dummy"
+
+
+def test_a_profile_without_the_sizes_to_share_gpus_says_so(tmp_path, capsys):
+    saved = tmp_path / "curves.json"
+    saved.write_text(
+        json.dumps(dataclasses.replace(_gpu_profile(1), device_memory_bytes=0).to_json())
+    )
+    rc = main(["profile", "--from-curves", str(saved), "--gpus", "2", "--request-rate", "1",
+               "--input-len", "1024", "--output-len", "100", "--ttft-ms", "500", "--tpot-ms", "25",
+               "--check", "--result-filename", str(tmp_path / "plan.json"),
+               "--no-plot"])  # fmt: skip
+    assert rc == 1
+    captured = capsys.readouterr()
+    assert "cannot check it on this host" in captured.out and "measure it again" in captured.err
+    assert "splitserve up" not in captured.out
+
+
+def test_dummy_weights_reach_the_profiling_engine(tiny_models, tmp_path):
+    # a model directory without weights loads only as "dummy"
+    bare = tmp_path / "bare"
+    shutil.copytree(tiny_models["llama"], bare, ignore=shutil.ignore_patterns("*.safetensors*"))
+    engine = measure.build_engine(str(bare), "cpu", "auto", 256, 1, 4, "dummy")
+    try:
+        assert engine.config.load_format == "dummy"
+        assert measure.prefill_seconds(engine, 16, 1) > 0
+    finally:
+        engine.shutdown()

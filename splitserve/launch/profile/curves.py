@@ -51,6 +51,9 @@ class Curves:
     tensor_parallel_size: int
     prefill: tuple[PrefillPoint, ...]
     decode: tuple[DecodePoint, ...]
+    # One rank's weights on its device (0: not recorded): what a worker of this degree needs
+    # before its KV pool, when workers must share GPUs (`report.placement`).
+    weight_bytes: int = 0
 
     def __post_init__(self) -> None:
         if not self.prefill or not self.decode:
@@ -110,6 +113,8 @@ class Profile:
     curves: tuple[Curves, ...]
     date: str = ""
     notes: tuple[str, ...] = field(default=())
+    load_format: str = "safetensors"  # the engines' weights: the checkpoint's, or "dummy"
+    device_memory_bytes: int = 0  # one device's memory (0: not recorded; the CPU)
 
     def degrees(self) -> tuple[int, ...]:
         return tuple(c.tensor_parallel_size for c in self.curves)
@@ -132,6 +137,7 @@ class Profile:
                 c["tensor_parallel_size"],
                 tuple(PrefillPoint(**p) for p in c["prefill"]),
                 tuple(DecodePoint(**d) for d in c["decode"]),
+                c.get("weight_bytes", 0),
             )
             for c in raw["curves"]
         )

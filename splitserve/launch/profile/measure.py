@@ -12,6 +12,7 @@ The prefix cache is off: a measurement never reuses an earlier one's blocks.
 
 from __future__ import annotations
 
+import dataclasses
 import platform
 import statistics
 import time
@@ -25,6 +26,7 @@ from splitserve.engine import EngineConfig, LLMEngine, ModelConfig, SamplingPara
 from splitserve.engine.parallel.sharding import check_divisible as check_divisible
 from splitserve.engine.platform import resolve_device as resolve_device
 from splitserve.engine.platform import resolve_dtype
+from splitserve.engine.quantization import weight_bytes
 from splitserve.launch.profile.curves import Curves, DecodePoint, PrefillPoint
 
 Progress = Callable[[str], None]
@@ -57,6 +59,11 @@ def device_count(device: str) -> int:
     return torch.cuda.device_count() if device.startswith("cuda") else 1
 
 
+def device_memory_bytes(device: str) -> int:
+    """One GPU's memory (0 on the CPU): what workers that share a GPU divide (`--check`)."""
+    return torch.cuda.get_device_properties(0).total_memory if device.startswith("cuda") else 0
+
+
 def fitting_degrees(model: ModelConfig, num_devices: int) -> tuple[int, ...]:
     """Powers of two up to `num_devices` that split this model's heads and MLP."""
     found, tp = [], 1
@@ -82,8 +89,16 @@ def kv_bytes_per_token(model: ModelConfig, dtype: str, device: str) -> int:
 
 
 def build_engine(
-    model_dir: str, device: str, dtype: str, max_model_len: int | None, tp: int, max_seqs: int
+    model_dir: str,
+    device: str,
+    dtype: str,
+    max_model_len: int | None,
+    tp: int,
+    max_seqs: int,
+    load_format: str = "safetensors",
 ) -> LLMEngine:
+    """The engine a worker of degree `tp` would run; `load_format` "dummy": random weights of
+    the checkpoint's shape (a model directory of config.json and tokenizer is enough)."""
     checkpoint = ModelConfig.from_pretrained(model_dir).torch_dtype
     config = EngineConfig(
         dtype=resolve_dtype(dtype, device, checkpoint),
@@ -93,6 +108,7 @@ def build_engine(
         enable_prefix_caching=False,
         max_num_seqs=max(max_seqs, 1),
         tensor_parallel_size=tp,
+        load_format=load_format,
     )
     return LLMEngine(model_dir, config)
 
@@ -217,16 +233,21 @@ def measure_degrees(
     degrees: Sequence[int],
     grid: Grid,
     progress: Progress,
+    load_format: str = "safetensors",
 ) -> tuple[list[Curves], list[str], int]:
-    """Every degree's curves (an engine each, shut down after), what was skipped, and the
-    max_model_len the engines ran with."""
+    """Every degree's curves (an engine each, shut down after; with one rank's weight bytes),
+    what was skipped, and the max_model_len the engines ran with."""
     found, skipped, model_len = [], [], max_model_len or 0
     for tp in degrees:
-        progress(f"TP{tp}: loading {model_dir} on {device} …")
-        engine = build_engine(model_dir, device, dtype, max_model_len, tp, max(grid.decode_batches))
+        dummy = " (dummy weights)" if load_format == "dummy" else ""
+        progress(f"TP{tp}: loading {model_dir}{dummy} on {device} …")
+        engine = build_engine(
+            model_dir, device, dtype, max_model_len, tp, max(grid.decode_batches), load_format
+        )
         try:
             model_len = engine.max_model_len
             curves, left_out = measure(engine, tp, grid, progress)
+            curves = dataclasses.replace(curves, weight_bytes=weight_bytes(engine.model))
         finally:
             engine.shutdown()
         found.append(curves)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -42,13 +43,104 @@ def table(found: list[Prediction], best: Prediction | None, limit: int = 20) -> 
     return "\n".join(rows)
 
 
-def worker_devices(split: Split) -> list[str]:
+# Workers that share a GPU split this much of it between them (a worker alone takes as much
+# through --gpu-memory-utilization's default), each keeping `WORKER_OVERHEAD_BYTES` beside its
+# weights and KV pool (CUDA context, activations, CUDA graphs, the allocator's slack).
+SHARED_GPU_UTILIZATION = 0.9
+WORKER_OVERHEAD_BYTES = 2 * 2**30
+
+
+def worker_devices(split: Split, num_gpus: int = 0) -> list[str]:
     """Each worker's first GPU, decode workers first (`splitserve up --devices`' order): a TP
-    worker takes its device's GPU and the next ones."""
+    worker takes its device's GPU and the next ones. With fewer than `split.devices` GPUs
+    (`num_gpus` > 0), round-robin over them (GPU i % num_gpus): the workers share GPUs."""
     first = [i * split.decode_tp for i in range(split.num_decode)]
     base = split.num_decode * split.decode_tp
     first += [base + j * split.prefill_tp for j in range(split.num_prefill)]
+    if 0 < num_gpus < split.devices:
+        tps = [split.decode_tp] * split.num_decode + [split.prefill_tp] * split.num_prefill
+        first = [i % num_gpus for i in first]
+        if any(i + tp > num_gpus for i, tp in zip(first, tps, strict=True)):
+            raise ValueError(
+                f"{split.label} does not wrap onto {num_gpus} GPU(s): a TP worker would run "
+                "past the last one"
+            )
     return [f"cuda:{i}" for i in first]
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where `--check` (and the printed `splitserve up`) puts the recommended split's workers."""
+
+    devices: tuple[str, ...]  # `--devices`, decode workers first; empty: each worker picks
+    workers_per_gpu: int  # the most workers (TP ranks) on one GPU: above 1, they share it
+    # Each worker's KV pool where they share GPUs (an equal share of the memory left after
+    # every sharer's weights); None where each has GPUs of its own (or nothing to size it by).
+    kv_cache_memory_bytes: int | None = None
+
+    @property
+    def shared(self) -> bool:
+        return self.workers_per_gpu > 1
+
+
+def placement(split: Split, profile: Profile) -> Placement:
+    """The split on the measuring host's GPUs (`profile.num_devices`): one worker a GPU where
+    there are enough, else round-robin over them, each worker given an equal KV pool: a GPU
+    worker's pool is otherwise what the card has free once its weights are in, which counts
+    the other sharers' memory too, and the first to size its pool would leave none."""
+    if profile.device != "cuda":
+        return Placement((), 1)
+    devices = worker_devices(split, profile.num_devices)
+    tps = [split.decode_tp] * split.num_decode + [split.prefill_tp] * split.num_prefill
+    ranks: dict[str, int] = {}
+    for device, tp in zip(devices, tps, strict=True):
+        first = int(device.removeprefix("cuda:"))
+        for gpu in range(first, first + tp):
+            ranks[f"cuda:{gpu}"] = ranks.get(f"cuda:{gpu}", 0) + 1
+    sharers = max(ranks.values())
+    if sharers == 1:
+        return Placement(tuple(devices), 1)
+    weights = max(
+        profile.at(split.prefill_tp).weight_bytes, profile.at(split.decode_tp).weight_bytes
+    )
+    if not (weights and profile.device_memory_bytes):
+        raise ValueError(
+            f"{split.label} needs {split.devices} GPUs and {profile.num_devices} were "
+            "visible: to share them the workers need the weights' and the GPU's sizes, which "
+            "this profile does not record (measure it again)"
+        )
+    usable = SHARED_GPU_UTILIZATION * profile.device_memory_bytes
+    pool = int(usable / sharers - weights - WORKER_OVERHEAD_BYTES)
+    if pool <= 0:
+        raise ValueError(
+            f"{split.label} on {profile.num_devices} GPU(s): {sharers} workers of "
+            f"{weights / 1e9:.1f} GB of weights each do not fit one GPU of "
+            f"{profile.device_memory_bytes / 1e9:.1f} GB"
+        )
+    return Placement(tuple(devices), sharers, pool)
+
+
+def sharing_note(where: Placement, profile: Profile) -> str:
+    """What a check on shared GPUs measures that the plan does not model."""
+    return (
+        f"the split needs more GPUs than the {profile.num_devices} visible: its workers share "
+        f"them ({where.workers_per_gpu} a GPU, {','.join(where.devices)}), each with a KV pool "
+        f"of {where.kv_cache_memory_bytes / 2**30:.1f} GiB; a check measures their contention "
+        "for the GPU, which the plan does not model (it assumes a GPU a worker)"
+    )
+
+
+def worker_args(profile: Profile, where: Placement) -> list[str]:
+    """The worker flags the profile implies beyond the split: its weights and context, and the
+    KV pool of workers that share GPUs (`splitserve up`'s flags, which it hands every worker)."""
+    args = []
+    if profile.load_format != "safetensors":
+        args += ["--load-format", profile.load_format]
+    if profile.max_model_len:
+        args += ["--max-model-len", str(profile.max_model_len)]
+    if where.kv_cache_memory_bytes is not None:
+        args += ["--kv-cache-memory-bytes", str(where.kv_cache_memory_bytes)]
+    return args
 
 
 def json_number(x: float) -> float | str:
@@ -68,10 +160,10 @@ def check_commands(
         up += f" --prefill-tensor-parallel-size {s.prefill_tp}"
     if s.decode_tp > 1:
         up += f" --decode-tensor-parallel-size {s.decode_tp}"
-    if profile.device == "cuda":
-        up += " --devices " + ",".join(worker_devices(s))
-    if profile.max_model_len:
-        up += f" --max-model-len {profile.max_model_len}"
+    where = placement(s, profile)
+    if where.devices:
+        up += " --devices " + ",".join(where.devices)
+    up = " ".join([up, *worker_args(profile, where)])
     bench = (
         f"splitserve bench serve --random-input-len {work.input_len} "
         f"--random-output-len {work.output_len} --random-range-ratio {work.range_ratio:g} "
