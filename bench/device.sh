@@ -64,6 +64,8 @@
 #                   and 64 against its floor and where a batch-1 step's GPU time goes
 #   mla-step        the DeepSeek-V2-Lite decode step at batch 1 and 64 against its floor, CUDA
 #                   graphs (triton backend) against eager (torch backend)
+#   profile-1gpu    splitserve profile --check on one GPU (Llama-3-8B shape, dummy weights, 1P+1D
+#                   sharing the GPU): predicted TTFT p90 / TPOT p50 against the measured
 #   prefix-reuse    bench/prefix_reuse.py on one GPU (Llama-3.2-1B shape): shared system prompts
 #                   over two workers sharing it, then P/D multi-turn TTFT
 #   lora            multi-LoRA: the kernels' GPU tests, their cost per decode step (PDL on/off),
@@ -274,6 +276,13 @@ for step in "$@"; do
       run mla_step 12 timeout 560 python3 -m bench.decode_roofline --shape deepseek-v2-lite \
         --batches 1 64 --context 1024 --pdl on --async-scheduling on \
         --attention-backends triton torch --out "$OUT/mla_step.json" ;;
+    profile-1gpu)
+      python3 -c 'from pathlib import Path; from bench.common import model_dir; model_dir("llama-3-8b", Path("/tmp/shapes"))'
+      run profile_1gpu 40 timeout 580 python3 -m splitserve.cli profile --model /tmp/shapes/llama-3-8b \
+        --load-format dummy --device cuda --max-model-len 8192 --prefill-lens 512 1024 2048 4096 \
+        --decode-batches 1 8 32 64 128 --decode-contexts 1024 2048 --gpus 2 --request-rate 4 \
+        --input-len 1024 --output-len 256 --range-ratio 0.5 --ttft-ms 1000 --tpot-ms 40 --check \
+        --check-num-prompts 120 --no-plot --result-filename "$OUT/profile_1gpu.json" ;;
     prefix-reuse)
       run prefix_reuse 30 timeout 580 python3 -m bench.prefix_reuse --device cuda:0 \
         --concurrency 64 --out "$OUT/prefix_reuse.json" ;;
