@@ -122,10 +122,11 @@ def placement(split: Split, profile: Profile) -> Placement:
 
 def sharing_note(where: Placement, profile: Profile) -> str:
     """What a check on shared GPUs measures that the plan does not model."""
+    pool = where.kv_cache_memory_bytes or 0
     return (
         f"the split needs more GPUs than the {profile.num_devices} visible: its workers share "
         f"them ({where.workers_per_gpu} a GPU, {','.join(where.devices)}), each with a KV pool "
-        f"of {where.kv_cache_memory_bytes / 2**30:.1f} GiB; a check measures their contention "
+        f"of {pool / 2**30:.1f} GiB; a check measures their contention "
         "for the GPU, which the plan does not model (it assumes a GPU a worker)"
     )
 
