@@ -40,6 +40,7 @@ from splitserve.engine.attention import AttentionMetadata
 from splitserve.engine.model_config import ModelConfig
 from splitserve.engine.ops import NO_SCALES, Scales, TorchOps
 from splitserve.engine.rotary import RotaryEmbedding
+from splitserve.engine.torch_attention import sdpa
 from splitserve.kernels.latent_write import write_latents as write_latents_gpu
 from splitserve.kernels.latent_write import write_latents_normed, write_latents_ref
 from splitserve.kernels.mla_decode import mla_decode, mla_decode_ref
@@ -272,21 +273,15 @@ def attention(
     scale: float,
     pad_values: bool | None = None,
 ) -> torch.Tensor:
-    """SDPA over per-head [heads, L, *] q, k (qk_head_dim) and v (v_head_dim), given to SDPA with
-    a batch dimension of 1: SDPA's fused kernels take 4-D inputs only, and 3-D ones run its
-    math path (the whole [heads, n, L] score matrix; on the CPU a 4.6k-token extend took 21 ms a
-    layer against 3.7, torch_attention.sdpa). On a GPU (or with `pad_values`), values narrower
-    than the keys are also zero-padded to their width and the output cut back: the flash
-    kernel takes one head width for all three (DeepSeek: 192 against 128). The padded columns'
-    outputs are zeros; the rest are the same sums."""
-    pad = q.shape[-1] - v.shape[-1]
-    if not ((q.is_cuda if pad_values is None else pad_values) and pad > 0):
-        pad = 0
-    out = F.scaled_dot_product_attention(
-        q[None], k[None], F.pad(v, (0, pad))[None] if pad else v[None],
-        attn_mask=mask, is_causal=is_causal, scale=scale,
-    )  # fmt: skip
-    return out[0, ..., : v.shape[-1]]
+    """SDPA over per-head [heads, L, *] q, k (qk_head_dim) and v (v_head_dim), 4-D
+    (`torch_attention.sdpa`: 3-D inputs take SDPA's math path). On a GPU (or with
+    `pad_values`), values narrower than the keys are zero-padded to their width and the output
+    cut back: the flash kernel takes one head width for all three (DeepSeek: 192 against 128).
+    The padded columns' outputs are zeros; the rest are the same sums."""
+    width = v.shape[-1]
+    if (q.is_cuda if pad_values is None else pad_values) and q.shape[-1] > width:
+        v = F.pad(v, (0, q.shape[-1] - width))
+    return sdpa(q, k, v, mask, scale, is_causal)[..., :width]
 
 
 def causal_mask(query_len: int, seq_len: int, device: torch.device) -> torch.Tensor:

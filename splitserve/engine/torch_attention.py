@@ -95,9 +95,15 @@ class TorchPagedAttention(AttentionBackend):
 
 
 def sdpa(
-    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, scale: float
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    mask: torch.Tensor | None,
+    scale: float,
+    is_causal: bool = False,
 ) -> torch.Tensor:
-    """SDPA of q [H, n, D] over keys, values [H, L, D] where `mask` ([n, L] bool) allows.
+    """SDPA of q [H, n, D] over keys, values [H, L, D] where `mask` ([n, L] bool; or
+    `is_causal`) allows.
 
     NOTE: called with a batch dimension of 1: on the CPU, 3-D inputs take SDPA's math path
     (the whole [H, n, L] score matrix, several passes), 4-D ones its fused kernel: a
@@ -105,7 +111,7 @@ def sdpa(
     tiny model's later-turn prefill, bench/prefix_reuse.py `turns`); results agree to float
     rounding."""
     out = F.scaled_dot_product_attention(
-        q[None], keys[None], values[None], attn_mask=mask, scale=scale
+        q[None], keys[None], values[None], attn_mask=mask, is_causal=is_causal, scale=scale
     )
     return out[0]
 
